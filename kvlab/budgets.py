@@ -1,0 +1,87 @@
+"""Memory budgets: a fraction of the exact cache's bytes, or a token count.
+
+A budget is parsed from text (``"0.25"`` or ``"512t"``) and resolved against a prompt length into
+a byte target. Each compressor maps the byte target onto its own knobs (see ``Compressor.plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.models import ModelInfo
+
+
+class BudgetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Either ``fraction`` in (0, 1] of the exact bytes, or ``tokens`` kept per head and layer."""
+
+    fraction: float | None = None
+    tokens: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | float | int) -> "Budget":
+        if isinstance(text, Budget):
+            return text
+        s = str(text).strip().lower()
+        allowed = "a fraction in (0, 1] such as 0.25, or a token count such as 512t"
+        if not s:
+            raise BudgetError(f"empty budget; allowed: {allowed}")
+        if s.endswith("t"):
+            try:
+                n = int(s[:-1])
+            except ValueError:
+                raise BudgetError(f"budget {text!r} is not valid; allowed: {allowed}") from None
+            if n < 1:
+                raise BudgetError(f"budget {text!r} must keep at least one token; allowed: {allowed}")
+            return cls(tokens=n)
+        try:
+            f = float(s)
+        except ValueError:
+            raise BudgetError(f"budget {text!r} is not valid; allowed: {allowed}") from None
+        if not 0.0 < f <= 1.0:
+            raise BudgetError(f"budget {text!r} is outside (0, 1]; allowed: {allowed}")
+        return cls(fraction=f)
+
+    @property
+    def label(self) -> str:
+        return f"{self.tokens}t" if self.tokens is not None else f"{self.fraction:g}"
+
+    @property
+    def is_full(self) -> bool:
+        return self.fraction is not None and self.fraction >= 1.0
+
+    def fraction_of(self, n_tokens: int) -> float:
+        """The budget as a fraction of the exact cache of ``n_tokens`` tokens (capped at 1)."""
+        if self.tokens is not None:
+            return min(1.0, self.tokens / max(1, n_tokens))
+        return float(self.fraction)
+
+    def target_bytes(self, info: ModelInfo, n_tokens: int) -> int:
+        return int(self.fraction_of(n_tokens) * exact_bytes(info, n_tokens))
+
+    def token_budget(self, n_tokens: int) -> int:
+        """Tokens per layer and KV head a full-precision eviction cache may keep (before overheads)."""
+        if self.tokens is not None:
+            return min(self.tokens, n_tokens)
+        return max(1, min(n_tokens, int(self.fraction * n_tokens)))
+
+
+def parse_budgets(text: str) -> list[Budget]:
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise BudgetError("no budget given; allowed: a fraction in (0, 1] such as 0.25, or a token count such as 512t")
+    return [Budget.parse(p) for p in parts]
+
+
+def exact_bytes(info: ModelInfo, n_tokens: int) -> int:
+    """Bytes the exact cache holds: layers x KV heads x tokens x head_dim x 2 (K and V) x dtype size."""
+    return info.n_layers * info.n_kv_heads * n_tokens * info.head_dim * 2 * info.dtype_bytes
+
+
+def per_token_bytes(info: ModelInfo) -> int:
+    """Exact-cache bytes of one token in one layer and KV head (K and V)."""
+    return info.head_dim * 2 * info.dtype_bytes

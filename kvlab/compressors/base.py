@@ -1,0 +1,320 @@
+"""The compressor contract: what every KV-cache method implements, and the dense store most share.
+
+A compressor is one method at one budget for one run. The engine calls, in order:
+
+1. ``plan(n_prompt)`` — map the budget onto the method's knobs (returned, and shown with results);
+2. ``compress(state)`` — build the compressed cache from the shared exact prefill (all layers at
+   once: ``state.keys`` is ``[L, Hkv, n, d]``);
+3. per decode step and layer: ``append(layer, k, v, pos)`` with the new token's key/value
+   ``[Hkv, 1, d]`` (post-RoPE), then ``attend(layer, q)`` with the query ``[Hq, 1, d]``, returning
+   the attention output ``[Hq, 1, d]``. Streaming methods evict inside these calls.
+4. ``tensors()`` at any time lists every tensor the method holds; bytes are counted from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import torch
+from torch import Tensor
+
+from kvlab.budgets import Budget, per_token_bytes
+from kvlab.models import ModelInfo
+from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes
+
+
+class ParamError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Param:
+    """One knob of a method: its paper name, default and meaning."""
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+
+    def coerce(self, method: str, value: Any) -> Any:
+        kind = type(self.default)
+        try:
+            if kind is bool:
+                v = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+            elif kind is int:
+                fv = float(value)
+                if fv != int(fv):
+                    raise ValueError
+                v = int(fv)
+            elif kind is float:
+                v = float(value)
+            else:
+                v = value if self.default is None else kind(value)
+        except (TypeError, ValueError):
+            raise ParamError(f"{method}: parameter {self.name}={value!r} must be {kind.__name__}") from None
+        if self.choices is not None and v not in self.choices:
+            raise ParamError(f"{method}: parameter {self.name}={v!r} is not one of {', '.join(map(str, self.choices))}")
+        if self.minimum is not None and v < self.minimum or self.maximum is not None and v > self.maximum:
+            raise ParamError(f"{method}: parameter {self.name}={v!r} must be in [{self.minimum}, {self.maximum}]")
+        return v
+
+
+@dataclass
+class PrefillState:
+    """What one exact prefill hands to every compressor.
+
+    keys, values: [L, Hkv, n, d] post-RoPE; queries: [L, Hq, w, d], the last w prompt queries
+    (post-RoPE); acc_attn: [L, Hq, n] attention each key received summed over all prompt queries
+    (only when a method asked for it).
+    """
+
+    keys: Tensor
+    values: Tensor
+    queries: Tensor
+    scaling: float
+    acc_attn: Tensor | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[-2]
+
+    def window_probs(self, w: int | None = None) -> Tensor:
+        """Causal attention of the last ``w`` prompt queries over the prompt: [L, Hq, w, n]."""
+        q = self.queries if w is None else self.queries[..., -w:, :]
+        return causal_window_probs(q, self.keys, self.scaling)
+
+
+class Compressor:
+    """Base class of every method. Subclasses set the class attributes and override the hooks."""
+
+    name: ClassVar[str] = ""
+    title: ClassVar[str] = ""
+    group: ClassVar[str] = "baseline"  # "paper" for the four papers' methods, "reference" for exact
+    paper: ClassVar[str] = ""  # citation with link
+    summary: ClassVar[str] = ""
+    params: ClassVar[tuple[Param, ...]] = ()
+    streaming: ClassVar[bool] = False  # holds its budget while decoding (else generated tokens are kept)
+    needs_acc_attn: ClassVar[bool] = False
+
+    def __init__(self, info: ModelInfo, budget: Budget | None = None, params: dict | None = None, seed: int = 0):
+        self.info = info
+        self.budget = budget
+        self.cfg = self.resolve_params(params or {})
+        self.seed = seed
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.scaling = info.head_dim**-0.5
+
+    # ----- configuration -------------------------------------------------------------------
+    @classmethod
+    def defaults(cls) -> dict:
+        return {p.name: p.default for p in cls.params}
+
+    @classmethod
+    def resolve_params(cls, overrides: dict) -> dict:
+        known = {p.name: p for p in cls.params}
+        out = cls.defaults()
+        for k, v in overrides.items():
+            if k not in known:
+                allowed = ", ".join(known) or "none"
+                raise ParamError(f"{cls.name}: unknown parameter {k!r}; allowed: {allowed}")
+            out[k] = known[k].coerce(cls.name, v) if v is not None else None
+        return out
+
+    def query_window(self) -> int:
+        """How many of the prompt's last queries ``compress`` needs (0: none)."""
+        return 0
+
+    def plan(self, n_prompt: int) -> dict:
+        """Map the budget onto knobs (updating ``self.cfg``); return the knobs chosen."""
+        return {}
+
+    # ----- the cache ----------------------------------------------------------------------
+    def compress(self, state: PrefillState) -> None:
+        raise NotImplementedError
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Every tensor this cache holds, as (kind, tensor); bytes are counted from these."""
+        raise NotImplementedError
+
+    def kept_positions(self, layer: int) -> Tensor | None:
+        """Token positions this layer keeps at full resolution, [Hkv, n] (None if not position-based)."""
+        return None
+
+    # ----- measurement --------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(t) for _, t in self.tensors())
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for kind, t in self.tensors():
+            out[kind] = out.get(kind, 0) + tensor_bytes(t)
+        return out
+
+
+class _Growable:
+    """A tensor that grows along dim -2 (tokens) with amortized doubling; ``view`` is the used part."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self, t: Tensor):
+        self.buf, self.n = t, t.shape[-2]
+
+    def view(self) -> Tensor:
+        return self.buf[..., : self.n, :]
+
+    def append(self, x: Tensor) -> None:
+        m = x.shape[-2]
+        if self.n + m > self.buf.shape[-2]:
+            cap = max(16, 2 * (self.n + m))
+            new = self.buf.new_empty(*self.buf.shape[:-2], cap, self.buf.shape[-1])
+            new[..., : self.n, :] = self.view()
+            self.buf = new
+        self.buf[..., self.n : self.n + m, :] = x
+        self.n += m
+
+
+@dataclass
+class DenseLayer:
+    """One layer of a dense cache: full-precision kept tokens, their positions, optional log-weights.
+
+    k, v: [Hkv, n, d]; pos: [Hkv, n] int32 (original token positions); logw: [Hkv, n] float32, the
+    log of how many tokens each kept token stands for (None when all weights are 1).
+    """
+
+    k: _Growable
+    v: _Growable
+    pos: _Growable  # stored as [Hkv, n, 1]
+    logw: _Growable | None = None  # stored as [Hkv, n, 1]
+
+    @classmethod
+    def make(cls, k: Tensor, v: Tensor, pos: Tensor, logw: Tensor | None = None) -> "DenseLayer":
+        return cls(
+            _Growable(k.contiguous()),
+            _Growable(v.contiguous()),
+            _Growable(pos.to(torch.int32).unsqueeze(-1).contiguous()),
+            None if logw is None else _Growable(logw.float().unsqueeze(-1).contiguous()),
+        )
+
+    @property
+    def n(self) -> int:
+        return self.k.n
+
+    def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        lw = None if self.logw is None else self.logw.view().squeeze(-1)
+        return self.k.view(), self.v.view(), self.pos.view().squeeze(-1), lw
+
+    def append(self, k: Tensor, v: Tensor, pos: int) -> None:
+        self.k.append(k)
+        self.v.append(v)
+        self.pos.append(torch.full((k.shape[0], k.shape[1], 1), pos, dtype=torch.int32, device=k.device))
+        if self.logw is not None:
+            self.logw.append(torch.zeros((k.shape[0], k.shape[1], 1), device=k.device))
+
+    def keep(self, idx: Tensor) -> None:
+        """Keep only the tokens ``idx`` [Hkv, m] (per head), in the given order."""
+        k, v, pos, lw = self.views()
+        self.k = _Growable(gather_tokens(k, idx))
+        self.v = _Growable(gather_tokens(v, idx))
+        self.pos = _Growable(gather_tokens(pos, idx).unsqueeze(-1))
+        if lw is not None:
+            self.logw = _Growable(gather_tokens(lw, idx).unsqueeze(-1))
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        k, v, pos, lw = self.views()
+        yield "keys", k
+        yield "values", v
+        yield "positions", pos
+        if lw is not None:
+            yield "log_weights", lw
+
+
+class DenseCompressor(Compressor):
+    """A method whose cache is, per layer, full-precision kept tokens with optional log-weights.
+
+    Subclasses implement ``select(state)`` returning, per layer, the kept token indices [Hkv, m]
+    (a tensor [L, Hkv, m] or a list of per-layer tensors); optionally ``log_weights(state, idx)``.
+    Eviction while decoding goes in ``after_attend``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layers: list[DenseLayer] = []
+
+    def select(self, state: PrefillState):
+        raise NotImplementedError
+
+    def log_weights(self, state: PrefillState, idx: list[Tensor]) -> list[Tensor] | None:
+        return None
+
+    positions_implicit: ClassVar[bool] = False  # True when kept positions follow from counts alone
+
+    def per_token_bytes(self, with_logw: bool = False) -> int:
+        """Bytes one kept token costs in one layer and KV head: K, V, its int32 position (+ log-weight)."""
+        return per_token_bytes(self.info) + (0 if self.positions_implicit else 4) + (4 if with_logw else 0)
+
+    def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
+        """How many tokens per layer and head fit the byte budget (all of them for budget 1.0 or none)."""
+        if self.budget is None or self.budget.is_full:
+            return n_prompt
+        if self.budget.tokens is not None:
+            return min(self.budget.tokens, n_prompt)
+        target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+        return max(1, min(n_prompt, int(target // self.per_token_bytes(with_logw))))
+
+    def compress(self, state: PrefillState) -> None:
+        idx = self.select(state)
+        idx = [i for i in idx]
+        lw = self.log_weights(state, idx)
+        n = state.n_tokens
+        self.layers = []
+        for layer, ix in enumerate(idx):
+            pos = ix.to(torch.int32) if ix is not None else None
+            if ix is None:  # keep everything
+                h = state.keys.shape[1]
+                ix = torch.arange(n, device=state.keys.device).expand(h, n)
+                pos = ix.to(torch.int32)
+            self.layers.append(
+                DenseLayer.make(
+                    gather_tokens(state.keys[layer], ix),
+                    gather_tokens(state.values[layer], ix),
+                    pos,
+                    None if lw is None else lw[layer],
+                )
+            )
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        self.layers[layer].append(k, v, pos)
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        k, v, _, lw = self.layers[layer].views()
+        if self.wants_probs:
+            out, probs = dense_attention(q, k, v, self.scaling, lw, return_probs=True)
+            self.after_attend(layer, probs)
+            return out
+        return dense_attention(q, k, v, self.scaling, lw)
+
+    wants_probs: ClassVar[bool] = False
+
+    def after_attend(self, layer: int, probs: Tensor) -> None:
+        """Hook for streaming eviction: ``probs`` [Hq, 1, n] is this step's attention over the cache."""
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for layer in self.layers:
+            for kind, t in layer.tensors():
+                if not (self.positions_implicit and kind == "positions"):
+                    yield kind, t
+
+    def kept_positions(self, layer: int) -> Tensor | None:
+        return self.layers[layer].views()[2]
+
+
+__all__ = ["Compressor", "DenseCompressor", "DenseLayer", "Param", "ParamError", "PrefillState", "field"]

@@ -1,0 +1,57 @@
+"""The registry of compression methods, by name. Each method file registers itself with ``@register``."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from kvlab.compressors.base import Compressor
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+_LOADED = False
+
+
+class UnknownMethodError(ValueError):
+    pass
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise TypeError(f"method name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_all() -> None:
+    """Import every module of the package so that each method registers itself."""
+    global _LOADED
+    if _LOADED:
+        return
+    import kvlab.compressors as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name not in ("base", "registry"):
+            importlib.import_module(f"kvlab.compressors.{mod.name}")
+    _LOADED = True
+
+
+_ORDER = {"reference": 0, "paper": 1, "baseline": 2}
+
+
+def names() -> list[str]:
+    _load_all()
+    return sorted(_REGISTRY, key=lambda n: (_ORDER.get(_REGISTRY[n].group, 9), n))
+
+
+def get(name: str) -> type[Compressor]:
+    _load_all()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownMethodError(f"unknown method {name!r}; allowed: {', '.join(names())}") from None
+
+
+def methods() -> dict[str, type[Compressor]]:
+    return {n: _REGISTRY[n] for n in names()}

@@ -1,0 +1,324 @@
+"""The engine: one exact prefill shared by every method, then lockstep decoding.
+
+Data flow (DESIGN.md §2): tokenize -> one exact prefill (K/V of the prompt, last queries and,
+when a method asks, accumulated attention) -> each method compresses its own copy -> decode all
+methods together, one batched forward per step, row i attending through method i's cache ->
+results. Positions always continue from the true number of tokens seen.
+
+``Engine.stream`` yields progress ``Event``s; the last one carries the ``CompareResult``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+from torch import Tensor
+
+from kvlab import attention as attn
+from kvlab.budgets import Budget, exact_bytes
+from kvlab.cache import LockstepCache, PrefillCache
+from kvlab.compressors import Compressor, PrefillState, get
+from kvlab.models import LoadedModel
+from kvlab.results import CompareResult, RunResult, RunTimings
+
+
+class InputError(ValueError):
+    """Bad input from a user (prompt, methods, budgets, settings); the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One method at one budget (``budget`` None: the method's own default, e.g. exact)."""
+
+    method: str
+    budget: Budget | None = None
+    params: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method}@{self.budget.label}"
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 1 <= self.max_new_tokens <= 4096:
+            raise InputError(f"max_new_tokens={self.max_new_tokens} is out of range; allowed: 1..4096")
+        if self.do_sample and self.temperature <= 0:
+            raise InputError(f"temperature={self.temperature} must be > 0 when sampling")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass
+class Event:
+    """Progress: ``kind`` is prefill | compress | step | run_done | done; ``progress`` in [0, 1]."""
+
+    kind: str
+    message: str
+    progress: float
+    step: int | None = None
+    total: int | None = None
+    run: str | None = None
+    result: CompareResult | None = None
+
+
+class Probe(Protocol):
+    """Optional measurement hooks (metrics add these; the engine stays measurement-agnostic)."""
+
+    def on_prefill(self, state: PrefillState, logits: Tensor, compressors: list[Compressor]) -> None: ...
+    def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None: ...
+    def on_step(self, step: int, rows: list[int], logits: Tensor) -> None: ...
+    def finish(self, runs: list[RunResult]) -> None: ...
+
+
+def expand_runs(methods: list[str], budgets: list[Budget], params: dict[str, dict] | None = None) -> list[RunSpec]:
+    """Every method at every budget; methods without a budget knob (exact) run once.
+
+    Unknown methods or parameters raise ``InputError`` naming what is allowed.
+    """
+    params = params or {}
+    methods = [m.strip() for m in methods if m and m.strip()]
+    if not methods:
+        raise InputError("no method selected; choose at least one (e.g. exact,streaming)")
+    specs: list[RunSpec] = []
+    for m in dict.fromkeys(methods):
+        try:
+            cls = get(m)
+            cls.resolve_params(params.get(m, {}))
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        if cls.name == "exact" or not budgets:
+            specs.append(RunSpec(m, None, dict(params.get(m, {}))))
+        else:
+            specs.extend(RunSpec(m, b, dict(params.get(m, {}))) for b in budgets)
+    for m in params:
+        if m not in methods:
+            raise InputError(f"parameters given for {m!r}, which is not among the methods {', '.join(methods)}")
+    return specs
+
+
+def _pick(logits: Tensor, gen: GenerationSettings, generator: torch.Generator) -> int:
+    if not gen.do_sample:
+        return int(torch.argmax(logits))
+    x = logits.float() / gen.temperature
+    if gen.top_k > 0:
+        kth = torch.topk(x, min(gen.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, -1)
+    if gen.top_p < 1:
+        sp, si = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sp, -1) - sp > gen.top_p
+        probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.info = lm.info
+
+    # ----- prefill ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], window: int = 0, acc_attn: bool = False) -> tuple[PrefillState, Tensor]:
+        """Exact prefill of one prompt. Returns the state every compressor starts from and the last logits [V]."""
+        model, n = self.lm.model, len(ids)
+        dev = self.lm.device
+        cache = PrefillCache(self.info.n_layers)
+        capture = attn.PrefillCapture(self.info.n_layers, min(window, n), acc_attn)
+        with attn.active(model, capture):
+            out = model(
+                input_ids=torch.tensor([ids], device=dev),
+                position_ids=torch.arange(n, device=dev).unsqueeze(0),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        keys, values = cache.stacked()
+        if capture.window:
+            queries = torch.stack(capture.queries)
+        else:
+            queries = keys.new_zeros(self.info.n_layers, self.info.n_heads, 0, self.info.head_dim)
+        acc = torch.stack(capture.acc).float() if acc_attn else None
+        state = PrefillState(keys, values, queries, scaling=self.info.head_dim**-0.5, acc_attn=acc)
+        return state, out.logits[0, -1]
+
+    # ----- compare ------------------------------------------------------------------------
+    def check_prompt(self, ids: list[int], gen: GenerationSettings) -> None:
+        if not ids:
+            raise InputError("the prompt is empty; type some text or pick a preset")
+        limit = self.info.max_positions
+        if len(ids) + gen.max_new_tokens > limit:
+            raise InputError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({gen.max_new_tokens}) exceeds the model's "
+                f"context of {limit} tokens; shorten the prompt or generate fewer tokens"
+            )
+
+    @torch.inference_mode()
+    def stream(
+        self,
+        prompt_ids: list[int],
+        runs: list[RunSpec],
+        gen: GenerationSettings | None = None,
+        prompt_text: str = "",
+        probes: list[Probe] | None = None,
+    ) -> Iterator[Event]:
+        gen = gen or GenerationSettings()
+        gen.validate()
+        self.check_prompt(prompt_ids, gen)
+        if not runs:
+            raise InputError("no method selected; choose at least one")
+        probes = probes or []
+        t_start = time.perf_counter()
+        n = len(prompt_ids)
+        info = self.info
+
+        comps: list[Compressor] = []
+        knobs: list[dict] = []
+        for spec in runs:
+            comp = get(spec.method)(info, spec.budget, spec.params, seed=gen.seed)
+            knobs.append(comp.plan(n))
+            comps.append(comp)
+        window = max((c.query_window() for c in comps), default=0)
+        need_acc = any(c.needs_acc_attn for c in comps)
+
+        t0 = time.perf_counter()
+        state, last_logits = self.prefill(prompt_ids, window, need_acc)
+        prefill_s = time.perf_counter() - t0
+        yield Event("prefill", f"prefill of {n} tokens done in {prefill_s:.2f} s", 0.1)
+
+        results: list[RunResult] = []
+        for i, (spec, comp) in enumerate(zip(runs, comps)):
+            t0 = time.perf_counter()
+            comp.compress(state)
+            comp_s = time.perf_counter() - t0
+            params = {**comp.cfg, **knobs[i]}
+            r = RunResult(
+                method=spec.method,
+                budget=None if spec.budget is None else spec.budget.label,
+                params=_jsonable(params),
+                kv_bytes=comp.nbytes(),
+                kv_bytes_breakdown=comp.nbytes_by_kind(),
+                timings=RunTimings(prefill_s=prefill_s, compress_s=comp_s),
+            )
+            r.kv_bytes_per_step.append(r.kv_bytes)
+            r.exact_kv_bytes_per_step.append(exact_bytes(info, n))
+            results.append(r)
+            yield Event("compress", f"{spec.label}: compressed in {comp_s:.2f} s", 0.1 + 0.1 * (i + 1) / len(runs), run=spec.label)
+        for p in probes:
+            p.on_prefill(state, last_logits, comps)
+        del state
+
+        gens = [torch.Generator().manual_seed(gen.seed) for _ in runs]
+        eos = self.lm.eos_ids
+        tokens: list[list[int]] = [[] for _ in runs]
+        active: list[int] = []
+        for i in range(len(runs)):
+            t = _pick(last_logits, gen, gens[i])
+            tokens[i].append(t)
+            if t in eos:
+                results[i].finish_reason = "eos"
+            elif gen.max_new_tokens <= 1:
+                results[i].finish_reason = "length"
+            else:
+                active.append(i)
+        for i in range(len(runs)):
+            if i not in active:
+                yield from self._finish(results[i], tokens[i], runs[i].label)
+
+        total = gen.max_new_tokens - 1
+        model, dev = self.lm.model, self.lm.device
+        for step in range(1, gen.max_new_tokens):
+            if not active:
+                break
+            t0 = time.perf_counter()
+            seen = n + step - 1  # tokens already in every cache; the new one sits at this position
+            cache = LockstepCache([comps[i] for i in active], info.n_layers, seen)
+            observers = [_RowObserver(p, active) for p in probes]
+            handler = attn.LockstepDecode([comps[i] for i in active], [o.on_attend for o in observers])
+            with attn.active(model, handler):
+                out = model(
+                    input_ids=torch.tensor([[tokens[i][-1]] for i in active], device=dev),
+                    position_ids=torch.full((len(active), 1), seen, device=dev),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+            logits = out.logits[:, -1]
+            for p in probes:
+                p.on_step(step, list(active), logits)
+            dt = time.perf_counter() - t0
+            still = []
+            for row, i in enumerate(active):
+                t = _pick(logits[row], gen, gens[i])
+                tokens[i].append(t)
+                r = results[i]
+                r.timings.decode_s += dt
+                r.kv_bytes_per_step.append(comps[i].nbytes())
+                r.exact_kv_bytes_per_step.append(exact_bytes(info, seen + 1))
+                if t in eos or len(tokens[i]) >= gen.max_new_tokens:
+                    r.finish_reason = "eos" if t in eos else "length"
+                else:
+                    still.append(i)
+            yield Event("step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total)
+            for i in active:
+                if i not in still:
+                    yield from self._finish(results[i], tokens[i], runs[i].label)
+            active = still
+
+        for p in probes:
+            p.finish(results)
+        result = CompareResult(
+            model=info.to_json(),
+            prompt=prompt_text,
+            prompt_tokens=n,
+            prompt_token_ids=list(prompt_ids),
+            settings=asdict(gen),
+            timings={"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s},
+            runs=results,
+        )
+        yield Event("done", f"{len(runs)} runs done", 1.0, result=result)
+
+    def _finish(self, r: RunResult, toks: list[int], label: str) -> Iterator[Event]:
+        r.token_ids = list(toks)
+        r.text = self.lm.decode(toks)
+        decoded = max(0, len(toks) - 1)
+        r.timings.tokens_per_s = decoded / r.timings.decode_s if r.timings.decode_s > 0 else 0.0
+        yield Event("run_done", f"{label}: {len(toks)} tokens ({r.finish_reason})", -1, run=label)
+
+    def compare(self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw) -> CompareResult:
+        result = None
+        for ev in self.stream(prompt_ids, runs, gen, **kw):
+            if ev.kind == "done":
+                result = ev.result
+        return result
+
+
+class _RowObserver:
+    """Maps batch rows (active runs only) back to run indices for a probe."""
+
+    def __init__(self, probe: Probe, active: list[int]):
+        self.probe, self.active = probe, active
+
+    def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None:
+        self.probe.on_attend(layer, self.active[row], q, out)
+
+
+def _jsonable(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Tensor):
+            v = v.tolist()
+        elif isinstance(v, (tuple, set)):
+            v = list(v)
+        out[k] = v
+    return out

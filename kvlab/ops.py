@@ -1,0 +1,82 @@
+"""Shared tensor math: grouped-query attention over dense or weighted caches, head pooling.
+
+Shapes use: Hq query heads, Hkv KV heads, g = Hq / Hkv, t queries, n keys, d head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_queries(q: Tensor, n_kv_heads: int) -> Tensor:
+    """[..., Hq, t, d] -> [..., Hkv, g*t, d]: the query heads of each KV group side by side."""
+    *lead, hq, t, d = q.shape
+    g = hq // n_kv_heads
+    return q.reshape(*lead, n_kv_heads, g * t, d)
+
+
+def ungroup(out: Tensor, n_heads: int) -> Tensor:
+    """[..., Hkv, g*t, x] -> [..., Hq, t, x] (inverse of ``group_queries``)."""
+    *lead, hkv, gt, x = out.shape
+    return out.reshape(*lead, n_heads, gt * hkv // n_heads, x)
+
+
+def attention_logits(q: Tensor, k: Tensor, scaling: float, logw: Tensor | None = None) -> Tensor:
+    """Logits of every query head against its KV group's keys.
+
+    q: [..., Hq, t, d]; k: [..., Hkv, n, d]; logw: [..., Hkv, n] added to every logit of that key
+    (a kept token standing for exp(logw) tokens). Returns [..., Hq, t, n].
+    """
+    hq, hkv = q.shape[-3], k.shape[-3]
+    s = torch.matmul(group_queries(q, hkv), k.transpose(-1, -2)) * scaling
+    if logw is not None:
+        s = s + logw.unsqueeze(-2).to(s.dtype)
+    return ungroup(s, hq)
+
+
+def dense_attention(
+    q: Tensor, k: Tensor, v: Tensor, scaling: float, logw: Tensor | None = None, return_probs: bool = False
+):
+    """Softmax attention of ``q`` [.., Hq, t, d] over ``k``/``v`` [.., Hkv, n, d] with optional log-weights.
+
+    Returns out [.., Hq, t, d] (and probs [.., Hq, t, n] when ``return_probs``). Computed in float32.
+    """
+    hq, hkv = q.shape[-3], k.shape[-3]
+    logits = attention_logits(q.float(), k.float(), scaling, logw)
+    probs = torch.softmax(logits, dim=-1)
+    out = ungroup(torch.matmul(group_queries(probs, hkv), v.float()), hq).to(q.dtype)
+    return (out, probs) if return_probs else out
+
+
+def pool_heads(x: Tensor, n_kv_heads: int, head_dim: int = -3, reduce: str = "sum") -> Tensor:
+    """Pool a per-query-head tensor over each KV group: [.., Hq, ...] -> [.., Hkv, ...]."""
+    dim = head_dim % x.dim()
+    shape = list(x.shape)
+    g = shape[dim] // n_kv_heads
+    x = x.reshape(*shape[:dim], n_kv_heads, g, *shape[dim + 1 :])
+    return x.sum(dim + 1) if reduce == "sum" else x.mean(dim + 1) if reduce == "mean" else x.amax(dim + 1)
+
+
+def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
+    """Attention of the last w prompt queries over all n prompt keys, causally masked.
+
+    queries: [L, Hq, w, d] at positions n-w .. n-1; keys: [L, Hkv, n, d]. Returns [L, Hq, w, n].
+    """
+    w, n = queries.shape[-2], keys.shape[-2]
+    logits = attention_logits(queries.float(), keys.float(), scaling)
+    qpos = torch.arange(n - w, n, device=keys.device).unsqueeze(-1)
+    kpos = torch.arange(n, device=keys.device).unsqueeze(0)
+    logits = logits.masked_fill(kpos > qpos, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
+    """Select tokens per head: x [.., H, n, d] (or [.., H, n]) with idx [.., H, m] -> [.., H, m, d] ([.., H, m])."""
+    if x.dim() == idx.dim():
+        return torch.gather(x, -1, idx)
+    return torch.gather(x, -2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+def tensor_bytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

@@ -1,0 +1,86 @@
+"""Result records of a comparison: plain dataclasses that round-trip through JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RunTimings:
+    prefill_s: float = 0.0
+    compress_s: float = 0.0
+    decode_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class RunResult:
+    """One method at one budget. Bytes are counted from the tensors the method holds."""
+
+    method: str
+    budget: str | None  # "0.25", "512t", or None for the exact cache
+    params: dict
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # after prefill and compression
+    kv_bytes_breakdown: dict = field(default_factory=dict)
+    kv_bytes_per_step: list[int] = field(default_factory=list)  # [k] = after k decode steps
+    exact_kv_bytes_per_step: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "eos" | "length"
+    timings: RunTimings = field(default_factory=RunTimings)
+    metrics: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)  # e.g. kept positions for heatmaps
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method}@{self.budget}"
+
+    @property
+    def saving(self) -> float:
+        """Fraction of the exact cache's bytes saved after compression."""
+        exact = self.exact_kv_bytes_per_step[0] if self.exact_kv_bytes_per_step else 0
+        return 1.0 - self.kv_bytes / exact if exact else 0.0
+
+
+@dataclass
+class CompareResult:
+    model: dict
+    prompt: str
+    prompt_tokens: int
+    prompt_token_ids: list[int]
+    settings: dict
+    timings: dict
+    runs: list[RunResult]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def dumps(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_json(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps())
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "CompareResult":
+        runs = []
+        known = {f.name for f in fields(RunResult)}
+        for r in data["runs"]:
+            r = {k: v for k, v in r.items() if k in known}
+            r["timings"] = RunTimings(**r.get("timings", {}))
+            runs.append(RunResult(**r))
+        keep = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in keep and k != "runs"}, runs=runs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CompareResult":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def run(self, label: str) -> RunResult:
+        for r in self.runs:
+            if r.label == label:
+                return r
+        raise KeyError(label)

@@ -1,0 +1,40 @@
+"""Shared fixtures: the embedded model is converted once per machine and loaded once per test run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("KVLAB_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def lm():
+    from kvlab.models import load_model
+
+    return load_model("embedded")
+
+
+@pytest.fixture(scope="session")
+def engine(lm):
+    from kvlab.engine import Engine
+
+    return Engine(lm)
+
+
+@pytest.fixture(scope="session")
+def long_text():
+    """Real prose from CPython's reference manual (offline), for long prompts."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in ("assert", "assignment", "atom-identifiers", "attribute-access", "augassign"))
+
+
+@pytest.fixture(scope="session")
+def prefill_state(engine, lm, long_text):
+    """A real prefill of ~600 tokens with the last 64 queries and accumulated attention."""
+    ids = lm.encode(long_text[:3000])
+    state, _ = engine.prefill(ids, window=64, acc_attn=True)
+    return state

@@ -1,0 +1,56 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvlab.cli import main
+
+
+def _run(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["compare", "--prompt", "hi", "--methods", "nope"], "allowed"),
+        (["compare", "--prompt", "hi", "--budget", "1.5"], "outside (0, 1]"),
+        (["compare", "--prompt", "   "], "empty"),
+        (["compare", "--prompt-file", "/nonexistent/file.txt"], "cannot read"),
+        (["compare", "--prompt", "hi", "--param", "streaming.bogus=1"], "unknown parameter"),
+        (["compare", "--prompt", "hi", "--param", "oops"], "METHOD.NAME=VALUE"),
+        (["compare", "--prompt", "hi", "--max-new-tokens", "0"], "allowed"),
+        (["compare", "--prompt", "hi", "--bogus-flag"], "unrecognized"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, needle, capsys):
+    code, out, err = _run(args, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_compare_writes_json(tmp_path, capsys, lm):
+    path = tmp_path / "r.json"
+    code, out, err = _run(
+        ["compare", "--prompt", "Name a colour.", "--methods", "exact,streaming", "--budget", "0.5,0.25",
+         "--max-new-tokens", "6", "--json", str(path), "--quiet"], capsys)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert data["model"]["n_layers"] == 30 and data["model"]["head_dim"] == 64
+    assert data["prompt_token_ids"] == lm.encode("Name a colour.")
+    assert data["prompt_tokens"] == len(data["prompt_token_ids"])
+    assert set(data["timings"]) >= {"load_s", "compare_s"}
+    assert [r["method"] for r in data["runs"]] == ["exact", "streaming", "streaming"]
+    for r in data["runs"]:
+        assert set(r) >= {"method", "budget", "params", "text", "token_ids", "kv_bytes", "kv_bytes_per_step",
+                          "exact_kv_bytes_per_step", "timings"}
+        assert set(r["timings"]) >= {"prefill_s", "compress_s", "decode_s", "tokens_per_s"}
+    assert "streaming@0.25" in out
+
+
+def test_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "kvlab", "methods"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "streaming" in proc.stdout and "n_sink" in proc.stdout
