@@ -146,7 +146,7 @@ def test_bad_inputs(engine, lm):
     with pytest.raises(InputError, match="empty"):
         engine.compare([], [RunSpec("exact")])
     with pytest.raises(InputError, match="context"):
-        engine.compare([1] * 10, [RunSpec("exact")], GenerationSettings(max_new_tokens=4096))
+        engine.compare([1] * 5000, [RunSpec("exact")], GenerationSettings(max_new_tokens=4096))
 
 
 def test_expand_runs_exact_once():
