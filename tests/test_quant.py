@@ -1,0 +1,100 @@
+"""Bit packing and group quantization (kvlab/quant.py) on real random tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.quant import (
+    cat_groups,
+    dequantize_groups,
+    group_error_bound,
+    pack_codes,
+    pack_signs,
+    quantize_groups,
+    unpack_codes,
+    unpack_signs,
+)
+
+
+def test_pack_signs_layout_is_lsb_first():
+    x = torch.tensor([[1.0, -1, -1, -1, -1, -1, -1, -1, -2, 0, -3, -3, -3, -3, -3, 5]])
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (1, 2)
+    # element 0 -> bit 0 of byte 0; element 9 (zero counts as >= 0) -> bit 1 of byte 1; element 15 -> bit 7.
+    assert packed.tolist() == [[0b00000001, 0b10000010]]
+
+
+def test_sign_round_trip():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=g)
+    bits = pack_signs(x)
+    assert bits.shape == (3, 5, 8)
+    assert torch.equal(unpack_signs(bits, 64), torch.where(x >= 0, 1.0, -1.0))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_code_round_trip_and_size(bits):
+    g = torch.Generator().manual_seed(bits)
+    n = 37
+    codes = torch.randint(0, 1 << bits, (4, 6, n), generator=g)
+    packed = pack_codes(codes, bits)
+    per_byte = 8 // (4 if bits == 3 else bits)
+    assert packed.shape == (4, 6, -(-n // per_byte))
+    assert torch.equal(unpack_codes(packed, bits, n), codes.to(torch.uint8))
+
+
+def test_pack_codes_layout():
+    assert pack_codes(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
+    assert pack_codes(torch.tensor([5, 12]), 4).tolist() == [5 | 12 << 4]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dim,group", [(-1, 32), (1, 32), (-1, 16), (1, 7)])
+def test_group_quantization_error_within_bound(bits, dim, group):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 37, 64, generator=g) * 3 + 0.5
+    q = quantize_groups(x, bits, group, dim)
+    y = dequantize_groups(q)
+    assert y.shape == x.shape
+    err = (x - y).abs()
+    bound = group_error_bound(q)
+    assert (err <= bound).all()
+    # The bound is about half a step: range / (2^b - 1) / 2 of each group, so error shrinks with bits.
+    span = x.amax().item() - x.amin().item()
+    assert err.max().item() <= span / ((1 << bits) - 1) / 2 * 1.01 + 1e-3
+
+
+def test_more_bits_less_error():
+    x = torch.randn(2, 50, 64, generator=torch.Generator().manual_seed(2))
+    errs = [(dequantize_groups(quantize_groups(x, b, 32)) - x).pow(2).mean().item() for b in (1, 2, 4, 8)]
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 1e-4
+
+
+def test_constant_group_is_exact():
+    x = torch.full((2, 64), 0.75)
+    assert torch.equal(dequantize_groups(quantize_groups(x, 2, 32)), x)
+
+
+def test_layout_and_bytes():
+    x = torch.randn(3, 40, 64)
+    q = quantize_groups(x, 2, 32, dim=-1)  # per token: 2 groups of 32 along head_dim
+    assert q.codes.shape == (3, 40, 2, 8) and q.scale.shape == (3, 40, 2)
+    assert q.scale.dtype == torch.float16 and q.minimum.dtype == torch.float16
+    assert q.nbytes() == 3 * 40 * (64 * 2 // 8 + 2 * 2 * 2)
+    qk = quantize_groups(x, 2, 32, dim=1)  # per channel: groups of 32 tokens (40 -> 2 groups, padded)
+    assert qk.codes.shape == (3, 64, 2, 8) and qk.scale.shape == (3, 64, 2)
+
+
+def test_cat_groups_matches_quantizing_whole():
+    x = torch.randn(3, 40, 64)
+    parts = [quantize_groups(x[:, :15], 4, 32), quantize_groups(x[:, 15:], 4, 32)]
+    joined = cat_groups(parts, dim=1)
+    assert torch.equal(dequantize_groups(joined), dequantize_groups(quantize_groups(x, 4, 32)))
+    with pytest.raises(ValueError):
+        cat_groups([parts[0], quantize_groups(x[:, 15:], 2, 32)], dim=1)
+
+
+def test_unsupported_bits_rejected():
+    with pytest.raises(ValueError):
+        pack_codes(torch.zeros(8), 5)
