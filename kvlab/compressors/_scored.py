@@ -1,0 +1,140 @@
+"""Shared machinery of score-based eviction caches (Scissorhands, H2O).
+
+Both keep, per layer and KV head, full-precision tokens plus one score per kept token, protect the
+most recent tokens, and evict the tokens whose score marks them least useful when the cache grows
+past its capacity. They differ in what the score is and in which direction is "worse":
+
+* H2O: accumulated attention (float32); evict the lowest.
+* Scissorhands: how often a token's attention fell below 1/t (int16 counter); evict the highest.
+
+A subclass sets ``score_dtype``, ``evict_highest``, ``reset_after_eviction``, implements
+``initial_scores(state)`` (the scores that rank the prompt tokens for the prefill eviction and the
+scores the survivors carry into decoding, both [L, Hkv, n]) and ``observe(layer, attn)`` (fold one
+decode step's pooled attention [Hkv, n] into the scores), and sets ``self.capacity``,
+``self.recent`` and ``self.full`` in ``plan``.
+Eviction happens in ``append``, before the new token's query attends, so the cache never holds
+more than ``capacity`` tokens, not even during attention.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Iterator
+
+import torch
+from torch import Tensor
+
+from kvlab.compressors.base import DenseCompressor, PrefillState
+from kvlab.ops import gather_tokens, pool_heads
+
+
+def eviction_keep(key: Tensor, n_drop: int, recent: int) -> Tensor:
+    """Indices of the tokens to keep after dropping the ``n_drop`` tokens with the largest ``key``.
+
+    key: [..., H, n] eviction priority (larger = dropped first); the last ``recent`` tokens are
+    never dropped; among equal keys the earlier token goes first. Returns [..., H, n - n_drop]
+    (int64, ascending, so the cache keeps its positional order).
+    """
+    n = key.shape[-1]
+    if n_drop <= 0:
+        return torch.arange(n, device=key.device).expand(*key.shape)
+    candidates = n - recent
+    if n_drop > candidates:
+        raise ValueError(f"cannot drop {n_drop} of {n} tokens while protecting the last {recent}")
+    order = torch.sort(key[..., :candidates], dim=-1, descending=True, stable=True).indices
+    keep = torch.ones(key.shape, dtype=torch.bool, device=key.device)
+    keep.scatter_(-1, order[..., :n_drop], False)
+    idx = torch.arange(n, device=key.device).expand(*key.shape)
+    return idx[keep].view(*key.shape[:-1], n - n_drop)
+
+
+def pooled_step_attention(probs: Tensor, n_kv_heads: int) -> Tensor:
+    """One decode query's attention [Hq, 1, n] averaged over each KV group's query heads -> [Hkv, n]."""
+    return pool_heads(probs.squeeze(-2), n_kv_heads, head_dim=-2, reduce="mean")
+
+
+class ScoredEvictionCompressor(DenseCompressor):
+    """A dense cache with one score per kept token (per layer and KV head) and score-driven eviction."""
+
+    streaming = True
+    wants_probs = True
+    score_dtype: ClassVar[torch.dtype] = torch.float32
+    evict_highest: ClassVar[bool] = False
+    reset_after_eviction: ClassVar[bool] = False  # survivors start from zero after a decode eviction
+
+    # set by plan(): capacity (tokens per layer and head), recent (never evicted), full (no eviction)
+    capacity: int
+    recent: int
+    full: bool
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scores: list[Tensor] = []
+
+    # ----- what subclasses provide --------------------------------------------------------
+    def initial_scores(self, state: PrefillState) -> tuple[Tensor, Tensor]:
+        """(scores ranking the prompt tokens for the prefill eviction, scores they carry on), each [L, Hkv, n]."""
+        raise NotImplementedError
+
+    def observe(self, layer: int, attn: Tensor) -> None:
+        """Fold this step's pooled attention ``attn`` [Hkv, n] into ``self.scores[layer]``."""
+        raise NotImplementedError
+
+    def prefill_drop(self, n: int) -> int:
+        """How many prompt tokens the prefill compression drops."""
+        return max(0, n - self.capacity)
+
+    def decode_drop(self, n: int) -> int:
+        """How many tokens to drop when an append takes the cache to ``n`` > capacity."""
+        return n - self.capacity
+
+    # ----- the shared cache logic ---------------------------------------------------------
+    def score_bytes(self) -> int:
+        return torch.empty((), dtype=self.score_dtype).element_size()
+
+    def per_token_bytes(self, with_logw: bool = False) -> int:
+        """K, V and position of one kept token plus its score (per layer and KV head)."""
+        return super().per_token_bytes(with_logw) + (0 if self.budget_is_full() else self.score_bytes())
+
+    def budget_is_full(self) -> bool:
+        return self.budget is None or self.budget.is_full
+
+    def _priority(self, scores: Tensor) -> Tensor:
+        return scores if self.evict_highest else -scores.float()
+
+    def select(self, state: PrefillState):
+        n_layers, n = state.keys.shape[0], state.n_tokens
+        if self.full:
+            self.scores = []
+            return [None] * n_layers
+        rank, carry = self.initial_scores(state)
+        idx = eviction_keep(self._priority(rank), self.prefill_drop(n), self.recent)
+        self.scores = list(gather_tokens(carry.to(self.score_dtype), idx).unbind(0))
+        return idx
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        cache = self.layers[layer]
+        cache.append(k, v, pos)
+        if self.full:
+            return
+        s = self.scores[layer]
+        self.scores[layer] = torch.cat([s, s.new_zeros(s.shape[0], k.shape[1])], dim=-1)
+        if cache.n > self.capacity:
+            self._evict(layer, self.decode_drop(cache.n))
+
+    def _evict(self, layer: int, n_drop: int) -> None:
+        idx = eviction_keep(self._priority(self.scores[layer]), n_drop, self.recent)
+        self.layers[layer].keep(idx)
+        s = self.scores[layer]
+        self.scores[layer] = s.new_zeros(idx.shape) if self.reset_after_eviction else gather_tokens(s, idx)
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        self.wants_probs = not self.full
+        return super().attend(layer, q)
+
+    def after_attend(self, layer: int, probs: Tensor) -> None:
+        self.observe(layer, pooled_step_attention(probs, self.info.n_kv_heads))
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        yield from super().tensors()
+        for s in self.scores:
+            yield "scores", s

@@ -1,0 +1,118 @@
+"""Scissorhands: a budgeted KV cache that drops the tokens most often found unimportant.
+
+Liu, Desai, Liao, Wang, Xie, Xu, Kyrillidis, Shrivastava. "Scissorhands: Exploiting the
+Persistence of Importance Hypothesis for LLM KV Cache Compression at Test Time", NeurIPS 2023,
+https://arxiv.org/abs/2305.17118 — Algorithm 1 (inference with a budget KV cache) and Algorithm 2
+(compress the KV cache), Sec. 4.1. Per layer and KV head the cache holds at most ``B`` tokens.
+Each token has an importance record: how many of the last ``w`` queries (the history window) gave
+it an attention score below 1/t, t being the number of tokens that query attended. When the
+cache grows past ``B``, the ``m`` tokens with the highest record are dropped (the paper uses
+m = 0.5 B); the last ``r`` tokens are never dropped. The record is kept up to date during
+generation (the paper's "maintain the importance record during generation steps" option), so no
+query needs to be stored or re-run.
+
+kvlab specifics:
+
+* Window bookkeeping: a query counts towards the next compression only if it is among the last
+  ``w`` queries before it (the schedule is known: compressions happen when the cache reaches
+  B + 1). Records are reset after each decoding compression, so while decoding the effective
+  window is min(w, m) (the defaults give w = m). At prefill the last ``w`` prompt queries rank the
+  prompt tokens; those of them that also fall in the window of the first decoding compression
+  seed the records.
+* The prefill compression drops max(m, n - B) tokens, so a long prompt lands exactly on B.
+* Grouped-query attention: the attention of the query heads of a KV group is averaged before the
+  1/t test. Budgets are spread evenly over layers and heads (the paper's per-layer allocation of
+  its Figure 2 is not reproduced).
+* Records are int16, one per kept token, and count towards the bytes and the budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvlab.compressors._scored import ScoredEvictionCompressor
+from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.registry import register
+from kvlab.ops import causal_window_probs, pool_heads
+
+_PROBS_CHUNK_BYTES = 256 * 2**20  # memory cap for one chunk of prefill window attention
+
+
+@register
+class Scissorhands(ScoredEvictionCompressor):
+    name = "scissorhands"
+    title = "Scissorhands"
+    group = "paper"
+    paper = (
+        "Liu et al., Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache "
+        "Compression at Test Time, NeurIPS 2023 (arXiv:2305.17118)"
+    )
+    summary = "Counts how often each token's attention falls below 1/t over a history window; drops the most often unimportant."
+    score_dtype = torch.int16
+    evict_highest = True
+    reset_after_eviction = True
+    params = (
+        Param("B", None, "token budget per layer and KV head (empty: from the memory budget)"),
+        Param("m_ratio", 0.5, "drop amount m as a fraction of B (paper: 0.5)", minimum=0.0, maximum=1.0),
+        Param("w_ratio", 0.5, "history window w as a fraction of B (public port: 0.5)", minimum=0.0, maximum=1.0),
+        Param("r_ratio", 0.25, "recent window r as a fraction of B (public port: 0.25)", minimum=0.0, maximum=1.0),
+    )
+
+    # ----- knobs --------------------------------------------------------------------------
+    def plan(self, n_prompt: int) -> dict:
+        cfg = self.cfg
+        self.full = self.budget_is_full() and cfg["B"] is None
+        self.capacity = B = int(cfg["B"]) if cfg["B"] is not None else self.tokens_for_budget(n_prompt)
+        if B < 1:
+            raise ValueError(f"scissorhands: B={B} must be at least 1")
+        self.m = max(1, round(cfg["m_ratio"] * B))
+        self.w = max(1, round(cfg["w_ratio"] * B))
+        self.recent = min(round(cfg["r_ratio"] * B), B - self.m)  # leave room to drop m at B + 1
+        n_after = n_prompt - self.prefill_drop(n_prompt)
+        self.prompt_window = min(n_prompt, self.w)
+        self.carry_window = max(0, min(self.prompt_window, self.w - (B - n_after)))
+        return {"B": B, "m": self.m, "w": self.w, "r": self.recent, "w_decode": min(self.w, self.m)}
+
+    def query_window(self) -> int:
+        return 0 if self.full else self.prompt_window
+
+    def _drop(self, n: int) -> int:
+        return max(self.m, n - self.capacity) if n > self.capacity else 0
+
+    def prefill_drop(self, n: int) -> int:
+        return 0 if self.full else self._drop(n)
+
+    def decode_drop(self, n: int) -> int:
+        return self._drop(n)
+
+    # ----- importance records -------------------------------------------------------------
+    def low_score_flags(self, probs: Tensor, first_pos: int) -> Tensor:
+        """Which visible tokens each query scored below 1/t: probs [.., Hq, w, n] of queries at
+        positions first_pos .. first_pos + w - 1 (causal) -> bool [.., Hkv, w, n]."""
+        pooled = pool_heads(probs, self.info.n_kv_heads, head_dim=-3, reduce="mean")
+        w, n = pooled.shape[-2:]
+        qpos = torch.arange(first_pos, first_pos + w, device=probs.device).unsqueeze(-1)
+        visible = torch.arange(n, device=probs.device).unsqueeze(0) <= qpos
+        return (pooled < 1.0 / (qpos + 1).to(pooled.dtype)) & visible
+
+    def initial_scores(self, state: PrefillState) -> tuple[Tensor, Tensor]:
+        """Records over the last ``prompt_window`` prompt queries (rank) and over the last
+        ``carry_window`` of them (carried into decoding), each [L, Hkv, n] int32."""
+        w, n, carry = self.prompt_window, state.n_tokens, self.carry_window
+        n_layers = state.keys.shape[0]
+        per_layer = self.info.n_heads * w * n * 4
+        step = max(1, _PROBS_CHUNK_BYTES // max(1, per_layer))
+        rank, kept = [], []
+        for a in range(0, n_layers, step):  # chunks of layers bound the [L, Hq, w, n] attention's memory
+            probs = causal_window_probs(state.queries[a : a + step, :, state.queries.shape[-2] - w :], state.keys[a : a + step], state.scaling)
+            flags = self.low_score_flags(probs, n - w)
+            rank.append(flags.sum(-2, dtype=torch.int32))
+            kept.append(flags[..., w - carry :, :].sum(-2, dtype=torch.int32))
+        return torch.cat(rank), torch.cat(kept)
+
+    def observe(self, layer: int, attn: Tensor) -> None:
+        """Count this step's low scores if the query is within the window of the next compression."""
+        t = attn.shape[-1]  # tokens this query attended; the next compression comes B - t queries later
+        if t > self.capacity - self.w:
+            self.scores[layer] += (attn < 1.0 / t).to(self.score_dtype)
