@@ -1,0 +1,270 @@
+"""QJL key quantization and score estimation: Triton kernels and their torch references.
+
+Zandieh, Daliri, Han. "QJL: 1-Bit Quantized JL Transform for KV Cache Quantization with Zero
+Overhead", AAAI 2025, https://arxiv.org/abs/2406.03482 — Sec. 3 (Definition 3.1: key -> sign(S k)
+plus ||k||; Lemma 3.2: the unbiased inner-product estimate sqrt(pi/2)/m * ||k|| * <S q, sign(S k)>)
+and Sec. 4 (outlier channels sketched separately, per group of tokens).
+
+Storage format (shared with kvlab/compressors/qjl.py; packing by kvlab/quant.py):
+
+* sign bits uint8 [Hkv, n, m/8], 8 per byte along the sketch dim, LSB first, bit 1 = (S k) >= 0;
+* key norms float16 [Hkv, n] of the part sketched;
+* sketch S float32 [m, d]; outliers: S_out [m_out, d] on the outlier channels of each key (the
+  others zeroed), bits [Hkv, n, m_out/8], norms [Hkv, n], channel indices uint8
+  [Hkv, n_groups, n_outliers] per group of ``group`` tokens; the inlier part uses S.
+* the score of query head h against key i of its KV group g is the sum of the two estimates.
+
+Kernels (any head_dim that is a multiple of 16, any GQA group size, any m that is a multiple of 8):
+``qjl_quantize`` (sketch, sign, pack, norms, outlier split) and ``qjl_scores`` (estimates straight
+from the packed bits for all query heads of a KV group at once). Each has a ``*_torch`` reference
+computing the same maths with kvlab.quant's helpers; the public functions dispatch (see
+kernels/_runtime.py).
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+from torch import Tensor
+
+from kernels import _runtime
+from kernels.formats import QJLKeys
+from kvlab.ops import group_queries, ungroup
+from kvlab.quant import pack_signs, unpack_signs
+
+if _runtime.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+BLOCK_N = 64  # tokens per tile
+BLOCK_M = 64  # sketch coordinates per tile
+
+
+# ----- helpers shared by both paths -----------------------------------------------------------
+def make_sketch(m: int, d: int, seed: int = 0, device: torch.device | str = "cpu") -> Tensor:
+    """A QJL sketch float32 [m, d]: Gaussian rows orthogonalized by QR in blocks of d, scaled by sqrt(d)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    blocks = []
+    for start in range(0, m, d):
+        q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen))
+        blocks.append(q.T[: min(d, m - start)] * math.sqrt(d))
+    return torch.cat(blocks).to(device)
+
+
+def outlier_channels(keys: Tensor, group: int, n_outliers: int) -> Tensor:
+    """The ``n_outliers`` channels of largest norm per group of ``group`` tokens: uint8 [Hkv, n_groups, n_out].
+
+    keys: [Hkv, n, d]; the last group may be partial.
+    """
+    hkv, n, d = keys.shape
+    pad = (-n) % group
+    k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad))
+    norms = k.reshape(hkv, -1, group, d).square().sum(2)
+    return norms.topk(n_outliers, dim=-1).indices.to(torch.uint8)
+
+
+def outlier_mask(out_idx: Tensor, group: int, n: int, d: int) -> Tensor:
+    """bool [Hkv, n, d]: True on each token's outlier channels (from ``out_idx`` [Hkv, n_groups, n_out])."""
+    hkv, n_groups, _ = out_idx.shape
+    mask = torch.zeros(hkv, n_groups, d, dtype=torch.bool, device=out_idx.device)
+    mask.scatter_(-1, out_idx.long(), True)
+    return mask.repeat_interleave(group, dim=1)[:, :n]
+
+
+def sketch_queries(q: Tensor, sketch: Tensor, n_kv_heads: int) -> Tensor:
+    """S q for every query head, grouped per KV head: q [Hq, t, d] -> float32 [Hkv, g*t, m]."""
+    return group_queries(q.float() @ sketch.T, n_kv_heads).contiguous()
+
+
+def _estimate_coef(m: int) -> float:
+    return math.sqrt(math.pi / 2) / m
+
+
+# ----- torch references -----------------------------------------------------------------------
+def qjl_quantize_torch(
+    keys: Tensor, sketch: Tensor, out_sketch: Tensor | None = None, out_idx: Tensor | None = None, group: int = 32
+) -> QJLKeys:
+    """Reference of ``qjl_quantize``: keys [Hkv, n, d] -> QJLKeys."""
+    k = keys.float()
+    if out_idx is None:
+        return QJLKeys(sketch, pack_signs(k @ sketch.T), k.norm(dim=-1).half(), group=group)
+    mask = outlier_mask(out_idx, group, k.shape[1], k.shape[2])
+    inl, out = k.masked_fill(mask, 0.0), k.masked_fill(~mask, 0.0)
+    return QJLKeys(
+        sketch,
+        pack_signs(inl @ sketch.T),
+        inl.norm(dim=-1).half(),
+        out_sketch,
+        pack_signs(out @ out_sketch.T),
+        out.norm(dim=-1).half(),
+        out_idx,
+        group,
+    )
+
+
+def _estimate_torch(sq: Tensor, bits: Tensor, norms: Tensor, m: int) -> Tensor:
+    """sqrt(pi/2)/m * norm * <S q, signs>: sq [Hkv, R, m], bits [Hkv, n, m/8], norms [Hkv, n] -> [Hkv, R, n]."""
+    signs = unpack_signs(bits, m)
+    return (sq @ signs.transpose(-1, -2)) * norms.float().unsqueeze(-2) * _estimate_coef(m)
+
+
+def qjl_scores_torch(q: Tensor, keys: QJLKeys) -> Tensor:
+    """Reference of ``qjl_scores``: estimates of <q_h, k_i>, q [Hq, t, d] -> float32 [Hq, t, n]."""
+    hkv = keys.bits.shape[0]
+    est = _estimate_torch(sketch_queries(q, keys.sketch, hkv), keys.bits, keys.norms, keys.m)
+    if keys.has_outliers:
+        sqo = sketch_queries(q, keys.out_sketch, hkv)
+        est = est + _estimate_torch(sqo, keys.out_bits, keys.out_norms, keys.out_sketch.shape[0])
+    return ungroup(est, q.shape[0])
+
+
+# ----- Triton kernels -------------------------------------------------------------------------
+if _runtime.HAVE_TRITON:
+
+    @triton.jit
+    def sign_dot(sq_ptr, bits_ptr, rows, mask_n, offs_r, mask_r, M: tl.constexpr, BLOCK_M: tl.constexpr):
+        """<sq[r], sign[row]> for a tile: sq_ptr -> [R, M] f32 (one KV head), rows [BLOCK_N] -> [R_PAD, BLOCK_N]."""
+        acc = tl.zeros((offs_r.shape[0], rows.shape[0]), dtype=tl.float32)
+        for j0 in range(0, M, BLOCK_M):
+            j = j0 + tl.arange(0, BLOCK_M)
+            mask_j = j < M
+            sq = tl.load(sq_ptr + offs_r[:, None] * M + j[None, :], mask=mask_r[:, None] & mask_j[None, :], other=0.0)
+            byte = tl.load(bits_ptr + rows[:, None] * (M // 8) + (j // 8)[None, :], mask=mask_n[:, None] & mask_j[None, :], other=0)
+            bit = (byte.to(tl.int32) >> (j % 8)[None, :]) & 1
+            sign = tl.where(mask_j[None, :], bit.to(tl.float32) * 2.0 - 1.0, 0.0)
+            acc += tl.dot(sq, tl.trans(sign))
+        return acc
+
+    @triton.jit
+    def _sketch_sign_store(x, s_ptr, bits_ptr, norms_ptr, offs_n, mask_n, offs_d, mask_d, D, M: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Store sign(S x) packed LSB first and ||x|| (f16) for a tile x [BLOCK_N, D_PAD] of one KV head."""
+        tl.store(norms_ptr + offs_n, tl.sqrt(tl.sum(x * x, axis=1)).to(tl.float16), mask=mask_n)
+        weights = 1 << tl.arange(0, 8)
+        for j0 in range(0, M, BLOCK_M):
+            j = j0 + tl.arange(0, BLOCK_M)
+            s = tl.load(s_ptr + j[:, None] * D + offs_d[None, :], mask=(j < M)[:, None] & mask_d[None, :], other=0.0)
+            proj = tl.dot(x, tl.trans(s), input_precision="ieee")
+            bit = (proj >= 0).to(tl.int32)
+            packed = tl.sum(tl.reshape(bit, (x.shape[0], BLOCK_M // 8, 8)) * weights[None, None, :], axis=2)
+            b = j0 // 8 + tl.arange(0, BLOCK_M // 8)
+            tl.store(bits_ptr + offs_n[:, None] * (M // 8) + b[None, :], packed.to(tl.uint8), mask=mask_n[:, None] & (b < M // 8)[None, :])
+
+    @triton.jit
+    def _qjl_quantize_kernel(
+        k_ptr, s_ptr, bits_ptr, norms_ptr, so_ptr, obits_ptr, onorms_ptr, oidx_ptr,
+        n, n_groups, D,
+        M: tl.constexpr, M_OUT: tl.constexpr, GROUP: tl.constexpr, N_OUT: tl.constexpr, HAS_OUT: tl.constexpr,
+        D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (Hkv, cdiv(n, BLOCK_N)): keys [Hkv, n, D] -> bits [Hkv, n, M/8], norms [Hkv, n] (+ outliers)."""
+        h = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        mask_n, mask_d = offs_n < n, offs_d < D
+        x = tl.load(k_ptr + (h * n + offs_n)[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        x = x.to(tl.float32)
+        rows = h * n + offs_n
+        if HAS_OUT:
+            is_out = tl.zeros((BLOCK_N, D_PAD), dtype=tl.int1)
+            base = oidx_ptr + (h * n_groups + offs_n // GROUP) * N_OUT
+            for j in tl.static_range(N_OUT):
+                ch = tl.load(base + j, mask=mask_n, other=0).to(tl.int32)
+                is_out = is_out | (offs_d[None, :] == ch[:, None])
+            _sketch_sign_store(tl.where(is_out, x, 0.0), so_ptr, obits_ptr, onorms_ptr, rows, mask_n, offs_d, mask_d, D, M_OUT, BLOCK_M)
+            x = tl.where(is_out, 0.0, x)
+        _sketch_sign_store(x, s_ptr, bits_ptr, norms_ptr, rows, mask_n, offs_d, mask_d, D, M, BLOCK_M)
+
+    @triton.jit
+    def _qjl_scores_kernel(
+        sq_ptr, bits_ptr, norms_ptr, sqo_ptr, obits_ptr, onorms_ptr, out_ptr,
+        n, R, coef, coef_out,
+        M: tl.constexpr, M_OUT: tl.constexpr, HAS_OUT: tl.constexpr,
+        R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (Hkv, cdiv(n, BLOCK_N)): sq [Hkv, R, M] + packed keys -> estimates out [Hkv, R, n]."""
+        h = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, R_PAD)
+        mask_n, mask_r = offs_n < n, offs_r < R
+        rows = h * n + offs_n
+        norm = tl.load(norms_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
+        est = sign_dot(sq_ptr + h * R * M, bits_ptr, rows, mask_n, offs_r, mask_r, M, BLOCK_M) * (norm * coef)[None, :]
+        if HAS_OUT:
+            onorm = tl.load(onorms_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
+            oest = sign_dot(sqo_ptr + h * R * M_OUT, obits_ptr, rows, mask_n, offs_r, mask_r, M_OUT, BLOCK_M)
+            est += oest * (onorm * coef_out)[None, :]
+        tl.store(out_ptr + (h * R + offs_r)[:, None] * n + offs_n[None, :], est, mask=mask_r[:, None] & mask_n[None, :])
+
+
+def _check_dims(d: int, m: int) -> None:
+    if d % 16:
+        raise ValueError(f"head_dim {d} must be a multiple of 16 for the Triton kernels")
+    if m % 8:
+        raise ValueError(f"sketch size {m} must be a multiple of 8")
+
+
+def _qjl_quantize_triton(keys: Tensor, sketch: Tensor, out_sketch, out_idx, group: int) -> QJLKeys:
+    hkv, n, d = keys.shape
+    m = sketch.shape[0]
+    _check_dims(d, m)
+    has_out = out_idx is not None
+    m_out = out_sketch.shape[0] if has_out else 8
+    dev = keys.device
+    bits = torch.empty(hkv, n, m // 8, dtype=torch.uint8, device=dev)
+    norms = torch.empty(hkv, n, dtype=torch.float16, device=dev)
+    obits = torch.empty(hkv, n, m_out // 8, dtype=torch.uint8, device=dev) if has_out else bits
+    onorms = torch.empty(hkv, n, dtype=torch.float16, device=dev) if has_out else norms
+    if n:
+        grid = (hkv, triton.cdiv(n, BLOCK_N))
+        _qjl_quantize_kernel[grid](
+            keys.contiguous(), sketch.float().contiguous(), bits, norms,
+            out_sketch.float().contiguous() if has_out else sketch, obits, onorms,
+            out_idx.contiguous() if has_out else bits,
+            n, out_idx.shape[1] if has_out else 1, d,
+            M=m, M_OUT=m_out, GROUP=group, N_OUT=out_idx.shape[2] if has_out else 1, HAS_OUT=has_out,
+            D_PAD=_runtime.next_pow2(d), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    if not has_out:
+        return QJLKeys(sketch, bits, norms, group=group)
+    return QJLKeys(sketch, bits, norms, out_sketch, obits, onorms, out_idx, group)
+
+
+def _qjl_scores_triton(q: Tensor, keys: QJLKeys) -> Tensor:
+    hkv, n, _ = keys.bits.shape
+    _check_dims(q.shape[-1], keys.m)
+    sq = sketch_queries(q, keys.sketch, hkv)
+    r = sq.shape[1]
+    out = torch.empty(hkv, r, n, dtype=torch.float32, device=q.device)
+    has_out = keys.has_outliers
+    m_out = keys.out_sketch.shape[0] if has_out else 8
+    sqo = sketch_queries(q, keys.out_sketch, hkv) if has_out else sq
+    if n:
+        grid = (hkv, triton.cdiv(n, BLOCK_N))
+        _qjl_scores_kernel[grid](
+            sq, keys.bits.contiguous(), keys.norms.contiguous(),
+            sqo, keys.out_bits.contiguous() if has_out else keys.bits,
+            keys.out_norms.contiguous() if has_out else keys.norms, out,
+            n, r, _estimate_coef(keys.m), _estimate_coef(m_out),
+            M=keys.m, M_OUT=m_out, HAS_OUT=has_out,
+            R_PAD=_runtime.next_pow2(r), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    return ungroup(out, q.shape[0])
+
+
+# ----- dispatch -------------------------------------------------------------------------------
+def qjl_quantize(
+    keys: Tensor, sketch: Tensor, out_sketch: Tensor | None = None, out_idx: Tensor | None = None, group: int = 32
+) -> QJLKeys:
+    """Quantize keys [Hkv, n, d] (post-RoPE) to the QJL format; outliers when ``out_idx`` is given."""
+    if _runtime.use_triton(keys.device):
+        _runtime.check_device(keys.device)
+        return _qjl_quantize_triton(keys, sketch, out_sketch, out_idx, group)
+    return qjl_quantize_torch(keys, sketch, out_sketch, out_idx, group)
+
+
+def qjl_scores(q: Tensor, keys: QJLKeys) -> Tensor:
+    """Estimated <q_h, k_i> for every query head: q [Hq, t, d] -> float32 [Hq, t, n] (unscaled)."""
+    if _runtime.use_triton(q.device):
+        _runtime.check_device(q.device)
+        return _qjl_scores_triton(q, keys)
+    return qjl_scores_torch(q, keys)
