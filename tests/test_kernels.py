@@ -1,0 +1,331 @@
+"""The Triton kernels against their torch references, under Triton's interpreter on the CPU.
+
+How the interpreter is set up (robustly): Triton decides when ``triton.language`` is first imported
+whether its library functions are compiled or interpreted, and other tests in the same session may
+have imported triton already. So the kernel cases run in ONE child process started with
+``TRITON_INTERPRET=1`` (``python tests/test_kernels.py --cases``, which prints JSON); each pytest
+test below asserts on its case's numbers. Nothing in the pytest process sets the variable.
+The references themselves are checked in-process against independent maths (exact attention,
+the QJL estimator's unbiasedness).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# ----- the cases run by the interpreted child -------------------------------------------------
+# (name, kwargs); shapes are small: the interpreter runs every program in Python.
+QUANT_CASES = [
+    ("quant_d64_m128", dict(hkv=2, n=77, d=64, m=128)),
+    ("quant_d128_m256_out", dict(hkv=2, n=45, d=128, m=256, m_out=128, n_out=8)),
+    ("quant_d64_m72_out", dict(hkv=1, n=33, d=64, m=72, m_out=64, n_out=4)),
+]
+SCORE_CASES = [
+    (f"scores_g{g}_d{d}{'_out' if out else ''}", dict(g=g, d=d, n=n, outliers=out, t=t))
+    for g, d, n, out, t in [(1, 64, 77, False, 1), (3, 64, 65, True, 1), (4, 128, 130, False, 1), (8, 128, 33, True, 1), (3, 64, 40, False, 2)]
+]
+ATTN_CASES = [
+    ("attn_dense_g1_d64", dict(g=1, d=64, n=77, kind="dense")),
+    ("attn_dense_g3_d128_splits", dict(g=3, d=128, n=200, kind="dense", splits=3)),
+    ("attn_logw_g4_d64", dict(g=4, d=64, n=131, kind="logw")),
+    ("attn_index_g8_d64", dict(g=8, d=64, n=150, kind="index")),
+    ("attn_qjl_2bit_g3_d64", dict(g=3, d=64, n=97, kind="qjl", bits=2)),
+    ("attn_qjl_out_4bit_g4_d128", dict(g=4, d=128, n=90, kind="qjl_out", bits=4)),
+    ("attn_qjl_3bit_g8_d128", dict(g=8, d=128, n=70, kind="qjl", bits=3, splits=2)),
+    ("attn_qjl_1bit_g1_d64_t2", dict(g=1, d=64, n=66, kind="qjl", bits=1, t=2)),
+]
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _case_quant(hkv, n, d, m, m_out=None, n_out=None):
+    from kernels import qjl as K
+    from kvlab.quant import unpack_signs
+
+    keys = _rand(hkv, n, d, seed=n) * 2
+    s, so = K.make_sketch(m, d, 1), (K.make_sketch(m_out, d, 2) if m_out else None)
+    idx = K.outlier_channels(keys, 32, n_out) if n_out else None
+    ref = K.qjl_quantize_torch(keys, s, so, idx, 32)
+    got = K._qjl_quantize_triton(keys, s, so, idx, 32)
+    proj = keys @ s.T if idx is None else keys.masked_fill(K.outlier_mask(idx, 32, n, d), 0) @ s.T
+    clear = proj.abs() > 1e-4  # signs of near-zero projections may differ by summation order
+    agree = unpack_signs(got.bits, m) == unpack_signs(ref.bits, m)
+    out = {
+        "sign_agree_clear": agree[clear].float().mean().item(),
+        "sign_agree_all": agree.float().mean().item(),
+        "norm_err": (got.norms.float() - ref.norms.float()).abs().max().item(),
+        "shapes_ok": got.bits.shape == ref.bits.shape and got.bits.dtype == torch.uint8,
+    }
+    if idx is not None:
+        out["out_agree"] = (got.out_bits == ref.out_bits).float().mean().item()
+        out["out_norm_err"] = (got.out_norms.float() - ref.out_norms.float()).abs().max().item()
+    return out
+
+
+def _qjl_keys(hkv, n, d, m, outliers, seed):
+    from kernels import qjl as K
+
+    keys = _rand(hkv, n, d, seed=seed)
+    if not outliers:
+        return keys, K.qjl_quantize_torch(keys, K.make_sketch(m, d, seed))
+    idx = K.outlier_channels(keys, 32, 4)
+    return keys, K.qjl_quantize_torch(keys, K.make_sketch(m, d, seed), K.make_sketch(64, d, seed + 1), idx, 32)
+
+
+def _case_scores(g, d, n, outliers, t, hkv=2):
+    from kernels import qjl as K
+
+    _, qk = _qjl_keys(hkv, n, d, 2 * d, outliers, seed=g * 100 + n)
+    q = _rand(hkv * g, t, d, seed=7)
+    ref, got = K.qjl_scores_torch(q, qk), K._qjl_scores_triton(q, qk)
+    return {"rel_err": ((got - ref).abs().max() / ref.abs().max()).item(), "shape_ok": got.shape == ref.shape}
+
+
+def _segments(kind, hkv, d, n, bits, seed):
+    from kernels.formats import Segment
+    from kvlab.quant import quantize_groups
+
+    keys, values = _rand(hkv, n, d, seed=seed), _rand(hkv, n, d, seed=seed + 1)
+    if kind == "dense":
+        return [Segment(keys=keys, values=values)]
+    if kind == "logw":
+        return [Segment(keys=keys, values=values, log_weights=torch.rand(hkv, n) * 3)]
+    if kind == "index":
+        idx = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(h))[: n // 2 + 1] for h in range(hkv)])
+        return [Segment(keys=keys, values=values, index=idx, log_weights=torch.rand(hkv, n))]
+    _, qk = _qjl_keys(hkv, n, d, 2 * d, kind == "qjl_out", seed)
+    recent = Segment(keys=_rand(hkv, 5, d, seed=seed + 2), values=_rand(hkv, 5, d, seed=seed + 3))
+    return [Segment(qjl=qk, qvalues=quantize_groups(values, bits, 32, -1)), recent]
+
+
+def _case_attn(g, d, n, kind, bits=2, splits=None, t=1, hkv=2):
+    from kernels import decode_attention as A
+
+    segs = _segments(kind, hkv, d, n, bits, seed=n + g)
+    q = _rand(hkv * g, t, d, seed=3) * 2
+    ref = A.decode_attention_torch(q, segs, d**-0.5)
+    got = A.decode_attention_triton(q, segs, d**-0.5, splits)
+    return {"rel_err": ((got - ref).abs().max() / ref.abs().max()).item(), "shape_ok": got.shape == q.shape}
+
+
+def _case_dispatch():
+    """In the interpreted child, the switch sends CPU calls to Triton only when forced."""
+    import kernels
+    from kernels import qjl as K
+
+    _, qk = _qjl_keys(1, 20, 64, 64, False, seed=5)
+    q = _rand(2, 1, 64, seed=1)
+    calls = []
+    orig = K._qjl_scores_triton
+    K._qjl_scores_triton = lambda *a: calls.append("triton") or orig(*a)
+    try:
+        with kernels.using("auto"):
+            kernels.qjl_scores(q, qk)
+        auto_calls = len(calls)
+        with kernels.using("triton"):
+            forced = kernels.qjl_scores(q, qk)
+        with kernels.using("torch"):
+            ref = kernels.qjl_scores(q, qk)
+    finally:
+        K._qjl_scores_triton = orig
+    return {"auto_triton_calls": auto_calls, "forced_triton_calls": len(calls) - auto_calls, "err": (forced - ref).abs().max().item()}
+
+
+def run_cases() -> dict:
+    """Run every case (in a process with TRITON_INTERPRET=1); errors are reported, not raised."""
+    torch.set_num_threads(1)
+    results = {}
+    jobs = [(n, _case_quant, kw) for n, kw in QUANT_CASES] + [(n, _case_scores, kw) for n, kw in SCORE_CASES]
+    jobs += [(n, _case_attn, kw) for n, kw in ATTN_CASES] + [("dispatch", lambda: _case_dispatch(), {})]
+    for name, fn, kw in jobs:
+        try:
+            results[name] = fn(**kw)
+        except Exception as e:  # noqa: BLE001 - reported to the parent test
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    return results
+
+
+# ----- pytest side ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "KVLAB_KERNELS": "auto"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--cases"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _result(interpreted, name):
+    r = interpreted[name]
+    assert "error" not in r, r.get("error")
+    return r
+
+
+@pytest.mark.parametrize("name", [c[0] for c in QUANT_CASES])
+def test_qjl_quantize_kernel_matches_reference(interpreted, name):
+    r = _result(interpreted, name)
+    assert r["shapes_ok"]
+    assert r["sign_agree_clear"] == 1.0
+    assert r["sign_agree_all"] > 0.999
+    assert r["norm_err"] < 2e-3
+    if "out_agree" in r:
+        assert r["out_agree"] > 0.999 and r["out_norm_err"] < 2e-3
+
+
+@pytest.mark.parametrize("name", [c[0] for c in SCORE_CASES])
+def test_qjl_scores_kernel_matches_reference(interpreted, name):
+    r = _result(interpreted, name)
+    assert r["shape_ok"]
+    assert r["rel_err"] < 1e-5
+
+
+@pytest.mark.parametrize("name", [c[0] for c in ATTN_CASES])
+def test_decode_attention_kernel_matches_reference(interpreted, name):
+    r = _result(interpreted, name)
+    assert r["shape_ok"]
+    assert r["rel_err"] < 1e-5
+
+
+def test_dispatch_switch_in_interpreter(interpreted):
+    r = _result(interpreted, "dispatch")
+    assert r["auto_triton_calls"] == 0  # auto: CPU tensors go to the reference
+    assert r["forced_triton_calls"] == 1  # forced: the kernel runs (interpreted)
+    assert r["err"] < 1e-4
+
+
+# ----- in-process checks of the references and the switch (no Triton launch) ------------------
+def test_backend_switch(monkeypatch):
+    import kernels
+
+    monkeypatch.setenv("KVLAB_KERNELS", "torch")
+    assert kernels.backend() == "torch" and not kernels.use_triton(torch.device("cuda"))
+    monkeypatch.setenv("KVLAB_KERNELS", "auto")
+    assert not kernels.use_triton(torch.device("cpu"))
+    assert kernels.use_triton(torch.device("cuda")) == kernels.HAVE_TRITON
+    with kernels.using("torch"):
+        assert kernels.backend() == "torch"
+    assert kernels.backend() == "auto"
+    monkeypatch.setenv("KVLAB_KERNELS", "fast")
+    with pytest.raises(ValueError):
+        kernels.backend()
+
+
+def test_forced_triton_on_cpu_without_interpreter_says_why():
+    import kernels
+    from kernels import _runtime
+
+    if not kernels.HAVE_TRITON or _runtime.interpreting():
+        pytest.skip("needs triton imported without the interpreter")
+    _, qk = _qjl_keys(1, 8, 64, 64, False, seed=1)
+    with kernels.using("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kernels.qjl_scores(_rand(1, 1, 64, seed=2), qk)
+
+
+def test_packed_format_is_lsb_first_and_sketch_orthogonal():
+    from kernels import qjl as K
+
+    s = K.make_sketch(128, 64, 0)
+    gram = s[:64] @ s[:64].T
+    assert torch.allclose(gram, 64 * torch.eye(64), atol=1e-3)  # rows orthogonal, scaled by sqrt(d)
+    keys = torch.zeros(1, 1, 64)
+    keys[0, 0, 0] = 1.0  # S k = first column of S
+    qk = K.qjl_quantize_torch(keys, s)
+    col = s[:, 0]
+    assert int(qk.bits[0, 0, 0]) == sum(int(col[j] >= 0) << j for j in range(8))
+
+
+def test_qjl_reference_estimate_is_unbiased():
+    """Averaged over independent sketches the estimate approaches <q, k> (Lemma 3.2)."""
+    from kernels import qjl as K
+
+    d, trials = 64, 200
+    keys, q = _rand(1, 4, d, seed=11), _rand(1, 1, d, seed=12)
+    exact = (q @ keys.transpose(-1, -2))[0, 0]
+    est = torch.stack([K.qjl_scores_torch(q, K.qjl_quantize_torch(keys, K.make_sketch(64, d, s)))[0, 0] for s in range(trials)])
+    # norms are float16; the spread of one estimate is ~ sqrt(pi/2 - 1) ||q|| ||k|| / sqrt(m)
+    spread = math.sqrt(math.pi / 2 - 1) * q.norm() * keys[0].norm(dim=-1) / math.sqrt(64)
+    assert ((est.mean(0) - exact).abs() < 4 * spread / math.sqrt(trials)).all()
+    assert (est.std(0) > 0.3 * spread).all()  # and a single estimate really is noisy
+
+
+def test_outlier_split_partitions_each_key():
+    from kernels import qjl as K
+
+    keys = _rand(2, 70, 64, seed=3)
+    keys[:, :, 5] *= 20  # a loud channel must be picked as an outlier in every group
+    idx = K.outlier_channels(keys, 32, 4)
+    assert idx.shape == (2, 3, 4) and (idx == 5).any(-1).all()
+    qk = K.qjl_quantize_torch(keys, K.make_sketch(64, 64, 0), K.make_sketch(32, 64, 1), idx, 32)
+    total = qk.norms.float() ** 2 + qk.out_norms.float() ** 2
+    assert torch.allclose(total, keys.norm(dim=-1) ** 2, rtol=2e-3)
+
+
+def test_attention_reference_matches_exact_dense_attention():
+    from kernels.decode_attention import decode_attention_torch
+    from kernels.formats import Segment
+    from kvlab.ops import dense_attention
+
+    k, v, q = _rand(3, 50, 64, seed=1), _rand(3, 50, 64, seed=2), _rand(9, 1, 64, seed=3)
+    lw = torch.rand(3, 50)
+    want = dense_attention(q, k, v, 0.125, lw)
+    parts = [Segment(keys=k[:, :20], values=v[:, :20], log_weights=lw[:, :20]), Segment(keys=k[:, 20:], values=v[:, 20:], log_weights=lw[:, 20:])]
+    assert torch.allclose(decode_attention_torch(q, parts, 0.125), want, atol=1e-5)
+    idx = torch.tensor([[3, 7, 9]] * 3)
+    got = decode_attention_torch(q, [Segment(keys=k, values=v, index=idx)], 0.125)
+    assert torch.allclose(got, dense_attention(q, k[:, [3, 7, 9]], v[:, [3, 7, 9]], 0.125), atol=1e-5)
+
+
+def test_compressed_reference_tracks_exact_attention():
+    """QJL keys (m = 4d) and 4-bit values stay close to exact attention; 1-bit sketches drift more."""
+    from kernels import qjl as K
+    from kernels.decode_attention import decode_attention_torch
+    from kernels.formats import Segment
+    from kvlab.ops import dense_attention
+    from kvlab.quant import quantize_groups
+
+    d = 64
+    k, v, q = _rand(2, 300, d, seed=4), _rand(2, 300, d, seed=5), _rand(6, 1, d, seed=6)
+    exact = dense_attention(q, k, v, d**-0.5)
+
+    def rel(m):
+        seg = Segment(qjl=K.qjl_quantize_torch(k, K.make_sketch(m, d, 0)), qvalues=quantize_groups(v, 4, 32, -1))
+        return ((decode_attention_torch(q, [seg], d**-0.5) - exact).norm() / exact.norm()).item()
+
+    assert rel(4 * d) < 0.5
+    assert rel(4 * d) < rel(16)
+
+
+def test_merge_partials_equals_one_softmax():
+    from kernels.decode_attention import merge_partials
+
+    logits, v = _rand(2, 3, 40, seed=1), _rand(2, 40, 16, seed=2)
+    want = torch.softmax(logits, -1) @ v
+
+    def part(sl):
+        lg = logits[..., sl]
+        m = lg.amax(-1)
+        p = torch.exp(lg - m.unsqueeze(-1))
+        return m.unsqueeze(1), p.sum(-1).unsqueeze(1), (p @ v[:, sl]).unsqueeze(1)
+
+    got = merge_partials([part(slice(0, 13)), part(slice(13, 40))])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+if __name__ == "__main__" and "--cases" in sys.argv:
+    print(json.dumps(run_cases()))
