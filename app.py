@@ -1,4 +1,8 @@
-"""kvlab dashboard entry point (also the Hugging Face Space's app_file)."""
+"""kvlab dashboard entry point (also the Hugging Face Space's app_file).
+
+The model is loaded once at start; model work runs through a queue (one comparison at a time,
+``KVLAB_QUEUE_SIZE`` waiting). Listens on 0.0.0.0:7860 unless told otherwise.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,24 @@ import argparse
 import os
 
 from kvlab.models import load_model
-from kvlab.ui import CSS, build_demo
+from kvlab.ui import Limits, build_demo, launch_kwargs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="kvlab dashboard")
     ap.add_argument("--host", default=os.environ.get("KVLAB_HOST", "0.0.0.0"))
     ap.add_argument("--port", type=int, default=int(os.environ.get("PORT", os.environ.get("GRADIO_SERVER_PORT", 7860))))
     ap.add_argument("--model", default=os.environ.get("KVLAB_MODEL", "embedded"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if os.environ.get("KVLAB_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["KVLAB_THREADS"]))
     lm = load_model(args.model)  # loaded once at start
-    demo = build_demo(lm)
-    demo.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port, css=CSS)
+    limits = Limits()
+    demo = build_demo(lm, limits)
+    demo.queue(max_size=limits.queue_size, default_concurrency_limit=4)
+    demo.launch(server_name=args.host, server_port=args.port, show_error=True, **launch_kwargs())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,357 @@
+"""Plotly figure builders for the dashboard and the HTML report: pure functions of a ``CompareResult``.
+
+Every builder takes the result (plus view choices such as layer and head) and returns a
+``plotly.graph_objects.Figure`` with an explicit height. When the data a figure needs is absent
+(no metrics recorded, a single budget, an imported file from an older version) it returns a figure
+that says so in words instead of failing.
+
+Metric names (issue 5, ``RunResult.metrics``): ``attn_rel_error`` [steps][layers], ``kl`` [steps],
+``top1_agreement`` (scalar or [steps]), ``perplexity``, ``first_divergence``, ``text_similarity``,
+``task_score``. Attention maps and kept positions live in ``RunResult.extras`` (see ``attn_map``
+and ``kept_of``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.results import CompareResult, RunResult
+
+PALETTE = (
+    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+)
+KIB = 1024.0
+
+
+# ----- helpers ----------------------------------------------------------------------------------
+def color_of(result: CompareResult, label: str) -> str:
+    labels = [r.label for r in result.runs]
+    return PALETTE[labels.index(label) % len(PALETTE)] if label in labels else PALETTE[-1]
+
+
+def _layout(fig: go.Figure, height: int, title: str, **kw) -> go.Figure:
+    fig.update_layout(
+        height=height,
+        title=dict(text=title, x=0.01, font=dict(size=15)),
+        margin=dict(l=50, r=20, t=50, b=45),
+        template="plotly_white",
+        legend=dict(orientation="h", y=-0.18),
+        **kw,
+    )
+    return fig
+
+
+def no_data(title: str, why: str, height: int = 320) -> go.Figure:
+    """An empty figure that explains, in words, why there is nothing to draw."""
+    fig = go.Figure()
+    fig.add_annotation(text=why, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#666"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, height, title)
+
+
+def metric(run: RunResult, name: str) -> Any:
+    """A metric of a run, or None when it was not recorded."""
+    return (run.metrics or {}).get(name)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if _finite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def compressed_runs(result: CompareResult) -> list[RunResult]:
+    return [r for r in result.runs if r.method != "exact"]
+
+
+def exact_bytes_at_prefill(run: RunResult) -> int:
+    return run.exact_kv_bytes_per_step[0] if run.exact_kv_bytes_per_step else 0
+
+
+def fraction_held(run: RunResult) -> float | None:
+    exact = exact_bytes_at_prefill(run)
+    return run.kv_bytes / exact if exact else None
+
+
+# ----- memory -----------------------------------------------------------------------------------
+def gauges(result: CompareResult, per_row: int = 4) -> go.Figure:
+    """One gauge per run: bytes held after compression as % of the exact cache; the number is % saved."""
+    runs = result.runs
+    if not runs:
+        return no_data("Cache size", "no runs yet")
+    rows = math.ceil(len(runs) / per_row)
+    cols = min(per_row, len(runs))
+    fig = make_subplots(rows=rows, cols=cols, specs=[[{"type": "indicator"}] * cols for _ in range(rows)])
+    for i, r in enumerate(runs):
+        held = 100 * (fraction_held(r) or 0.0)
+        fig.add_trace(
+            go.Indicator(
+                mode="gauge+number",
+                value=held,
+                number=dict(suffix="%", valueformat=".1f", font=dict(size=22)),
+                title=dict(text=f"{r.label}<br><span style='font-size:11px;color:#666'>"
+                           f"{r.kv_bytes / KIB:,.0f} of {exact_bytes_at_prefill(r) / KIB:,.0f} KiB · "
+                           f"{100 - held:.0f}% saved</span>", font=dict(size=13)),
+                gauge=dict(
+                    axis=dict(range=[0, 100], ticksuffix="%"),
+                    bar=dict(color=color_of(result, r.label)),
+                    steps=[dict(range=[0, 100], color="#f3f3f3")],
+                    threshold=dict(line=dict(color="#333", width=2), value=100),
+                ),
+            ),
+            row=i // per_row + 1,
+            col=i % per_row + 1,
+        )
+    fig = _layout(fig, 230 * rows + 30, "Cache held after compression (% of the exact cache)")
+    fig.update_layout(margin=dict(l=30, r=30, t=90, b=10))
+    return fig
+
+
+def bytes_per_step(result: CompareResult) -> go.Figure:
+    """Bytes each cache holds after every decode step, with the exact cache's growth dashed."""
+    runs = [r for r in result.runs if r.kv_bytes_per_step]
+    if not runs:
+        return no_data("Bytes per decode step", "no runs yet")
+    fig = go.Figure()
+    ref = runs[0]
+    fig.add_trace(go.Scatter(
+        x=list(range(len(ref.exact_kv_bytes_per_step))), y=[b / KIB for b in ref.exact_kv_bytes_per_step],
+        name="exact (all tokens seen)", line=dict(color="#999", dash="dash"),
+    ))
+    for r in runs:
+        fig.add_trace(go.Scatter(
+            x=list(range(len(r.kv_bytes_per_step))), y=[b / KIB for b in r.kv_bytes_per_step],
+            name=r.label, mode="lines", line=dict(color=color_of(result, r.label)),
+        ))
+    fig.update_xaxes(title="decode step (0 = after prefill)")
+    fig.update_yaxes(title="KiB held", rangemode="tozero")
+    return _layout(fig, 340, "Bytes per decode step")
+
+
+# ----- errors -----------------------------------------------------------------------------------
+def _err_matrix(run: RunResult) -> list[list[float]] | None:
+    m = metric(run, "attn_rel_error")
+    if not m or not isinstance(m, list) or not isinstance(m[0], list):
+        return None
+    return m
+
+
+def n_layers(result: CompareResult) -> int:
+    return int(result.model.get("n_layers", 0) or 0)
+
+
+def error_per_step(result: CompareResult, layer: str | int = "mean") -> go.Figure:
+    """Attention relative error ||z - a|| / ||a|| per decode step, at one layer or averaged over layers."""
+    which = "mean over layers" if layer in (None, "mean") else f"layer {int(layer)}"
+    title = f"Attention relative error per decode step ({which})"
+    fig = go.Figure()
+    for r in compressed_runs(result):
+        m = _err_matrix(r)
+        if m is None:
+            continue
+        ys = [_mean(row) if layer in (None, "mean") else (row[int(layer)] if int(layer) < len(row) else None) for row in m]
+        fig.add_trace(go.Scatter(x=list(range(1, len(ys) + 1)), y=ys, name=r.label, mode="lines+markers",
+                                 marker=dict(size=4), line=dict(color=color_of(result, r.label))))
+    if not fig.data:
+        return no_data(title, "no attention-error measurements in this result")
+    fig.update_xaxes(title="decode step")
+    fig.update_yaxes(title="relative error", rangemode="tozero")
+    return _layout(fig, 340, title)
+
+
+def error_per_layer(result: CompareResult) -> go.Figure:
+    """Heatmap of runs x layers: attention relative error averaged over decode steps."""
+    title = "Attention relative error per layer (mean over steps)"
+    rows, labels = [], []
+    for r in compressed_runs(result):
+        m = _err_matrix(r)
+        if m is None:
+            continue
+        rows.append([_mean(col) for col in zip(*m)])
+        labels.append(r.label)
+    if not rows:
+        return no_data(title, "no attention-error measurements in this result")
+    fig = go.Figure(go.Heatmap(z=rows, x=list(range(len(rows[0]))), y=labels, colorscale="Viridis",
+                               colorbar=dict(title="rel. err"), hovertemplate="%{y}<br>layer %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_xaxes(title="layer", dtick=2)
+    return _layout(fig, 120 + 38 * len(rows), title)
+
+
+def _per_step(value) -> list | None:
+    if isinstance(value, list):
+        return value
+    return None
+
+
+def kl_and_agreement(result: CompareResult) -> go.Figure:
+    """Teacher-forced KL(exact || method) per step (left) and top-1 agreement per step (right)."""
+    title = "Teacher-forced fidelity along the exact run"
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KL(exact ‖ method) per step", "top-1 agreement"))
+    bars = []
+    for r in compressed_runs(result):
+        c = color_of(result, r.label)
+        kl = _per_step(metric(r, "kl"))
+        if kl:
+            fig.add_trace(go.Scatter(x=list(range(1, len(kl) + 1)), y=kl, name=r.label, legendgroup=r.label,
+                                     line=dict(color=c)), row=1, col=1)
+        agree = metric(r, "top1_agreement")
+        if isinstance(agree, list) and agree:
+            cum = [sum(agree[: i + 1]) / (i + 1) for i in range(len(agree))]
+            fig.add_trace(go.Scatter(x=list(range(1, len(cum) + 1)), y=cum, name=r.label, legendgroup=r.label,
+                                     showlegend=not kl, line=dict(color=c)), row=1, col=2)
+        elif _finite(agree):
+            bars.append((r.label, float(agree), c))
+    if bars:
+        fig.add_trace(go.Bar(x=[b[0] for b in bars], y=[b[1] for b in bars], marker_color=[b[2] for b in bars],
+                             showlegend=False), row=1, col=2)
+    if not fig.data:
+        return no_data(title, "no KL / agreement measurements in this result")
+    fig.update_yaxes(title="KL (nats)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title="agreement (running mean)", range=[0, 1.05], row=1, col=2)
+    fig.update_xaxes(title="decode step", row=1, col=1)
+    return _layout(fig, 340, title)
+
+
+# ----- attention --------------------------------------------------------------------------------
+def attn_map(run: RunResult) -> dict | None:
+    """The recorded attention map of a run (``extras["attn_map"]``, layout in kvlab/metrics.py) or None."""
+    m = (run.extras or {}).get("attn_map")
+    return m if isinstance(m, dict) and m.get("exact") else None
+
+
+def map_site(result: CompareResult) -> tuple[int, int] | None:
+    """(layer, query head) at which the attention maps of this result were recorded."""
+    for r in result.runs:
+        m = attn_map(r)
+        if m is not None:
+            return int(m.get("layer", 0)), int(m.get("head", 0))
+    return None
+
+
+def kept_of(run: RunResult) -> list[int] | None:
+    """Prompt positions a run kept (at the map's layer and KV head), or None when not position-based."""
+    kept = (run.extras or {}).get("kept_positions")
+    return None if kept is None else [int(x) for x in kept]
+
+
+def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -> go.Figure:
+    """Exact vs each method side by side: weights of the last decode queries over the prompt positions.
+
+    Left: exact attention for the run's own queries (full cache); right: the method's weights at the
+    positions it keeps. Grey bands mark prompt positions the method evicted.
+    """
+    site = map_site(result)
+    title = "Attention over the prompt" + (f" · layer {site[0]}, head {site[1]}" if site else "")
+    runs = [r for r in compressed_runs(result) if labels is None or r.label in labels]
+    runs = [r for r in runs if attn_map(r) is not None]
+    if not runs:
+        why = "no attention maps in this result (run with “record attention maps” on)"
+        return no_data(title, why, height=300)
+    n = len(runs)
+    fig = make_subplots(rows=n, cols=2, shared_xaxes=True, horizontal_spacing=0.05,
+                        vertical_spacing=min(0.08, 0.3 / n),
+                        subplot_titles=[t for r in runs for t in (f"exact · queries of {r.label}", r.label)])
+    zmax = max(max(max(row) for row in attn_map(r)["exact"]) for r in runs) or 1.0
+    for i, r in enumerate(runs, start=1):
+        m = attn_map(r)
+        steps = m.get("steps") or list(range(len(m["exact"])))
+        for col, z in ((1, m["exact"]), (2, m.get("method"))):
+            if z is None:
+                fig.add_annotation(text="no token-level weights (sketch / quantized cache)", showarrow=False,
+                                   x=0.5, y=0.5, xref=f"x{2 * i} domain", yref=f"y{2 * i} domain",
+                                   font=dict(size=12, color="#666"))
+                continue
+            fig.add_trace(go.Heatmap(z=z, y=steps, colorscale="Magma", zmin=0, zmax=zmax, showscale=(i == 1 and col == 1),
+                                     colorbar=dict(title="weight", len=0.5, y=1.0, yanchor="top"),
+                                     hovertemplate="pos %{x}<br>step %{y}<br>w=%{z:.4f}<extra>" + r.label + "</extra>"),
+                          row=i, col=col)
+        kept = kept_of(r)
+        if kept is not None:
+            for a, b in _runs_of(sorted(set(range(result.prompt_tokens)) - set(kept))):
+                fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#7fa7c9", opacity=0.45, line_width=0, row=i, col=2)
+        fig.update_yaxes(title="step", row=i, col=1)
+    fig.update_xaxes(title="prompt position", row=n, col=1)
+    fig.update_xaxes(title="prompt position (blue bands: evicted)", row=n, col=2)
+    return _layout(fig, 80 + 170 * n, title)
+
+
+def _runs_of(xs: list[int]) -> list[tuple[int, int]]:
+    """Consecutive integers grouped into (first, last) spans."""
+    out: list[tuple[int, int]] = []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    return out
+
+
+# ----- quality vs memory ------------------------------------------------------------------------
+def fidelity(run: RunResult) -> tuple[float | None, str]:
+    """One number for 'how close to exact': task score if any, else top-1 agreement, else 1 - mean error."""
+    ts = metric(run, "task_score")
+    if _finite(ts):
+        return float(ts), "task score"
+    agree = metric(run, "top1_agreement")
+    if isinstance(agree, list):
+        agree = _mean(agree)
+    if _finite(agree):
+        return float(agree), "top-1 agreement"
+    m = _err_matrix(run)
+    if m is not None:
+        e = _mean([_mean(row) for row in m])
+        return (None if e is None else 1.0 - e), "1 − attention rel. error"
+    sim = metric(run, "text_similarity")
+    if _finite(sim):
+        return float(sim), "text similarity"
+    return None, ""
+
+
+def quality_vs_memory(result: CompareResult) -> go.Figure:
+    """Fidelity against bytes held, one line per method across its budgets."""
+    title = "Quality vs memory"
+    by_method: dict[str, list[tuple[float, float, str]]] = {}
+    kind = ""
+    for r in compressed_runs(result):
+        f, k = fidelity(r)
+        frac = fraction_held(r)
+        if f is None or frac is None:
+            continue
+        kind = kind or k
+        by_method.setdefault(r.method, []).append((frac, f, r.label))
+    budgets = {r.budget for r in compressed_runs(result)}
+    if not by_method:
+        return no_data(title, "no fidelity measurements in this result")
+    if len(budgets) < 2:
+        hint = "run several budgets (e.g. 0.5, 0.25, 0.1) to trace a curve"
+    else:
+        hint = ""
+    fig = go.Figure()
+    for method, pts in by_method.items():
+        pts.sort()
+        col = next(color_of(result, r.label) for r in result.runs if r.method == method)
+        fig.add_trace(go.Scatter(x=[100 * p[0] for p in pts], y=[p[1] for p in pts], text=[p[2] for p in pts],
+                                 name=method, mode="lines+markers", marker=dict(size=9), line=dict(color=col),
+                                 hovertemplate="%{text}<br>%{x:.1f}% of exact bytes<br>%{y:.3f}<extra></extra>"))
+    fig.update_xaxes(title="bytes held (% of exact)", rangemode="tozero")
+    fig.update_yaxes(title=kind)
+    if hint:
+        fig.add_annotation(text=hint, x=0.5, y=1.08, xref="paper", yref="paper", showarrow=False,
+                           font=dict(size=11, color="#888"))
+    return _layout(fig, 360, f"{title} ({kind})")
+
+
+ALL = ("gauges", "bytes_per_step", "error_per_step", "error_per_layer", "kl_and_agreement", "quality_vs_memory")
+
+
+def overview_figures(result: CompareResult) -> dict[str, go.Figure]:
+    """The figures that need no view choice, by name (used by the HTML report)."""
+    return {name: globals()[name](result) for name in ALL}

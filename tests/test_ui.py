@@ -1,0 +1,136 @@
+"""The dashboard's API, called by name through gradio_client on the real embedded model.
+
+The app runs in this process (the session model is shared) on a free port of 127.0.0.1 and is
+closed at the end. Prompts are short and runs are a few tokens: the machine has 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+
+from kvlab import plots  # noqa: E402
+from kvlab.results import CompareResult  # noqa: E402
+from kvlab.ui import Dashboard, build_demo, launch_kwargs, param_rows, params_from_rows  # noqa: E402
+
+PROMPT = "Summarize: the cat sat on the mat because the mat was warm and the sun was out. " * 6
+XSS = "<img src=x onerror=alert(1)> is not markup here."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(lm):
+    demo = build_demo(lm)
+    demo.queue(max_size=8)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+    url = f"http://127.0.0.1:{port}/"
+    assert urllib.request.urlopen(url + "gradio_api/info", timeout=30).status == 200
+    yield url
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return gradio_client.Client(app, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def compared(client):
+    """One real comparison: exact + streaming at 0.5 and 0.25, 6 new tokens, attention maps on."""
+    out = client.predict(
+        "embedded", PROMPT + XSS, [], ["streaming"], "0.5, 0.25", 6, 0,
+        {"headers": ["method", "parameter", "value", "default", "meaning"], "data": param_rows()}, True,
+        api_name="/compare",
+    )
+    return out
+
+
+def test_api_names_are_exposed(client):
+    names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+    assert {"/compare", "/view_errors", "/view_attention", "/export", "/load_json", "/preset"} <= names
+
+
+def test_compare_returns_cards_and_figures(compared):
+    status, cards, gauges, bytes_fig, err_step, *_ = compared
+    assert "done: 3 runs" in status
+    for label in ("exact", "streaming@0.5", "streaming@0.25"):
+        assert f"<b>{label}</b>" in cards
+    # prompt/model text is escaped, never markup
+    assert "<img" not in cards
+    gauge_fig = json.loads(gauges["plot"])
+    assert [d["type"] for d in gauge_fig["data"]] == ["indicator"] * 3
+    values = sorted(d["value"] for d in gauge_fig["data"])
+    assert values[0] < values[1] < values[2] == pytest.approx(100.0)
+    steps = json.loads(bytes_fig["plot"])["data"]
+    assert len(steps) == 4 and len(steps[1]["y"]) == 6  # exact dashed + 3 runs, prefill + 5 steps
+
+
+def test_saving_in_cards_matches_budget(compared):
+    cards = compared[1]
+    # StreamingLLM at 0.25 holds about a quarter of the exact bytes (positions are implicit)
+    assert "75% saved" in cards or "74% saved" in cards
+
+
+def test_view_errors_rerenders_from_state(client, compared):
+    fig = client.predict("3", api_name="/view_errors")
+    title = json.loads(fig["plot"])["layout"]["title"]["text"]
+    assert "layer 3" in title
+
+
+def test_export_and_load_round_trip(client, compared, tmp_path):
+    files = client.predict(api_name="/export")
+    paths = [Path(f) for f in files]
+    by_ext = {p.suffix: p for p in paths}
+    assert set(by_ext) == {".json", ".csv", ".html"}
+    data = json.loads(by_ext[".json"].read_text())
+    result = CompareResult.from_json(data)
+    assert [r.label for r in result.runs] == ["exact", "streaming@0.5", "streaming@0.25"]
+    csv_text = by_ext[".csv"].read_text()
+    assert csv_text.splitlines()[0].startswith("run,method,budget,kv_bytes")
+    assert len(csv_text.strip().splitlines()) >= 4
+    report = by_ext[".html"].read_text()
+    assert "plotly" in report.lower() and "&lt;img src=x" in report and "<img src=x" not in report
+    status, cards, *_ = client.predict(gradio_client.handle_file(str(by_ext[".json"])), "mean", None,
+                                       api_name="/load_json")
+    assert "loaded 3 runs" in status and "<b>streaming@0.25</b>" in cards
+
+
+def test_bad_input_gives_clear_messages(client):
+    table = {"headers": ["method", "parameter", "value", "default", "meaning"], "data": param_rows()}
+    cases = [
+        (("embedded", "   ", [], ["streaming"], "0.25", 4, 0, table, False), "prompt is empty"),
+        (("embedded", "hi", [], [], "0.25", 4, 0, table, False), "no method selected"),
+        (("embedded", "hi", [], ["streaming"], "1.5", 4, 0, table, False), "outside (0, 1]"),
+        (("embedded", "hi", [], ["streaming"], "0.25", 100000, 0, table, False), "greater than maximum"),
+        (("some/other-model", "hi", [], ["streaming"], "0.25", 4, 0, table, False), "embedded model only"),
+    ]
+    for args, needle in cases:
+        with pytest.raises(Exception) as info:
+            client.predict(*args, api_name="/compare")
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_params_from_rows_sends_only_changes():
+    rows = [["streaming", "n_sink", "8", "4", ""], ["streaming", "window", "auto", "auto", ""],
+            ["h2o", "heavy_ratio", "0.3", "0.5", ""]]
+    assert params_from_rows(rows, ["exact", "streaming"]) == {"streaming": {"n_sink": "8"}}
+
+
+def test_figures_say_no_data_without_metrics(lm):
+    empty = CompareResult(model={"n_layers": 30}, prompt="", prompt_tokens=3, prompt_token_ids=[1, 2, 3],
+                          settings={}, timings={}, runs=[])
+    for fig in (plots.error_per_step(empty), plots.attention_heatmaps(empty), plots.quality_vs_memory(empty)):
+        assert "no " in fig.layout.annotations[0].text
+    assert Dashboard(lm).render(None, "mean", None)[0].count("kv-empty") == 1
