@@ -1,0 +1,466 @@
+"""QJL: 1-bit quantized Johnson-Lindenstrauss keys, group-quantized values, a full-precision window.
+
+Zandieh, Daliri, Han. "QJL: 1-Bit Quantized JL Transform for KV Cache Quantization with Zero
+Overhead", arXiv:2406.03482 (AAAI 2025). Implemented here:
+
+* Definition 3.1 / Algorithm 1: each key k is stored as sign(S k) (m bits, packed) plus ||k||
+  (float16); the score of a query q is estimated as sqrt(pi/2)/m * ||k|| * <S q, sign(S k)>,
+  unbiased by Lemma 3.2 (ESTIMATESCORES, lines 6-7: one softmax over the estimates).
+* Sec. 4.1 "Orthogonalized JL transform": S is Gaussian with its rows orthogonalized by QR, in
+  blocks of d rows, each block scaled by sqrt(d) (as the authors' public code does).
+* Sec. 4.1 "Outliers": per group of ``outlier_group`` tokens, the ``n_outliers`` channels with the
+  largest norm over the group are sketched by a second, independent quantizer (``S_out``,
+  ``m_out`` rows) and the remaining channels by S; the score is the sum of both estimates.
+* From the public reference code (DESIGN.md §5): values quantized per token in groups of
+  ``value_group`` coordinates at ``value_bits`` (scale + min in float16); the most recent
+  ``residual`` tokens kept at full precision and flushed into the quantized store
+  ``outlier_group`` tokens at a time; the first layers get a larger sketch (m x ``initial_factor``).
+  Here one window serves keys and values (the reference keeps < 128 keys and 128 values).
+
+Storage format (shared with the Triton kernels, see docs/qjl.md): sign bits uint8 [Hkv, n, m/8]
+LSB first (bit 1 = S k >= 0), norms float16 [Hkv, n], S float32 [m, d] per layer, outlier channel
+indices uint8 [Hkv, n_groups, n_outliers], values packed by ``kvlab.quant.pack_codes``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from kvlab.budgets import per_token_bytes
+from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
+from kvlab.compressors.registry import register
+from kvlab.ops import group_queries, ungroup
+from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, pack_signs, quantize_groups, storage_bits, unpack_signs
+
+SQRT_HALF_PI = math.sqrt(math.pi / 2)
+M_MIN = 8  # smallest sketch: one byte of sign bits per key
+M_MAX_PER_D = 16  # largest automatic sketch, in multiples of head_dim
+RESIDUAL_SHARE = 0.25  # at most this share of the byte budget goes to the full-precision window
+
+
+# ----- the sketch and the estimator -----------------------------------------------------------
+def make_sketch(n_layers: int, m: int, d: int, generator: torch.Generator, orthogonalize: bool = True) -> Tensor:
+    """Sketch matrices [n_layers, m, d] float32 (Definition 3.1, Sec. 4.1).
+
+    Gaussian entries; with ``orthogonalize`` each block of d rows is replaced by the orthonormal
+    factor of its QR decomposition (sign-corrected so that it is Haar distributed) times sqrt(d),
+    so rows keep the Gaussian's expected squared norm d.
+    """
+    n_blocks = -(-m // d)
+    g = torch.randn(n_layers, n_blocks, d, d, generator=generator)
+    if orthogonalize:
+        q, r = torch.linalg.qr(g)
+        g = (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).transpose(-1, -2) * math.sqrt(d)
+    return g.reshape(n_layers, n_blocks * d, d)[:, :m].contiguous()
+
+
+def sketch_keys(k: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """Algorithm 1, line 3: k [L, H, n, d], S [L, m, d] -> (sign bits uint8 [L, H, n, m/8], norms fp16 [L, H, n])."""
+    proj = torch.matmul(k.float(), s.unsqueeze(1).transpose(-1, -2))
+    return pack_signs(proj), k.float().norm(dim=-1).half()
+
+
+def estimate_scores(q: Tensor, s: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
+    """ESTIMATESCORES line 6: sqrt(pi/2)/m * ||k|| * <S q, sign(S k)> for every query head and key.
+
+    q: [Hq, t, d]; s: [m, d]; bits: [Hkv, n, m/8]; norms: [Hkv, n]. Returns [Hq, t, n] float32.
+    """
+    m = s.shape[0]
+    sq = group_queries(torch.matmul(q.float(), s.t()), bits.shape[0])  # [Hkv, g*t, m]
+    dots = torch.matmul(sq, unpack_signs(bits, m).transpose(-1, -2))  # [Hkv, g*t, n]
+    return ungroup(dots * (norms.float().unsqueeze(-2) * (SQRT_HALF_PI / m)), q.shape[0])
+
+
+def dense_key_estimate(s: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
+    """The linear form of the estimator: k_hat = sqrt(pi/2)/m * ||k|| * S^T sign(S k), [..., n, d]."""
+    m = s.shape[-2]
+    return torch.matmul(unpack_signs(bits, m), s) * (norms.float().unsqueeze(-1) * (SQRT_HALF_PI / m))
+
+
+def outlier_channels(k: Tensor, group: int, n_out: int) -> Tensor:
+    """Sec. 4.1: the ``n_out`` channels of largest norm in each group of ``group`` tokens.
+
+    k: [L, H, n, d] with n a multiple of ``group``. Returns uint8 [L, H, n / group, n_out].
+    """
+    *lead, n, d = k.shape
+    mag = k.float().reshape(*lead, n // group, group, d).norm(dim=-2)
+    return mag.topk(n_out, dim=-1).indices.to(torch.uint8)
+
+
+def outlier_mask(idx: Tensor, d: int, group: int) -> Tensor:
+    """Channel mask per token from per-group outlier indices: [..., n_groups, n_out] -> bool [..., n, d]."""
+    mask = torch.zeros(*idx.shape[:-1], d, dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, idx.long(), True)
+    return mask.repeat_interleave(group, dim=-2)
+
+
+# ----- the quantized store of one layer -------------------------------------------------------
+@dataclass
+class QuantizedKeys:
+    """Sketched keys: inlier part by S, outlier part by S_out. Shapes per layer as in the module doc."""
+
+    bits: Tensor  # uint8 [Hkv, n, m/8]
+    norms: Tensor  # fp16 [Hkv, n]
+    out_bits: Tensor  # uint8 [Hkv, n, m_out/8]
+    out_norms: Tensor  # fp16 [Hkv, n]
+    out_idx: Tensor  # uint8 [Hkv, n_groups, n_outliers]
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        yield "key_bits", self.bits
+        yield "key_norms", self.norms
+        yield "outlier_bits", self.out_bits
+        yield "outlier_norms", self.out_norms
+        yield "outlier_indices", self.out_idx
+
+    def cat(self, other: "QuantizedKeys") -> "QuantizedKeys":
+        return QuantizedKeys(
+            torch.cat([self.bits, other.bits], -2),
+            torch.cat([self.norms, other.norms], -1),
+            torch.cat([self.out_bits, other.out_bits], -2),
+            torch.cat([self.out_norms, other.out_norms], -1),
+            torch.cat([self.out_idx, other.out_idx], -2),
+        )
+
+
+@dataclass
+class QJLLayer:
+    """One layer: the sketches, the quantized tokens and the full-precision recent window.
+
+    keys/values cover the oldest ``n_quantized`` tokens; res_k/res_v [Hkv, r, d] the r most recent.
+    """
+
+    s: Tensor  # float32 [m, d]
+    s_out: Tensor  # float32 [m_out, d]
+    keys: QuantizedKeys | None
+    values: QuantizedGroups | None
+    res_k: Tensor
+    res_v: Tensor
+    n_seen: int
+
+    @property
+    def n_quantized(self) -> int:
+        return 0 if self.keys is None else self.keys.bits.shape[-2]
+
+
+@dataclass
+class QJLPlan:
+    """The knobs chosen for a budget, and the bytes they imply per layer and KV head."""
+
+    m: list[int]  # per layer
+    m_out: list[int]
+    value_bits: int
+    residual: int
+    key_bytes_per_token: float  # mean over layers, quantized tokens
+    value_bytes_per_token: float
+    target_bytes: float | None
+    planned_bytes: float
+
+    def knobs(self, d: int) -> dict:
+        return {
+            "m": self.m[-1],
+            "m_initial": self.m[0],
+            "m_out": self.m_out[-1],
+            "m_out_initial": self.m_out[0],
+            "value_bits": self.value_bits,
+            "residual": self.residual,
+            "key_bits_per_coord": round(8 * self.key_bytes_per_token / d, 3),
+            "value_bits_per_coord": round(8 * self.value_bytes_per_token / d, 3),
+            "fits_budget": self.target_bytes is None or self.planned_bytes <= self.target_bytes,
+        }
+
+
+@register
+class QJL(Compressor):
+    name = "qjl"
+    title = "QJL"
+    group = "paper"
+    paper = (
+        "Zandieh, Daliri, Han. QJL: 1-Bit Quantized JL Transform for KV Cache Quantization with Zero "
+        "Overhead. arXiv:2406.03482 (AAAI 2025), https://arxiv.org/abs/2406.03482"
+    )
+    summary = (
+        "Keys as sign bits of a random (orthogonalized) projection plus their norm, with outlier channels "
+        "sketched separately; values group-quantized; a recent window at full precision."
+    )
+    streaming = True
+    params = (
+        Param("m", None, "sketch size (sign bits per key) on the later layers, a multiple of 8; from the budget "
+              "when not given (reference: 2 x head_dim)"),
+        Param("initial_factor", 2, "the first layers use m x this (reference: 512 vs 256)", minimum=1),
+        Param("initial_layers", None, "how many first layers use the larger sketch (reference: 15 of 32 layers, "
+              "scaled to the model when not given)"),
+        Param("m_out_ratio", 0.5, "outlier sketch size as a fraction of m (reference: 128 / 256)", minimum=0.0),
+        Param("n_outliers", None, "outlier channels per token group, 0 for none (reference: 8 for head_dim 128; "
+              "head_dim / 16 when not given)"),
+        Param("outlier_group", 32, "tokens per outlier group; also the flush unit of the window", minimum=1),
+        Param("value_bits", None, "bits per value coordinate: 1, 2, 3, 4 or 8 (reference: 2); from the budget "
+              "when not given"),
+        Param("value_group", 32, "coordinates per value quantization group (reference: 32)", minimum=1),
+        Param("residual", None, "recent tokens kept at full precision at most (reference: 128); from the "
+              "budget when not given"),
+        Param("orthogonalize", True, "orthogonalize the sketch rows by QR in blocks of head_dim (Sec. 4.1)"),
+        Param("count_sketch", False, "count the sketch matrices as held bytes (they are regenerated from the "
+              "seed, so by default they are not)"),
+    )
+
+    # optional integer knobs (default None = chosen from the budget or scaled from the reference)
+    _OPTIONAL_INTS = {"m": (M_MIN, None), "initial_layers": (0, None), "n_outliers": (0, None),
+                      "value_bits": (1, 8), "residual": (1, None)}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for key, (lo, hi) in self._OPTIONAL_INTS.items():
+            v = self.cfg[key]
+            if v is None or v == "" or str(v).lower() == "none":
+                self.cfg[key] = None
+                continue
+            try:
+                v = int(float(v))
+            except (TypeError, ValueError):
+                raise ParamError(f"qjl: parameter {key}={self.cfg[key]!r} must be an integer or empty") from None
+            if v < lo or hi is not None and v > hi:
+                raise ParamError(f"qjl: parameter {key}={v} must be in [{lo}, {hi if hi is not None else 'inf'}]")
+            self.cfg[key] = v
+        if self.cfg["value_bits"] not in (None, 1, 2, 3, 4, 8):
+            raise ParamError(f"qjl: parameter value_bits={self.cfg['value_bits']} must be one of 1, 2, 3, 4, 8")
+        if self.cfg["m"] is not None and self.cfg["m"] % 8:
+            raise ParamError(f"qjl: parameter m={self.cfg['m']} must be a multiple of 8 (bits are packed in bytes)")
+
+    # ----- planning ----------------------------------------------------------------------------
+    def _layer_m(self, m: int) -> tuple[list[int], list[int]]:
+        n_layers = self.info.n_layers
+        n_init = self.cfg["initial_layers"]
+        if n_init is None:
+            n_init = round(n_layers * 15 / 32)
+        ms = [m * (self.cfg["initial_factor"] if i < n_init else 1) for i in range(n_layers)]
+        m_outs = [self.n_out and max(M_MIN, _round8(x * self.cfg["m_out_ratio"])) for x in ms]
+        return ms, m_outs
+
+    @property
+    def n_out(self) -> int:
+        n = self.cfg["n_outliers"]
+        return max(1, self.info.head_dim // 16) if n is None else min(int(n), self.info.head_dim)
+
+    def _key_bytes(self, ms: list[int], m_outs: list[int]) -> float:
+        """Bytes per quantized token, mean over layers: bits + fp16 norm per sketch + its share of indices."""
+        per_layer = [m // 8 + 2 + (mo // 8 + 2 if self.n_out else 0) for m, mo in zip(ms, m_outs)]
+        return sum(per_layer) / len(per_layer) + self.n_out / self.cfg["outlier_group"]
+
+    def _value_bytes(self, bits: int) -> float:
+        d, g = self.info.head_dim, self.cfg["value_group"]
+        n_groups = -(-d // g)
+        return n_groups * (-(-g * storage_bits(bits) // 8) + 4)
+
+    def _sketch_bytes(self, ms: list[int], m_outs: list[int]) -> float:
+        """Sketch bytes per KV head (all layers' S and S_out, float32, shared by the heads of a layer)."""
+        if not self.cfg["count_sketch"]:
+            return 0.0
+        total = sum((m + mo) * self.info.head_dim * 4 for m, mo in zip(ms, m_outs))
+        return total / self.info.n_kv_heads / self.info.n_layers
+
+    def _bytes(self, n: int, m: int, bits: int, residual: int) -> tuple[float, float, float, list, list]:
+        """Worst-case bytes per layer and KV head for n tokens (the window full), and its parts."""
+        ms, m_outs = self._layer_m(m)
+        kb, vb = self._key_bytes(ms, m_outs), self._value_bytes(bits)
+        r = min(n, residual)
+        total = r * per_token_bytes(self.info) + (n - r) * (kb + vb) + self._sketch_bytes(ms, m_outs)
+        return total, kb, vb, ms, m_outs
+
+    def plan(self, n_prompt: int) -> dict:
+        self.full = self.budget is None or self.budget.is_full
+        d, group = self.info.head_dim, self.cfg["outlier_group"]
+        if self.full:
+            m, bits, residual, target = self.cfg["m"] or 2 * d, self.cfg["value_bits"] or 2, None, None
+        else:
+            target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+            residual = max(group, self.cfg["residual"] or self._auto_residual(target))  # >= one flush group
+            m, bits = self._fit_m_bits(n_prompt, target, residual)
+        total, kb, vb, ms, m_outs = self._bytes(n_prompt, m, bits, residual or n_prompt)
+        self.qplan = QJLPlan(ms, m_outs, bits, residual or 0, kb, vb, target, total)
+        return self.qplan.knobs(d)
+
+    def _auto_residual(self, target: float) -> int:
+        """Largest multiple of the flush group, at most the reference's 128, using at most a quarter of the budget."""
+        group = self.cfg["outlier_group"]
+        fit = int(target * RESIDUAL_SHARE // per_token_bytes(self.info)) // group * group
+        return max(group, min(max(128, group), fit))
+
+    def _fit_m_bits(self, n: int, target: float, residual: int) -> tuple[int, int]:
+        """Pick the value width and the largest m that fit the target.
+
+        Key-score noise dominates the attention error (it scales as ||q|| ||k|| / sqrt(m)), so values
+        get 8 bits only when m >= 8 d still fits, 4 bits when m >= 4 d fits, else 2 bits (the reference).
+        """
+        d, m_fixed, b_fixed = self.info.head_dim, self.cfg["m"], self.cfg["value_bits"]
+        choices = [(b_fixed, 0)] if b_fixed is not None else [(8, 8 * d), (4, 4 * d), (2, 0)]
+        for bits, m_needed in choices:
+            if m_fixed is not None:
+                if self._bytes(n, m_fixed, bits, residual)[0] <= target or m_needed == 0:
+                    return m_fixed, bits
+                continue
+            m = self._largest_m(n, bits, residual, target)
+            if m >= m_needed:
+                return min(m, M_MAX_PER_D * d), bits
+        raise AssertionError("unreachable: the last choice accepts any m")
+
+    def _largest_m(self, n: int, bits: int, residual: int, target: float) -> int:
+        lo, hi = M_MIN, 64 * self.info.head_dim
+        if self._bytes(n, lo, bits, residual)[0] > target:
+            return lo
+        while lo < hi:  # bytes grow with m: bisect over multiples of 8
+            mid = _round8((lo + hi + 8) // 2)
+            lo, hi = (mid, hi) if self._bytes(n, mid, bits, residual)[0] <= target else (lo, mid - 8)
+        return lo
+
+    # ----- compression -----------------------------------------------------------------------
+    def compress(self, state: PrefillState) -> None:
+        keys, values = state.keys, state.values
+        n_layers, _, n, d = keys.shape
+        p = self.qplan
+        self.layers = []
+        sketches = self._make_sketches(d, keys.device)
+        residual = n if self.full else p.residual
+        n_q = max(0, -(-(n - residual) // self.cfg["outlier_group"]) * self.cfg["outlier_group"])
+        stores = self._quantize_all(keys[..., :n_q, :], values[..., :n_q, :], sketches) if n_q else None
+        for layer in range(n_layers):
+            kq, vq = (None, None) if stores is None else stores[layer]
+            s, s_out = sketches[layer]
+            self.layers.append(
+                QJLLayer(s, s_out, kq, vq, keys[layer, :, n_q:].clone(), values[layer, :, n_q:].clone(), n)
+            )
+
+    def _make_sketches(self, d: int, device) -> list[tuple[Tensor, Tensor]]:
+        """Per layer (S, S_out), generated in batches of layers sharing a size, from the seed."""
+        p, orth = self.qplan, self.cfg["orthogonalize"]
+        out: dict[int, tuple[Tensor, Tensor]] = {}
+        for m, m_out in sorted(set(zip(p.m, p.m_out))):
+            layers = [i for i in range(len(p.m)) if (p.m[i], p.m_out[i]) == (m, m_out)]
+            s = make_sketch(len(layers), m, d, self.generator, orth).to(device)
+            s_out = make_sketch(len(layers), max(m_out, M_MIN), d, self.generator, orth).to(device)
+            out.update({layer: (s[j], s_out[j]) for j, layer in enumerate(layers)})
+        return [out[i] for i in range(len(p.m))]
+
+    def _quantize_all(self, k: Tensor, v: Tensor, sketches) -> list[tuple[QuantizedKeys, QuantizedGroups]]:
+        """Quantize k, v [L, Hkv, n, d] (n a multiple of the outlier group), batched over layers of one m."""
+        out: list = [None] * k.shape[0]
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, (s, so) in enumerate(sketches):
+            by_size.setdefault((s.shape[0], so.shape[0]), []).append(i)
+        for layers in by_size.values():
+            ix = torch.tensor(layers, device=k.device)
+            s = torch.stack([sketches[i][0] for i in layers])
+            s_out = torch.stack([sketches[i][1] for i in layers])
+            kq = self._quantize_keys(k[ix], s, s_out)
+            vq = quantize_groups(v[ix], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
+            for j, layer in enumerate(layers):
+                out[layer] = (_index_keys(kq, j), _index_groups(vq, j))
+        return out
+
+    def _quantize_keys(self, k: Tensor, s: Tensor, s_out: Tensor) -> QuantizedKeys:
+        """k [L, H, n, d] -> QuantizedKeys with a leading layer dim; S [L, m, d], S_out [L, m_out, d]."""
+        group, d = self.cfg["outlier_group"], k.shape[-1]
+        if self.n_out:
+            idx = outlier_channels(k, group, self.n_out)
+            mask = outlier_mask(idx, d, group)
+        else:
+            idx = torch.zeros(*k.shape[:-2], k.shape[-2] // group, 0, dtype=torch.uint8, device=k.device)
+            mask = torch.zeros_like(k, dtype=torch.bool)
+        kf = k.float()
+        bits, norms = sketch_keys(kf.masked_fill(mask, 0.0), s)
+        out_bits, out_norms = sketch_keys(kf.masked_fill(~mask, 0.0), s_out)
+        if not self.n_out:
+            out_bits, out_norms = out_bits[..., :0], out_norms[..., :0]
+        return QuantizedKeys(bits, norms, out_bits, out_norms, idx)
+
+    # ----- decoding ------------------------------------------------------------------------------
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        st = self.layers[layer]
+        st.res_k = torch.cat([st.res_k, k.to(st.res_k.dtype)], -2)
+        st.res_v = torch.cat([st.res_v, v.to(st.res_v.dtype)], -2)
+        st.n_seen += 1
+        if not self.full and st.res_k.shape[-2] > self.qplan.residual:
+            self._flush(st)
+
+    def _flush(self, st: QJLLayer) -> None:
+        """Move the oldest outlier group of the window into the quantized store."""
+        g = self.cfg["outlier_group"]
+        kq = self._quantize_keys(st.res_k[None, :, :g], st.s[None], st.s_out[None])
+        vq = quantize_groups(st.res_v[None, :, :g], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
+        kq, vq = _index_keys(kq, 0), _index_groups(vq, 0)
+        st.keys = kq if st.keys is None else st.keys.cat(kq)
+        st.values = vq if st.values is None else cat_groups([st.values, vq], dim=-2)
+        st.res_k, st.res_v = st.res_k[:, g:].clone(), st.res_v[:, g:].clone()
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        """One softmax over estimated scores (quantized tokens) and exact scores (window). q [Hq, t, d]."""
+        st = self.layers[layer]
+        hq, hkv = q.shape[0], st.res_k.shape[0]
+        qf = q.float()
+        logits = [ungroup(torch.matmul(group_queries(qf, hkv), st.res_k.float().transpose(-1, -2)), hq)]
+        vals = [st.res_v.float()]
+        if st.keys is not None:
+            kq = st.keys
+            est = estimate_scores(qf, st.s, kq.bits, kq.norms)
+            if kq.out_bits.shape[-1]:
+                est = est + estimate_scores(qf, st.s_out, kq.out_bits, kq.out_norms)
+            logits.insert(0, est)
+            vals.insert(0, dequantize_groups(st.values))
+        probs = torch.softmax(torch.cat(logits, -1) * self.scaling, dim=-1)
+        out = torch.matmul(group_queries(probs, hkv), torch.cat(vals, -2))
+        return ungroup(out, hq).to(q.dtype)
+
+    # ----- bytes ----------------------------------------------------------------------------------
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for st in self.layers:
+            if st.keys is not None:
+                yield from st.keys.tensors()
+                for kind, t in st.values.tensors():
+                    yield f"value_{kind}", t
+            yield "residual_keys", st.res_k
+            yield "residual_values", st.res_v
+            if self.cfg["count_sketch"]:
+                yield "sketch", st.s
+                if self.n_out:
+                    yield "sketch", st.s_out
+
+    def bits_per_coordinate(self) -> dict[str, float]:
+        """Bits per stored coordinate measured from the tensors held (quantized tokens vs window)."""
+        by = self.nbytes_by_kind()
+        d, hkv = self.info.head_dim, self.info.n_kv_heads
+        n_q = sum(st.n_quantized for st in self.layers) * hkv
+        key_kinds = ("key_bits", "key_norms", "outlier_bits", "outlier_norms", "outlier_indices")
+        val_kinds = ("value_codes", "value_scales", "value_zero_points")
+        kb, vb = sum(by.get(k, 0) for k in key_kinds), sum(by.get(k, 0) for k in val_kinds)
+        total_coords = sum(st.n_seen for st in self.layers) * hkv * d * 2
+        return {
+            "keys": 8 * kb / max(1, n_q * d),
+            "values": 8 * vb / max(1, n_q * d),
+            "overall": 8 * self.nbytes() / max(1, total_coords),
+        }
+
+    def kept_positions(self, layer: int) -> Tensor | None:
+        st = self.layers[layer]
+        r = st.res_k.shape[-2]
+        pos = torch.arange(st.n_seen - r, st.n_seen, dtype=torch.int32, device=st.res_k.device)
+        return pos.expand(st.res_k.shape[0], r)
+
+
+def _round8(x: float) -> int:
+    return max(M_MIN, int(x) // 8 * 8)
+
+
+def _index_keys(kq: QuantizedKeys, j: int) -> QuantizedKeys:
+    return QuantizedKeys(*(t[j] for t in (kq.bits, kq.norms, kq.out_bits, kq.out_norms, kq.out_idx)))
+
+
+def _index_groups(q: QuantizedGroups, j: int) -> QuantizedGroups:
+    """Drop the leading (layer) dim of a QuantizedGroups built over [L, ...]."""
+    return QuantizedGroups(q.codes[j], q.scale[j], q.minimum[j], q.bits, q.group, q.dim - 1, q.length)
+
+
+__all__ = ["QJL", "dense_key_estimate", "estimate_scores", "make_sketch", "outlier_channels", "sketch_keys"]
