@@ -98,6 +98,11 @@ class ScoredEvictionCompressor(DenseCompressor):
     def budget_is_full(self) -> bool:
         return self.budget is None or self.budget.is_full
 
+    def set_full(self, full: bool) -> None:
+        """No eviction at all: the cache is the exact one (positions 0..n-1 implied, no scores)."""
+        self.full = full
+        self.positions_implicit = full
+
     def _priority(self, scores: Tensor) -> Tensor:
         return scores if self.evict_highest else -scores.float()
 

@@ -62,7 +62,7 @@ class Scissorhands(ScoredEvictionCompressor):
     # ----- knobs --------------------------------------------------------------------------
     def plan(self, n_prompt: int) -> dict:
         cfg = self.cfg
-        self.full = self.budget_is_full() and cfg["B"] is None
+        self.set_full(self.budget_is_full() and cfg["B"] is None)
         self.capacity = B = int(cfg["B"]) if cfg["B"] is not None else self.tokens_for_budget(n_prompt)
         if B < 1:
             raise ValueError(f"scissorhands: B={B} must be at least 1")
