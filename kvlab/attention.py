@@ -64,11 +64,17 @@ def accumulated_attention(q: Tensor, k: Tensor, scaling: float, chunk: int = 256
 
 
 class LockstepDecode:
-    """Routes batch row i to ``compressors[i]``; ``observers`` see (layer, row, q, out) for probes."""
+    """Routes batch row i to ``compressors[i]``; ``observers`` see (layer, row, q, out) for probes.
 
-    def __init__(self, compressors: list, observers: list[Callable] | None = None):
+    ``layer_observers`` see the whole batch once per layer: (layer, q [B, Hq, 1, d], k, v
+    [B, Hkv, 1, d] the new token's key/value, out [B, Hq, 1, d]).
+    """
+
+    def __init__(self, compressors: list, observers: list[Callable] | None = None,
+                 layer_observers: list[Callable] | None = None):
         self.compressors = compressors
         self.observers = observers or []
+        self.layer_observers = layer_observers or []
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
         layer = module.layer_idx
@@ -80,6 +86,8 @@ class LockstepDecode:
                 obs(layer, row, q, out)
             outs.append(out)
         out = torch.stack(outs)  # [B, Hq, 1, d]
+        for obs in self.layer_observers:
+            obs(layer, query, key, value, out)
         return out.transpose(1, 2).contiguous(), None
 
 

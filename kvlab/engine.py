@@ -10,6 +10,7 @@ results. Positions always continue from the true number of tokens seen.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Protocol
@@ -74,7 +75,19 @@ class Event:
 
 
 class Probe(Protocol):
-    """Optional measurement hooks (metrics add these; the engine stays measurement-agnostic)."""
+    """Optional measurement hooks (metrics add these; the engine stays measurement-agnostic).
+
+    Besides these four, a probe may define (the engine calls them only when present):
+
+    * ``on_layer(layer, rows, pos, q, k, v, out)`` once per layer and decode step with the whole
+      batch of free-running rows (``rows``: their run indices; q/out [R, Hq, 1, d], k/v
+      [R, Hkv, 1, d] the new token's key/value at true position ``pos``);
+    * ``teacher_forced = True`` plus ``on_forced(step, token, exact_logits, forced)``: the engine
+      then also feeds each run the exact run's tokens (the free-running row itself while its
+      tokens equal the exact run's, else a copy of its compressor forked at the divergence, in the
+      same batched forward) and reports, after each step, the exact run's token, its logits [V]
+      and ``forced`` {run index: logits [V] of that run fed the exact tokens}. Needs an ``exact`` run.
+    """
 
     def on_prefill(self, state: PrefillState, logits: Tensor, compressors: list[Compressor]) -> None: ...
     def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None: ...
@@ -219,6 +232,8 @@ class Engine:
             p.on_prefill(state, last_logits, comps)
         del state
 
+        exact_i = next((i for i, spec in enumerate(runs) if spec.method == "exact"), None)
+        forcing = _TeacherForcing(exact_i, [p for p in probes if getattr(p, "teacher_forced", False)])
         gens = [torch.Generator().manual_seed(gen.seed) for _ in runs]
         eos = self.lm.eos_ids
         tokens: list[list[int]] = [[] for _ in runs]
@@ -235,6 +250,7 @@ class Engine:
         for i in range(len(runs)):
             if i not in active:
                 yield from self._finish(results[i], tokens[i], runs[i].label)
+        forcing.after_pick(tokens, comps, active)
 
         total = gen.max_new_tokens - 1
         model, dev = self.lm.model, self.lm.device
@@ -243,17 +259,21 @@ class Engine:
                 break
             t0 = time.perf_counter()
             seen = n + step - 1  # tokens already in every cache; the new one sits at this position
-            cache = LockstepCache([comps[i] for i in active], info.n_layers, seen)
-            observers = [_RowObserver(p, active) for p in probes]
-            handler = attn.LockstepDecode([comps[i] for i in active], [o.on_attend for o in observers])
+            row_comps = [comps[i] for i in active] + forcing.compressors()
+            inputs = [tokens[i][-1] for i in active] + forcing.inputs(tokens)
+            cache = LockstepCache(row_comps, info.n_layers, seen)
+            observers = [_RowObserver(p, active) for p in probes if _defines(p, "on_attend")]
+            layer_obs = [_LayerObserver(p, active, seen) for p in probes if _defines(p, "on_layer")]
+            handler = attn.LockstepDecode(row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs])
             with attn.active(model, handler):
                 out = model(
-                    input_ids=torch.tensor([[tokens[i][-1]] for i in active], device=dev),
-                    position_ids=torch.full((len(active), 1), seen, device=dev),
+                    input_ids=torch.tensor([[t] for t in inputs], device=dev),
+                    position_ids=torch.full((len(inputs), 1), seen, device=dev),
                     past_key_values=cache,
                     use_cache=True,
                 )
-            logits = out.logits[:, -1]
+            all_logits = out.logits[:, -1]
+            logits = all_logits[: len(active)]
             for p in probes:
                 p.on_step(step, list(active), logits)
             dt = time.perf_counter() - t0
@@ -269,11 +289,13 @@ class Engine:
                     r.finish_reason = "eos" if t in eos else "length"
                 else:
                     still.append(i)
+            forcing.report(step, tokens, active, all_logits)
             yield Event("step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total)
             for i in active:
                 if i not in still:
                     yield from self._finish(results[i], tokens[i], runs[i].label)
             active = still
+            forcing.after_pick(tokens, comps, active)
 
         for p in probes:
             p.finish(results)
@@ -311,6 +333,71 @@ class _RowObserver:
 
     def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None:
         self.probe.on_attend(layer, self.active[row], q, out)
+
+
+def _defines(probe, hook: str) -> bool:
+    """True when ``probe`` implements ``hook`` with a body (Protocol stubs and missing hooks: False)."""
+    fn = getattr(type(probe), hook, None)
+    return fn is not None and getattr(Probe, hook, None) is not fn
+
+
+class _LayerObserver:
+    """Hands a probe the free-running rows of each layer's batch (teacher-forced rows come after them)."""
+
+    def __init__(self, probe: Probe, active: list[int], pos: int):
+        self.probe, self.active, self.pos = probe, active, pos
+
+    def on_layer(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        r = len(self.active)
+        self.probe.on_layer(layer, self.active, self.pos, q[:r], k[:r], v[:r], out[:r])
+
+
+class _TeacherForcing:
+    """Runs fed the exact run's tokens, for teacher-forced fidelity at little extra cost.
+
+    While a run's tokens equal the exact run's, its free-running row *is* the teacher-forced row.
+    When it first picks a different token (or stops), its compressor (which has seen only the
+    shared tokens so far) is copied and the copy is fed the exact tokens as an extra batch row.
+    """
+
+    def __init__(self, exact: int | None, probes: list):
+        self.exact, self.probes = exact, probes
+        self.on = exact is not None and bool(probes)
+        self.aligned: set[int] = set()
+        self.forked: dict[int, Compressor] = {}
+        self.started = False
+
+    def after_pick(self, tokens: list[list[int]], comps: list[Compressor], active: list[int]) -> None:
+        """Update after tokens were picked; ``active`` are the runs that decode on."""
+        if not self.on:
+            return
+        if self.exact not in active:  # the exact continuation is complete: nothing more to force
+            self.on, self.forked, self.aligned = False, {}, set()
+            return
+        if not self.started:
+            self.started = True
+            self.aligned = {i for i in range(len(tokens)) if i != self.exact}
+        ref = tokens[self.exact]
+        for i in sorted(self.aligned):
+            if tokens[i] != ref[: len(tokens[i])] or len(tokens[i]) != len(ref) or i not in active:
+                self.aligned.discard(i)
+                self.forked[i] = copy.deepcopy(comps[i])
+
+    def compressors(self) -> list[Compressor]:
+        return list(self.forked.values()) if self.on else []
+
+    def inputs(self, tokens: list[list[int]]) -> list[int]:
+        return [tokens[self.exact][-1]] * len(self.forked) if self.on else []
+
+    def report(self, step: int, tokens: list[list[int]], active: list[int], logits: Tensor) -> None:
+        """``logits`` [B, V]: the free rows (``active``), then the forked rows in order."""
+        if not self.on:
+            return
+        row = {i: r for r, i in enumerate(active)}
+        forced = {i: logits[row[i]] for i in self.aligned if i in row}
+        forced.update({i: logits[len(active) + j] for j, i in enumerate(self.forked)})
+        for p in self.probes:
+            p.on_forced(step, tokens[self.exact][-1], logits[row[self.exact]], forced)
 
 
 def _jsonable(d: dict) -> dict:
