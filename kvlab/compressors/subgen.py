@@ -1,0 +1,444 @@
+"""SubGen / ClusterGen: attention from key clusters and reservoir samples; and its k-center variant.
+
+Zandieh, Han, Mirrokni, Karbasi. "SubGen: Token Generation in Sublinear Time and Memory",
+arXiv:2402.06082 (2024); later version "ClusterGen" (same authors, same Algorithm 1).
+
+``subgen`` implements Algorithm 1 (SubGen / CLUSTERGEN: Sublinear Streaming Attention), Sec. 2:
+
+* UpdateSoftmaxNormalizer: each new key joins the nearest cluster representative if it lies within
+  ``delta`` (its size ``n_i`` grows and each of the cluster's ``t`` reservoir slots takes the key with
+  probability ``1 / n_i``), else it opens a cluster holding ``t`` copies of itself.
+* UpdateMatrixProduct: ``s`` slots of (k, v); each slot takes the new pair with probability
+  ``||v||^2 / (mu + ||v||^2)``, then ``mu += ||v||^2`` (so each slot is an i.i.d. draw with probability
+  proportional to ``||v_i||^2``, Lemma 1 / 2.2).
+* QueryStreamAttn: ``z = sum_M mu / (s ||v||^2) exp(<q, k>) v``, ``tau = sum_D n_i / t sum_S exp(<q, k>)``,
+  output ``z / tau`` (logits scaled by 1/sqrt(d) as the model does; a common shift cancels in the ratio).
+
+The pass runs over the prompt at compress time and keeps running on every generated token. It is
+sequential only in the cluster assignment, which runs over all L x Hkv streams together and loops
+once per opened cluster rather than once per token (see ``_cluster_stream``; same result as the
+token-by-token rule). Over the prompt the reservoirs are drawn from the closed form of their coin
+flips (the same distribution); while decoding the coins are flipped token by token. To hold a byte budget, the cluster count is capped at ``m_cap``: once a
+stream has ``m_cap`` clusters, a far key joins its nearest cluster anyway (the uniform reservoir still
+estimates that cluster's sum without bias; only the variance grows).
+
+``subgen-kcenter`` is the variant of the experiments (Sec. 3.2 of SubGen, Sec. 4.1 of ClusterGen):
+keep the most recent ``l`` tokens plus ``k`` centers from one greedy k-center pass (Gonzalez /
+Dyer-Frieze) over the remaining prompt keys; budget = l + k tokens. The paper does not say what a
+center's value and weight are; here a center keeps its own key, stands for its whole cluster with
+the log-weight ``log(cluster size)`` added to its logit, and carries the cluster's mean value
+(``value="mean"``; ``value="center"`` keeps the center token's own value). Then
+``size * exp(<q, x>) * mean(v)`` approximates ``sum_{i in C} exp(<q, k_i>) v_i`` when the keys of C lie
+close to x. Generated tokens are kept uncompressed (prefill-only method).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from kvlab.compressors.base import Compressor, DenseCompressor, DenseLayer, Param, PrefillState
+from kvlab.compressors.registry import register
+from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup
+
+PAPER = (
+    "Zandieh, Han, Mirrokni, Karbasi, SubGen: Token Generation in Sublinear Time and Memory, "
+    "arXiv:2402.06082 (2024); ClusterGen (later version)"
+)
+
+
+# ----- clustering ----------------------------------------------------------------------------------
+def _sqdist(x: Tensor, xsq: Tensor, c: Tensor, csq: Tensor) -> Tensor:
+    """Squared distances of points x [B, n, d] to points c [B, m, d] given their squared norms: [B, n, m]."""
+    return (xsq.unsqueeze(-1) - 2 * torch.matmul(x, c.transpose(-1, -2)) + csq.unsqueeze(-2)).clamp_min_(0)
+
+
+@dataclass
+class KCenter:
+    """Greedy k-center result per stream: centers [B, k] (token indices), assign [B, n], radius [B]."""
+
+    centers: Tensor
+    assign: Tensor
+    radius: Tensor
+
+
+def greedy_kcenter(x: Tensor, k: int) -> KCenter:
+    """Gonzalez' greedy k-center (a 2-approximation) on every stream at once.
+
+    x: [B, n, d]. Starts from token 0; each round adds the point farthest from the chosen centers.
+    Returns the chosen token indices, each point's nearest center (index into ``centers``) and the
+    final cover radius.
+    """
+    b, n, _ = x.shape
+    k = min(k, n)
+    xsq = (x * x).sum(-1)
+    rows = torch.arange(b, device=x.device)
+    best = torch.full((b, n), float("inf"), device=x.device)
+    assign = torch.zeros(b, n, dtype=torch.long, device=x.device)
+    centers = torch.zeros(b, k, dtype=torch.long, device=x.device)
+    cur = torch.zeros(b, dtype=torch.long, device=x.device)
+    for j in range(k):
+        centers[:, j] = cur
+        d2 = _sqdist(x, xsq, x[rows, cur].unsqueeze(1), xsq[rows, cur].unsqueeze(1)).squeeze(-1)
+        closer = d2 < best
+        best = torch.where(closer, d2, best)
+        assign.masked_fill_(closer, j)
+        cur = best.argmax(-1)
+    return KCenter(centers, assign, best.amax(-1).sqrt())
+
+
+def _nearest(centers: Tensor, csq: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """Nearest center of each stream's key: centers [B, m, d], csq [B, m] (inf = unused), k [B, d].
+
+    Returns (squared distance [B], index [B]).
+    """
+    d2 = _sqdist(k.unsqueeze(1), (k * k).sum(-1, keepdim=True), centers, csq).squeeze(1)
+    return d2.min(-1)
+
+
+def _open_or_join(dmin: Tensor, j: Tensor, count: Tensor, delta: Tensor, m_cap: int) -> tuple[Tensor, Tensor]:
+    """Line 13 of Algorithm 1: open a cluster when the nearest is farther than delta (and room is left).
+
+    Returns (cluster index [B], opened [B] bool).
+    """
+    opened = (dmin > delta * delta) & (count < m_cap)
+    return torch.where(opened, count.long(), j), opened
+
+
+# ----- reservoirs ----------------------------------------------------------------------------------
+# Over the prompt, each slot's final content is drawn from the closed form of its coin flips: a slot
+# that the i-th arrival overwrites with probability p_i ends up holding token i with probability
+# p_i * prod_{j > i} (1 - p_j). For p = 1/rank (line 17) that is uniform over the cluster; for
+# p = ||v_i||^2 / mu_i (line 26) the product telescopes to ||v_i||^2 / mu_n. Sampling these directly
+# gives the reservoirs' exact distribution in O(n) instead of O(n * slots) coin flips. While decoding,
+# ``SubGenState.append`` flips the coins one token at a time.
+def uniform_reservoirs(assign: Tensor, m_cap: int, t: int, gen: torch.Generator) -> Tensor:
+    """t i.i.d. uniform members of each cluster: assign [B, n] -> token indices [B, m_cap, t] (-1: empty)."""
+    b, n = assign.shape
+    sizes = torch.zeros(b, m_cap, dtype=torch.long, device=assign.device).scatter_add_(1, assign, torch.ones_like(assign))
+    order = torch.sort(assign, dim=1, stable=True).indices  # members of cluster 0, then 1, ... in arrival order
+    start = sizes.cumsum(-1) - sizes
+    rank = (torch.rand(b, m_cap, t, generator=gen).to(assign.device) * sizes.unsqueeze(-1)).long()
+    pick = torch.gather(order, 1, (start.unsqueeze(-1) + rank).clamp_max(n - 1).flatten(1)).view(b, m_cap, t)
+    return pick.masked_fill((sizes == 0).unsqueeze(-1), -1)
+
+
+def norm_reservoir(values: Tensor, s: int, gen: torch.Generator) -> Tensor:
+    """s i.i.d. token indices drawn with probability ||v_i||^2 / sum ||v||^2: values [B, n, d] -> [B, s]."""
+    mass = (values * values).sum(-1).cumsum(-1)  # mu after each token
+    u = torch.rand(values.shape[0], s, generator=gen).to(values.device) * mass[:, -1:]
+    return torch.searchsorted(mass, u, right=True).clamp_max(values.shape[1] - 1)
+
+
+def _replace(slots: Tensor, coins: Tensor, x: Tensor) -> None:
+    """Write x [B, d] into the slots [B, s, d] whose coin [B, s] succeeded (in place)."""
+    slots.copy_(torch.where(coins.unsqueeze(-1), x.unsqueeze(1), slots))
+
+
+# ----- the streaming data structure ----------------------------------------------------------------
+@dataclass
+class SubGenState:
+    """Algorithm 1's data structure for L x H independent streams (one per layer and KV head).
+
+    centers [L, H, m_cap, d] (cluster representatives x_i), sizes [L, H, m_cap] int32 (n_i; 0 =
+    unused), samples [L, H, m_cap, t, d] (S_i, uniform within cluster), count [L, H] int32 (clusters
+    open), delta [L, H] (radius), mk / mv [L, H, s, d] (M: (k, v) drawn proportional to ||v||^2),
+    mu [L, H] (sum of ||v||^2).
+    """
+
+    centers: Tensor
+    sizes: Tensor
+    samples: Tensor
+    count: Tensor
+    delta: Tensor
+    mk: Tensor
+    mv: Tensor
+    mu: Tensor
+
+    @property
+    def m_cap(self) -> int:
+        return self.centers.shape[2]
+
+    @property
+    def t(self) -> int:
+        return self.samples.shape[3]
+
+    @property
+    def s(self) -> int:
+        return self.mk.shape[2]
+
+    @classmethod
+    def build(cls, keys: Tensor, values: Tensor, delta: Tensor, t: int, s: int, m_cap: int, gen: torch.Generator) -> "SubGenState":
+        """Run Algorithm 1 over a prompt: keys, values [L, H, n, d]; delta [L, H]."""
+        n_layers, h, n, d = keys.shape
+        flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, d).float()
+        assign, centers, count = _cluster_stream(flat_k, delta.reshape(-1).float(), m_cap)
+        sizes = torch.zeros(assign.shape[0], m_cap, dtype=torch.long).scatter_add_(1, assign, torch.ones_like(assign))
+        pick = uniform_reservoirs(assign, m_cap, t, gen)
+        samples = gather_tokens(flat_k, pick.clamp_min(0).flatten(1)).view(-1, m_cap, t, d)
+        samples = samples * (pick >= 0).unsqueeze(-1)
+        mpick = norm_reservoir(flat_v, s, gen)
+        mu = (flat_v * flat_v).sum((-1, -2))
+        lead = (n_layers, h)
+        return cls(
+            centers.view(*lead, m_cap, d),
+            sizes.to(torch.int32).view(*lead, m_cap),
+            samples.view(*lead, m_cap, t, d),
+            count.to(torch.int32).view(lead),
+            delta.float().clone(),
+            gather_tokens(flat_k, mpick).view(*lead, s, d),
+            gather_tokens(flat_v, mpick).view(*lead, s, d),
+            mu.view(lead),
+        )
+
+    def append(self, layer: int, k: Tensor, v: Tensor, gen: torch.Generator) -> None:
+        """One new token for every head of ``layer``: k, v [H, d] (lines 4-6 of Algorithm 1)."""
+        k, v = k.float(), v.float()
+        centers, count = self.centers[layer], self.count[layer]
+        unused = torch.arange(self.m_cap, device=k.device) >= count.unsqueeze(-1)
+        csq = (centers * centers).sum(-1).masked_fill(unused, float("inf"))
+        j, opened = _open_or_join(*_nearest(centers, csq, k), count, self.delta[layer], self.m_cap)
+        rows = torch.arange(k.shape[0], device=k.device)
+        centers[rows[opened], j[opened]] = k[opened]
+        count += opened.to(count.dtype)
+        sizes = self.sizes[layer]
+        sizes[rows, j] += 1
+        cluster = self.samples[layer, rows, j]  # [H, t, d] (a copy: written back below)
+        _replace(cluster, _coins(1.0 / sizes[rows, j].float(), self.t, gen), k)
+        self.samples[layer, rows, j] = cluster
+        vsq = (v * v).sum(-1)
+        mu = self.mu[layer]
+        p = torch.where(vsq > 0, vsq / (mu + vsq).clamp_min(1e-30), torch.zeros_like(vsq))
+        coins = _coins(p, self.s, gen)
+        _replace(self.mk[layer], coins, k)
+        _replace(self.mv[layer], coins, v)
+        mu += vsq
+
+    def attend(self, layer: int, q: Tensor, scaling: float) -> Tensor:
+        """QueryStreamAttn: q [Hq, w, d] -> z / tau [Hq, w, d]."""
+        h = self.centers.shape[1]
+        m = max(1, int(self.count[layer].max()))
+        qg = group_queries(q.float(), h)  # [H, g*w, d]
+        samples = self.samples[layer, :, :m].reshape(h, m * self.t, -1)
+        size = self.sizes[layer, :, :m].float()
+        logw = torch.log(size / self.t).repeat_interleave(self.t, dim=-1)  # -inf for unused clusters
+        log_tau = torch.logsumexp(torch.matmul(qg, samples.transpose(-1, -2)) * scaling + logw.unsqueeze(1), -1)
+        mk, mv, mu = self.mk[layer], self.mv[layer], self.mu[layer]
+        vsq = (mv * mv).sum(-1).clamp_min(1e-30)
+        logw_m = torch.log(mu.clamp_min(1e-30)).unsqueeze(-1) - math.log(self.s) - torch.log(vsq)
+        logits = torch.matmul(qg, mk.transpose(-1, -2)) * scaling + logw_m.unsqueeze(1)
+        out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
+        return ungroup(out, q.shape[0]).to(q.dtype)
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """What is held; cluster tensors up to the largest cluster count of any stream (the padding used)."""
+        m = int(self.count.max())
+        yield "centers", self.centers[:, :, :m]
+        yield "cluster_sizes", self.sizes[:, :, :m]
+        yield "cluster_samples", self.samples[:, :, :m]
+        yield "cluster_counts", self.count
+        yield "delta", self.delta
+        yield "sample_keys", self.mk
+        yield "sample_values", self.mv
+        yield "value_mass", self.mu
+
+
+def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
+    """One coin per slot with success probability p [B]: [B, slots] bool."""
+    return torch.rand(p.shape[0], slots, generator=gen).to(p.device) < p.unsqueeze(-1)
+
+
+def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int) -> tuple[Tensor, Tensor, Tensor]:
+    """UpdateSoftmaxNormalizer's cluster assignment over a whole prompt, for B streams in lockstep.
+
+    Exactly the sequential rule (a key joins the nearest representative opened before it if within
+    delta, else opens one; past ``m_cap`` clusters it joins the nearest), computed one *opened
+    cluster* at a time instead of one token at a time: the next representative of a stream is its
+    first key not within delta of any earlier representative, and a representative opened at
+    position p is visible to keys at positions >= p only. Loops max(clusters) times, not n times.
+
+    keys [B, n, d], delta [B]. Returns assign [B, n], centers [B, m_cap, d], count [B].
+    """
+    b, n, d = keys.shape
+    ksq = (keys * keys).sum(-1)
+    rows, tok = torch.arange(b, device=keys.device), torch.arange(n, device=keys.device)
+    best = torch.full((b, n), float("inf"), device=keys.device)
+    assign = torch.zeros(b, n, dtype=torch.long, device=keys.device)
+    centers = keys.new_zeros(b, m_cap, d)
+    count = torch.zeros(b, dtype=torch.long, device=keys.device)
+    delta2 = (delta * delta).unsqueeze(-1)
+    for j in range(m_cap):
+        far = best > delta2
+        has = far.any(-1)
+        if not bool(has.any()):
+            break
+        p = far.to(torch.uint8).argmax(-1)  # first key no earlier representative covers
+        c = keys[rows, p]
+        centers[:, j] = c * has.unsqueeze(-1)
+        lo = int(p.masked_fill(~has, n).min())  # no key before lo sees a new representative
+        d2 = _sqdist(keys[:, lo:], ksq[:, lo:], c.unsqueeze(1), ksq[rows, p].unsqueeze(1)).squeeze(-1)
+        upd = (d2 < best[:, lo:]) & (tok[lo:] >= p.unsqueeze(-1)) & has.unsqueeze(-1)
+        best[:, lo:] = torch.where(upd, d2, best[:, lo:])
+        assign[:, lo:].masked_fill_(upd, j)
+        count += has
+    return assign, centers, count
+
+
+# ----- the compressors -----------------------------------------------------------------------------
+@dataclass
+class SubGenPlan:
+    """Knobs from the budget: t, s, cluster cap, per-stream bytes targeted and planned."""
+
+    t: int
+    s: int
+    m_cap: int
+    target_bytes_per_stream: int
+    planned_bytes_per_stream: int
+
+
+def plan_subgen(bytes_per_stream: float, d: int, elem: int, t: int, s: int | None, value_share: float) -> SubGenPlan:
+    """Share a per-stream byte budget between M (2 s vectors) and clusters ((1 + t) vectors + a size each).
+
+    Fixed per stream: the cluster counter, delta and mu (4 bytes each).
+    """
+    fixed = 12
+    room = max(0.0, bytes_per_stream - fixed)
+    if s is None:
+        s = max(1, int(value_share * room // (2 * d * elem)))
+    per_cluster = (1 + t) * d * elem + 4
+    m_cap = max(1, int((room - 2 * d * elem * s) // per_cluster))
+    planned = fixed + 2 * d * elem * s + m_cap * per_cluster
+    return SubGenPlan(t, s, m_cap, int(bytes_per_stream), planned)
+
+
+@register
+class SubGen(Compressor):
+    name = "subgen"
+    title = "SubGen (streaming, Algorithm 1)"
+    group = "paper"
+    paper = PAPER
+    summary = (
+        "Clusters keys online (radius delta) with t uniform samples per cluster for the softmax "
+        "denominator and s (k, v) samples drawn proportional to ||v||^2 for the numerator; streams while decoding."
+    )
+    streaming = True
+    DELTA_SAMPLE = 512  # keys per stream the automatic delta looks at
+    params = (
+        Param("delta", None, "cluster radius delta (None: the greedy k-center radius of the prompt keys with m_cap centers, times delta_scale)", minimum=0.0),
+        Param("t", 4, "uniform reservoir samples per cluster (softmax denominator)", minimum=1),
+        Param("s", None, "(k, v) samples drawn proportional to ||v||^2 (numerator); None: from the budget", minimum=1),
+        Param("value_share", 0.5, "share of the budget given to the s (k, v) samples when s is not set", minimum=0.0, maximum=1.0),
+        Param("delta_scale", 1.0, "multiplies the automatic delta", minimum=0.0),
+    )
+
+    def plan(self, n_prompt: int) -> dict:
+        info = self.info
+        self.full = self.budget is None or self.budget.is_full
+        if self.full:
+            return {"compressed": False}
+        per_stream = self.budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
+        self.sg_plan = plan_subgen(per_stream, info.head_dim, info.dtype_bytes, self.cfg["t"], self.cfg["s"], self.cfg["value_share"])
+        p = self.sg_plan
+        return {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
+
+    def compress(self, state: PrefillState) -> None:
+        if self.full:
+            self.dense = [DenseLayer.make(k, v, torch.arange(state.n_tokens).expand(k.shape[0], -1)) for k, v in zip(state.keys, state.values)]
+            return
+        p = self.sg_plan
+        delta = self._delta(state.keys, p.m_cap)
+        self.state = SubGenState.build(state.keys, state.values, delta, p.t, p.s, p.m_cap, self.generator)
+        self.clusters = self.state.count.float().mean().item()
+
+    def _delta(self, keys: Tensor, m_cap: int) -> Tensor:
+        """delta [L, H]: the given one, or the greedy k-center radius of the prompt keys (m_cap centers)."""
+        if self.cfg["delta"] is not None:
+            return torch.full(keys.shape[:2], float(self.cfg["delta"]))
+        n_layers, h, n, d = keys.shape
+        stride = max(1, n // self.DELTA_SAMPLE)  # a strided subsample keeps this pass cheap on long prompts
+        radius = greedy_kcenter(keys[:, :, ::stride].reshape(n_layers * h, -1, d).float(), m_cap).radius
+        return (radius * self.cfg["delta_scale"]).view(n_layers, h)
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        if self.full:
+            self.dense[layer].append(k, v, pos)
+        else:
+            self.state.append(layer, k[:, 0], v[:, 0], self.generator)
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        if self.full:
+            k, v, _, _ = self.dense[layer].views()
+            return dense_attention(q, k, v, self.scaling)
+        return self.state.attend(layer, q, self.scaling)
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        if self.full:
+            for layer in self.dense:
+                yield from ((kind, t) for kind, t in layer.tensors() if kind != "positions")
+        else:
+            yield from self.state.tensors()
+
+
+@register
+class SubGenKCenter(DenseCompressor):
+    name = "subgen-kcenter"
+    title = "SubGen k-center (recent + centers)"
+    group = "paper"
+    paper = PAPER
+    summary = (
+        "Keeps the most recent l tokens plus k centers of a greedy k-center pass over the rest, each "
+        "weighted by its cluster size; generated tokens kept."
+    )
+    params = (
+        Param("recent_ratio", 0.5, "share of the budget's tokens kept as the recent window l (k = budget - l)", minimum=0.0, maximum=1.0),
+        Param("value", "mean", "a center's value: its cluster's mean value or its own", choices=("mean", "center")),
+        Param("weighted", True, "add log(cluster size) to a center's logit"),
+    )
+
+    def plan(self, n_prompt: int) -> dict:
+        self.full = self.budget is None or self.budget.is_full
+        cap = self.tokens_for_budget(n_prompt, with_logw=self.cfg["weighted"])
+        self.recent = min(cap, int(round(self.cfg["recent_ratio"] * cap)))
+        self.k = cap - self.recent
+        return {"l": self.recent, "k": self.k}
+
+    def compress(self, state: PrefillState) -> None:
+        n = state.n_tokens
+        if self.full or self.recent + self.k >= n:
+            self.layers = [DenseLayer.make(k, v, torch.arange(n).expand(k.shape[0], -1)) for k, v in zip(state.keys, state.values)]
+            return
+        keys, values, pos, logw = kcenter_compress(state.keys, state.values, self.recent, self.k, self.cfg["value"])
+        lw = logw if self.cfg["weighted"] else None
+        self.layers = [DenseLayer.make(keys[i], values[i], pos[i], None if lw is None else lw[i]) for i in range(keys.shape[0])]
+
+
+def kcenter_compress(keys: Tensor, values: Tensor, recent: int, k: int, value: str = "mean") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Recent window + greedy k-center centers, all layers and heads at once.
+
+    keys, values [L, H, n, d]. Returns keys, values [L, H, k + recent, d], positions [L, H, k + recent]
+    and log-weights [L, H, k + recent] (log cluster size for centers, 0 for recent tokens).
+    """
+    n_layers, h, n, d = keys.shape
+    old = n - recent
+    xk = keys[:, :, :old].reshape(-1, old, d).float()
+    kc = greedy_kcenter(xk, k)
+    kk = kc.centers.shape[1]
+    size = torch.zeros(xk.shape[0], kk).scatter_add_(1, kc.assign, torch.ones_like(kc.assign, dtype=torch.float))
+    if value == "mean":
+        xv = values[:, :, :old].reshape(-1, old, d).float()
+        sums = torch.zeros(xv.shape[0], kk, d).scatter_add_(1, kc.assign.unsqueeze(-1).expand(-1, -1, d), xv)
+        cv = sums / size.unsqueeze(-1)
+    else:
+        cv = gather_tokens(values[:, :, :old].reshape(-1, old, d), kc.centers)
+    ck = gather_tokens(xk, kc.centers)
+    lead = (n_layers, h)
+    rpos = torch.arange(old, n).expand(*lead, recent)
+    out_k = torch.cat([ck.view(*lead, kk, d).to(keys.dtype), keys[:, :, old:]], 2)
+    out_v = torch.cat([cv.view(*lead, kk, d).to(values.dtype), values[:, :, old:]], 2)
+    pos = torch.cat([kc.centers.view(*lead, kk), rpos], 2)
+    logw = torch.cat([size.log().view(*lead, kk), torch.zeros(*lead, recent)], 2)
+    return out_k, out_v, pos, logw

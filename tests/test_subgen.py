@@ -1,0 +1,173 @@
+"""SubGen (Algorithm 1) and its k-center variant: clustering, reservoir statistics, estimator, engine runs."""
+
+import math
+
+import pytest
+import torch
+
+from kvlab.budgets import Budget
+from kvlab.compressors.subgen import SubGenState, _cluster_stream, greedy_kcenter, kcenter_compress
+from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.ops import dense_attention
+
+# chi-square critical values at p = 0.001
+CHI2_CRIT = {5: 20.52, 7: 24.32}
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _sequential_clusters(keys, delta, m_cap):
+    """Algorithm 1, lines 11-22, one key at a time (the reference)."""
+    out = []
+    for b in range(keys.shape[0]):
+        reps, assign = [], []
+        for k in keys[b]:
+            if reps:
+                dist, j = torch.stack([(k - c).norm() for c in reps]).min(0)
+                if dist <= delta[b] or len(reps) >= m_cap:
+                    assign.append(int(j))
+                    continue
+            reps.append(k)
+            assign.append(len(reps) - 1)
+        out.append(assign)
+    return torch.tensor(out)
+
+
+def test_cluster_pass_matches_token_by_token_rule():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(6, 300, 8, generator=g, dtype=torch.float64)
+    delta = torch.tensor([2.0, 3.0, 3.5, 4.0, 5.0, 3.0], dtype=torch.float64)
+    assign, centers, count = _cluster_stream(keys, delta, 40)
+    assert torch.equal(assign, _sequential_clusters(keys, delta, 40))
+    assert count.tolist()[0] == 40 and count.tolist()[4] < 10  # the cap binds for small delta only
+    # every representative is the first key of its cluster
+    for b in range(6):
+        first = [int((assign[b] == j).nonzero()[0]) for j in range(int(count[b]))]
+        assert torch.equal(centers[b, : int(count[b])], keys[b, first])
+
+
+def _one_cluster_stream(n_streams, n, d=8, norms=None):
+    """n tokens with one-hot keys (token i = e_i, all within one cluster of radius 2) in every stream."""
+    keys = torch.eye(d)[:n].expand(1, n_streams, n, d).clone()
+    vn = torch.ones(n) if norms is None else norms
+    values = (torch.eye(d)[:n] * vn.unsqueeze(-1)).expand(1, n_streams, n, d).clone()
+    return keys, values
+
+
+def _build_then_stream(keys, values, n_prompt, t, s, seed):
+    """Algorithm 1 over a prompt of n_prompt tokens, then the rest one token at a time (decode path)."""
+    gen = torch.Generator().manual_seed(seed)
+    delta = torch.full(keys.shape[:2], 2.0)
+    st = SubGenState.build(keys[:, :, :n_prompt], values[:, :, :n_prompt], delta, t, s, m_cap=4, gen=gen)
+    for i in range(n_prompt, keys.shape[2]):
+        st.append(0, keys[0, :, i], values[0, :, i], gen)
+    return st
+
+
+@pytest.mark.parametrize("n_prompt", [6, 2])  # all in the prompt (closed form), or mostly streamed (coins)
+def test_cluster_reservoir_is_uniform(n_prompt):
+    keys, values = _one_cluster_stream(3000, 6)
+    st = _build_then_stream(keys, values, n_prompt, t=2, s=1, seed=1)
+    assert (st.count == 1).all() and (st.sizes[..., 0] == 6).all()
+    picked = st.samples[0, :, 0].argmax(-1).flatten()  # which token each slot holds
+    counts = torch.bincount(picked, minlength=6).float()
+    assert _chi2(counts, torch.full((6,), 1 / 6)) < CHI2_CRIT[5]
+
+
+@pytest.mark.parametrize("n_prompt", [8, 1])
+def test_value_reservoir_is_proportional_to_squared_norm(n_prompt):
+    norms = torch.tensor([0.5, 1.0, 1.5, 2.0, 1.0, 3.0, 0.7, 2.5])
+    keys, values = _one_cluster_stream(3000, 8, norms=norms)
+    st = _build_then_stream(keys, values, n_prompt, t=1, s=2, seed=2)
+    picked = st.mk[0].argmax(-1).flatten()
+    assert torch.equal(st.mv[0].argmax(-1).flatten(), picked)  # keys and values travel together
+    counts = torch.bincount(picked, minlength=8).float()
+    probs = norms**2 / (norms**2).sum()
+    assert _chi2(counts, probs) < CHI2_CRIT[7]
+    assert torch.allclose(st.mu, torch.full_like(st.mu, float((norms**2).sum())))
+
+
+def _clustered(seed, n_streams=4, n=512, d=16, n_clusters=8):
+    g = torch.Generator().manual_seed(seed)
+    centers = 1.5 * torch.randn(n_streams, n_clusters, d, generator=g)
+    which = torch.randint(0, n_clusters, (n_streams, n), generator=g)
+    keys = torch.gather(centers, 1, which.unsqueeze(-1).expand(-1, -1, d)) + 0.1 * torch.randn(n_streams, n, d, generator=g)
+    values = torch.randn(n_streams, n, d, generator=g)
+    q = torch.randn(n_streams, 1, d, generator=g)
+    return keys.unsqueeze(0), values.unsqueeze(0), q
+
+
+def _subgen_error(s, t, seeds=range(6)):
+    errs = []
+    for seed in seeds:
+        keys, values, q = _clustered(seed)
+        scaling = keys.shape[-1] ** -0.5
+        gen = torch.Generator().manual_seed(100 + seed)
+        st = SubGenState.build(keys, values, torch.full(keys.shape[:2], 1.0), t, s, m_cap=64, gen=gen)
+        exact = dense_attention(q, keys[0], values[0], scaling)
+        z = st.attend(0, q, scaling)
+        errs.append(((z - exact).norm(dim=-1) / exact.norm(dim=-1)).mean())
+    return float(torch.stack(errs).mean())
+
+
+def test_error_falls_as_s_and_t_grow():
+    errs = [_subgen_error(s, t) for s, t in [(4, 1), (32, 4), (256, 16), (2048, 64)]]
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert errs[-1] < 0.1 * errs[0], errs  # the numerator sampler converges like 1/sqrt(s)
+
+
+def test_greedy_kcenter_covers_within_radius():
+    keys, _, _ = _clustered(3)
+    x = keys[0]
+    kc = greedy_kcenter(x, 8)
+    assert kc.centers.shape == (4, 8) and all(len(set(c.tolist())) == 8 for c in kc.centers)
+    dist = (x - torch.gather(x, 1, torch.gather(kc.centers, 1, kc.assign).unsqueeze(-1).expand_as(x))).norm(dim=-1)
+    assert torch.allclose(dist.amax(-1), kc.radius, atol=1e-4)
+    assert (kc.radius < 1.0).all()  # 8 tight clusters, 8 centers: one per cluster
+
+
+def test_kcenter_weighted_centers_approximate_attention():
+    keys, values, q = _clustered(4, n=400)
+    scaling = keys.shape[-1] ** -0.5
+    k, v, pos, logw = kcenter_compress(keys, values, recent=16, k=8)
+    assert k.shape[2] == 24 and torch.equal(pos[0, :, 8:], torch.arange(384, 400).expand(4, -1))
+    assert torch.allclose(logw[0, :, :8].exp().sum(-1), torch.full((4,), 384.0))
+    exact = dense_attention(q, keys[0], values[0], scaling)
+
+    def err(vals, lw):
+        z = dense_attention(q, k[0], vals[0], scaling, lw)
+        return float(((z - exact).norm(dim=-1) / exact.norm(dim=-1)).mean())
+
+    own = kcenter_compress(keys, values, recent=16, k=8, value="center")[1]
+    # a center standing for its cluster with the mean value: close; unweighted or own value: far off
+    assert err(v, logw[0]) < 0.25 and 10 * err(v, logw[0]) < min(err(v, None), err(own, logw[0]))
+
+
+def test_both_modes_through_engine_hold_budget(engine, lm, long_text):
+    ids = lm.encode(long_text[:2400])
+    assert 400 < len(ids) <= 600
+    runs = [RunSpec("subgen", Budget.parse("0.25")), RunSpec("subgen-kcenter", Budget.parse("0.25"))]
+    res = engine.compare(ids, runs, GenerationSettings(max_new_tokens=5))
+    sg, kc = res.runs
+    for r in res.runs:
+        assert len(r.token_ids) == 5 and r.finish_reason == "length"
+        assert 0.2 * r.exact_kv_bytes_per_step[0] < r.kv_bytes <= 0.25 * r.exact_kv_bytes_per_step[0]
+    # streaming: within the budget at every decode step too
+    assert all(b <= 0.25 * e for b, e in zip(sg.kv_bytes_per_step, sg.exact_kv_bytes_per_step))
+    assert {"centers", "cluster_samples", "sample_keys", "sample_values", "value_mass"} <= set(sg.kv_bytes_breakdown)
+    assert sg.params["m_cap"] >= 1 and sg.params["s"] >= 1 and sg.params["t"] == 4
+    # prefill-only: each generated token adds one full-precision token (+ position and log-weight)
+    per_token = 30 * 3 * (64 * 2 * 4 + 4 + 4)
+    assert kc.kv_bytes_per_step[1] - kc.kv_bytes_per_step[0] == per_token
+    assert kc.params["l"] + kc.params["k"] == int(0.25 * len(ids) * 512 // (512 + 8))
+    assert kc.kv_bytes_breakdown["log_weights"] == 30 * 3 * (kc.params["l"] + kc.params["k"]) * 4
+
+
+def test_full_budget_is_exact(engine, lm):
+    ids = lm.encode("Write a haiku about autumn leaves.")
+    runs = [RunSpec("exact"), RunSpec("subgen", Budget.parse("1.0")), RunSpec("subgen-kcenter", Budget.parse("1.0"))]
+    res = engine.compare(ids, runs, GenerationSettings(max_new_tokens=8))
+    assert res.runs[0].token_ids == res.runs[1].token_ids == res.runs[2].token_ids
