@@ -394,7 +394,7 @@ class _TeacherForcing:
         if not self.on:
             return
         row = {i: r for r, i in enumerate(active)}
-        forced = {i: logits[row[i]] for i in self.aligned if i in row}
+        forced = {i: logits[row[i]] for i in self.aligned | {self.exact} if i in row}
         forced.update({i: logits[len(active) + j] for j, i in enumerate(self.forked)})
         for p in self.probes:
             p.on_forced(step, tokens[self.exact][-1], logits[row[self.exact]], forced)

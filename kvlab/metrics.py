@@ -54,3 +54,250 @@ Floats are rounded (4 significant digits) to keep the JSON small: a 2k-token pro
 and 8 map queries is well under 1 MB. Costs (prefill/compress/decode seconds, bytes per step)
 are already in ``run.timings`` and ``run.kv_bytes_per_step``.
 """
+
+from __future__ import annotations
+
+
+import difflib
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvlab.ops import attention_logits, group_queries, ungroup
+
+
+def _round(x, digits: int = 4):
+    """Round floats (or nested lists of them) to ``digits`` significant digits for compact JSON."""
+    if isinstance(x, (list, tuple)):
+        return [_round(v, digits) for v in x]
+    x = float(x)
+    return 0.0 if x == 0 or not math.isfinite(x) else float(f"{x:.{digits}g}")
+
+
+# ----- free-running text ----------------------------------------------------------------------
+@dataclass
+class TokenDiff:
+    """Token-level comparison of a run's tokens against the reference (exact) tokens."""
+
+    opcodes: list[list]  # [tag, i1, i2, j1, j2]: reference[i1:i2] vs run[j1:j2]
+    first_divergence: int | None  # first index where the lists differ (None: identical)
+    similarity: float  # difflib ratio, 0..1
+
+
+def token_diff(reference: list[int], tokens: list[int]) -> TokenDiff:
+    sm = difflib.SequenceMatcher(a=reference, b=tokens, autojunk=False)
+    ops = [list(op) for op in sm.get_opcodes()]
+    first = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
+    if first is None and len(reference) != len(tokens):
+        first = min(len(reference), len(tokens))
+    return TokenDiff(ops, first, sm.ratio() if reference or tokens else 1.0)
+
+
+def add_text_metrics(result) -> None:
+    """Set first_divergence, text_similarity and diff on every run against the exact run (if any)."""
+    exact = next((r for r in result.runs if r.method == "exact"), None)
+    for r in result.runs:
+        if exact is None:
+            r.metrics.update(first_divergence=None, text_similarity=None, diff=None)
+            continue
+        d = token_diff(exact.token_ids, r.token_ids)
+        r.metrics.update(first_divergence=d.first_divergence, text_similarity=_round(d.similarity), diff=d.opcodes)
+
+
+# ----- attention ------------------------------------------------------------------------------
+def relative_error(z: Tensor, a: Tensor) -> Tensor:
+    """||z - a|| / ||a|| over the last dim, averaged over heads: z, a [..., Hq, t, d] -> [...]."""
+    err = (z.float() - a.float()).norm(dim=-1) / a.float().norm(dim=-1).clamp_min(1e-12)
+    return err.mean(dim=(-1, -2))
+
+
+def shadow_attention(q: Tensor, kp: Tensor, vp: Tensor, kg: Tensor, vg: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """Exact attention over a shared prompt cache plus per-row generated tokens.
+
+    q: [R, Hq, 1, d]; kp, vp: [Hkv, n, d] (shared by every row); kg, vg: [R, Hkv, s, d].
+    Returns out [R, Hq, 1, d] and probs [R, Hq, 1, n + s]. The prompt part is one batched matmul
+    against the shared keys, so R rows cost about one pass over the prompt cache.
+    """
+    hq, hkv, n = q.shape[-3], kp.shape[-3], kp.shape[-2]
+    q = q.float()
+    logits = torch.cat([attention_logits(q, kp, scaling), attention_logits(q, kg.float(), scaling)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    gp = group_queries(probs, hkv)  # [R, Hkv, g, n + s]
+    out = torch.matmul(gp[..., :n], vp.float()) + torch.matmul(gp[..., n:], vg.float())
+    return ungroup(out, hq), probs
+
+
+def method_weights(comp, layer: int, q: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The method's attention weights over the tokens it keeps: (positions [Hkv, m], probs [Hq, 1, m]).
+
+    Uses ``comp.attention_weights(layer, q)`` when the method defines it, else the dense store of a
+    ``DenseCompressor`` (with its log-weights); None for caches without token positions.
+    """
+    if hasattr(comp, "attention_weights"):
+        return comp.attention_weights(layer, q)
+    layers = getattr(comp, "layers", None)
+    if not layers or not hasattr(layers[layer], "views"):
+        return None
+    k, _, pos, lw = layers[layer].views()
+    return pos, torch.softmax(attention_logits(q.float(), k.float(), comp.scaling, lw), dim=-1)
+
+
+def _on_prompt(pos: Tensor, w: Tensor, n: int) -> Tensor:
+    """Scatter weights ``w`` [m] at positions ``pos`` [m] onto the n prompt positions (generated ones dropped)."""
+    out = torch.zeros(n)
+    keep = pos < n
+    return out.index_put_((pos[keep].long().cpu(),), w[keep].float().cpu(), accumulate=True)
+
+
+def kept_density(comp, n_layers: int, n: int) -> Tensor | None:
+    """Per prompt position, the fraction of (layer, KV head) pairs that keep it: [n] (None if not position-based)."""
+    counts, pairs = torch.zeros(n), 0
+    for layer in range(n_layers):
+        pos = comp.kept_positions(layer)
+        if pos is None:
+            return None
+        p = pos.reshape(-1).long().cpu()
+        counts += torch.bincount(p[p < n], minlength=n).float()[:n]
+        pairs += pos.shape[0]
+    return counts / max(1, pairs)
+
+
+# ----- the probe ------------------------------------------------------------------------------
+class _Growing:
+    """Per-layer buffer of generated K or V for every run: [runs, Hkv, cap, d], grown by doubling."""
+
+    def __init__(self, runs: int, like: Tensor):
+        self.buf = like.new_zeros(runs, like.shape[0], 16, like.shape[-1])
+
+    def put(self, rows: list[int], s: int, x: Tensor) -> None:
+        if s >= self.buf.shape[-2]:
+            new = self.buf.new_zeros(*self.buf.shape[:2], 2 * (s + 1), self.buf.shape[-1])
+            new[..., : self.buf.shape[-2], :] = self.buf
+            self.buf = new
+        self.buf[rows, :, s] = x[:, :, 0]
+
+    def get(self, rows: list[int], s: int) -> Tensor:
+        return self.buf[rows, :, : s + 1]
+
+
+@dataclass
+class ProbeSettings:
+    attn_error: bool = True  # shadow full cache, attention relative error per step and layer
+    fidelity: bool = True  # teacher-forced KL, top-1 agreement, perplexity (needs an exact run)
+    maps: bool = True  # attention maps and kept positions
+    map_layer: int | None = None  # default: n_layers // 2
+    map_head: int = 0
+    map_queries: int = 8  # last decode queries kept for the maps
+
+
+class MetricsProbe:
+    """The costly measurements as an engine probe; ``finish`` writes them into each run's metrics/extras."""
+
+    def __init__(self, settings: ProbeSettings | None = None):
+        self.cfg = settings or ProbeSettings()
+        self.teacher_forced = self.cfg.fidelity
+
+    # hooks ---------------------------------------------------------------------------------
+    def on_prefill(self, state, logits: Tensor, compressors) -> None:
+        self.comps = compressors
+        self.keys, self.values, self.scaling = state.keys, state.values, state.scaling
+        self.n, self.n_layers = state.n_tokens, state.keys.shape[0]
+        self.prefill_logp = torch.log_softmax(logits.float(), -1)
+        runs = len(compressors)
+        self.errors: list[list[list[float]]] = [[] for _ in range(runs)]  # [run][step][layer]
+        self.kg = [_Growing(runs, state.keys[0]) for _ in range(self.n_layers)] if self.cfg.attn_error or self.cfg.maps else []
+        self.vg = [_Growing(runs, state.values[0]) for _ in range(self.n_layers)] if self.kg else []
+        self.kl: list[list[float]] = [[] for _ in range(runs)]
+        self.agree: list[list[bool]] = [[] for _ in range(runs)]
+        self.nll: list[list[float]] = [[] for _ in range(runs)]
+        self.layer = self.n_layers // 2 if self.cfg.map_layer is None else self.cfg.map_layer
+        self.maps = [deque(maxlen=self.cfg.map_queries) for _ in range(runs)]
+
+    def on_step(self, step: int, rows: list[int], logits: Tensor) -> None:
+        pass
+
+    def on_layer(self, layer: int, rows: list[int], pos: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        if not self.kg or not (self.cfg.attn_error or layer == self.layer):
+            return
+        s = pos - self.n
+        self.kg[layer].put(rows, s, k)
+        self.vg[layer].put(rows, s, v)
+        exact, probs = shadow_attention(q, self.keys[layer], self.values[layer], self.kg[layer].get(rows, s),
+                                        self.vg[layer].get(rows, s), self.scaling)
+        if self.cfg.attn_error:
+            err = relative_error(out, exact).tolist()
+            for r, i in enumerate(rows):
+                if layer == 0:
+                    self.errors[i].append([])
+                self.errors[i][-1].append(err[r])
+        if self.cfg.maps and layer == self.layer:
+            self._record_map(rows, s, q, probs)
+
+    def _record_map(self, rows: list[int], s: int, q: Tensor, probs: Tensor) -> None:
+        h, n = self.cfg.map_head, self.n
+        for r, i in enumerate(rows):
+            mw = method_weights(self.comps[i], self.layer, q[r])
+            method = None
+            if mw is not None:
+                kv_head = h * mw[0].shape[0] // q.shape[1]
+                method = _on_prompt(mw[0][kv_head], mw[1][h, 0], n)
+            self.maps[i].append((s + 1, probs[r, h, 0, :n].cpu(), method))
+
+    def on_forced(self, step: int, token: int, exact_logits: Tensor, forced: dict[int, Tensor]) -> None:
+        lp_e = torch.log_softmax(exact_logits.float(), -1)
+        top = int(torch.argmax(lp_e))
+        for i, logits in forced.items():
+            lp_m = torch.log_softmax(logits.float(), -1)
+            self.kl[i].append(float((lp_e.exp() * (lp_e - lp_m)).sum().clamp_min(0)))
+            self.agree[i].append(int(torch.argmax(lp_m)) == top)
+            self.nll[i].append(-float(lp_m[token]))
+
+    # results -------------------------------------------------------------------------------
+    def finish(self, runs) -> None:
+        exact = next((i for i, r in enumerate(runs) if r.method == "exact"), None)
+        for i, r in enumerate(runs):
+            if self.cfg.attn_error:
+                errs = self.errors[i]
+                flat = [e for row in errs for e in row]
+                r.metrics["attn_rel_error"] = _round(errs)
+                r.metrics["attn_rel_error_mean"] = _round(sum(flat) / len(flat)) if flat else None
+            if self.cfg.fidelity:
+                r.metrics.update(self._fidelity(i, exact, runs))
+            if self.cfg.maps:
+                r.extras.update(self._maps(i))
+
+    def _fidelity(self, i: int, exact: int | None, runs) -> dict:
+        if exact is None:
+            return {"kl": None, "kl_mean": None, "top1_agreement": None, "perplexity": None}
+        nll0 = -float(self.prefill_logp[runs[exact].token_ids[0]])
+        kl, nll = self.kl[i], [nll0] + self.nll[i]
+        return {
+            "kl": _round(kl),
+            "kl_mean": _round(sum(kl) / len(kl)) if kl else 0.0,
+            "top1_agreement": _round(sum(self.agree[i]) / len(self.agree[i])) if self.agree[i] else 1.0,
+            "perplexity": _round(math.exp(sum(nll) / len(nll))),
+        }
+
+    def _maps(self, i: int) -> dict:
+        comp, h = self.comps[i], self.cfg.map_head
+        entries = list(self.maps[i])
+        has_method = bool(entries) and all(m is not None for _, _, m in entries)
+        kept = comp.kept_positions(self.layer)
+        if kept is not None:
+            kv = h * kept.shape[0] // comp.info.n_heads
+            kept = sorted(p for p in kept[kv].tolist() if p < self.n)
+        density = kept_density(comp, self.n_layers, self.n)
+        return {
+            "attn_map": {
+                "layer": self.layer,
+                "head": h,
+                "steps": [s for s, _, _ in entries],
+                "exact": [_round(e.tolist()) for _, e, _ in entries],
+                "method": [_round(m.tolist()) for _, _, m in entries] if has_method else None,
+            },
+            "kept_positions": kept,
+            "kept_density": None if density is None else _round(density.tolist(), 3),
+        }
