@@ -2,12 +2,13 @@
 
 Dispatch: ``KVLAB_KERNELS=auto|triton|torch`` (or ``set_backend`` / ``using``): ``auto`` runs the
 Triton kernel on CUDA tensors and the torch reference elsewhere; ``triton`` forces the kernels
-(under Triton's interpreter on CPU tensors); ``torch`` forces the references. See _runtime.py.
+(CPU tensors then need TRITON_INTERPRET=1 before triton is imported); ``torch`` forces the references. See _runtime.py.
 """
 
 from kernels._runtime import BACKENDS, HAVE_TRITON, backend, set_backend, use_triton, using
 from kernels.formats import QJLKeys, Segment
-from kernels.qjl import make_sketch, outlier_channels, qjl_quantize, qjl_scores, sketch_queries
+from kernels import decode_attention  # the module; its entry point is decode_attention.decode_attention
+from kernels.qjl import make_sketch, outlier_channels, qjl_estimate, qjl_quantize, qjl_scores, sketch_queries
 
 __all__ = [
     "BACKENDS",
@@ -15,8 +16,10 @@ __all__ = [
     "QJLKeys",
     "Segment",
     "backend",
+    "decode_attention",  # module
     "make_sketch",
     "outlier_channels",
+    "qjl_estimate",
     "qjl_quantize",
     "qjl_scores",
     "set_backend",

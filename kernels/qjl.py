@@ -270,3 +270,9 @@ def qjl_scores(q: Tensor, keys: QJLKeys) -> Tensor:
         _runtime.check_device(q.device)
         return _qjl_scores_triton(q, keys)
     return qjl_scores_torch(q, keys)
+
+
+def qjl_estimate(q: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
+    """``qjl_scores`` for one sketch passed as tensors: q [Hq, t, d], S [m, d], bits [Hkv, n, m/8],
+    norms [Hkv, n] -> float32 [Hq, t, n] (the signature of kvlab.compressors.qjl.estimate_scores)."""
+    return qjl_scores(q, QJLKeys(sketch, bits, norms))

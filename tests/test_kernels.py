@@ -145,12 +145,35 @@ def _case_dispatch():
     return {"auto_triton_calls": auto_calls, "forced_triton_calls": len(calls) - auto_calls, "err": (forced - ref).abs().max().item()}
 
 
+def _case_qjl_compressor():
+    """The QJL compressor's decode attention with its scores forced through the kernel vs the torch path."""
+    import kernels
+    from kvlab.budgets import Budget
+    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.qjl import QJL
+    from kvlab.models import ModelInfo
+
+    info = ModelInfo("synthetic", 2, 12, 3, 64, "float32", "cpu", 4096)  # GQA group 4
+    state = PrefillState(_rand(2, 3, 160, 64, seed=1), _rand(2, 3, 160, 64, seed=2), _rand(2, 12, 4, 64, seed=3), 0.125)
+    comp = QJL(info, Budget.parse("0.2"), {}, seed=0)
+    comp.plan(160)
+    comp.compress(state)
+    q = _rand(12, 1, 64, seed=4)
+    with kernels.using("triton"):
+        got = [comp.attend(layer, q) for layer in range(2)]
+    with kernels.using("torch"):
+        ref = [comp.attend(layer, q) for layer in range(2)]
+    err = max((g - r).abs().max().item() for g, r in zip(got, ref))
+    return {"err": err, "n_quantized": comp.layers[0].n_quantized}
+
+
 def run_cases() -> dict:
     """Run every case (in a process with TRITON_INTERPRET=1); errors are reported, not raised."""
     torch.set_num_threads(1)
     results = {}
     jobs = [(n, _case_quant, kw) for n, kw in QUANT_CASES] + [(n, _case_scores, kw) for n, kw in SCORE_CASES]
-    jobs += [(n, _case_attn, kw) for n, kw in ATTN_CASES] + [("dispatch", lambda: _case_dispatch(), {})]
+    jobs += [(n, _case_attn, kw) for n, kw in ATTN_CASES] + [("dispatch", _case_dispatch, {})]
+    jobs += [("qjl_compressor", _case_qjl_compressor, {})]
     for name, fn, kw in jobs:
         try:
             results[name] = fn(**kw)
@@ -207,6 +230,12 @@ def test_dispatch_switch_in_interpreter(interpreted):
     assert r["auto_triton_calls"] == 0  # auto: CPU tensors go to the reference
     assert r["forced_triton_calls"] == 1  # forced: the kernel runs (interpreted)
     assert r["err"] < 1e-4
+
+
+def test_qjl_compressor_scores_through_kernel(interpreted):
+    r = _result(interpreted, "qjl_compressor")
+    assert r["n_quantized"] > 0  # the quantized store (not only the window) was attended
+    assert r["err"] < 1e-5
 
 
 # ----- in-process checks of the references and the switch (no Triton launch) ------------------

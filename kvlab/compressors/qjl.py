@@ -31,6 +31,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from kernels import qjl_estimate
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
 from kvlab.compressors.registry import register
@@ -405,9 +406,9 @@ class QJL(Compressor):
         vals = [st.res_v.float()]
         if st.keys is not None:
             kq = st.keys
-            est = estimate_scores(qf, st.s, kq.bits, kq.norms)
+            est = qjl_estimate(qf, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
             if kq.out_bits.shape[-1]:
-                est = est + estimate_scores(qf, st.s_out, kq.out_bits, kq.out_norms)
+                est = est + qjl_estimate(qf, st.s_out, kq.out_bits, kq.out_norms)
             logits.insert(0, est)
             vals.insert(0, dequantize_groups(st.values))
         probs = torch.softmax(torch.cat(logits, -1) * self.scaling, dim=-1)
