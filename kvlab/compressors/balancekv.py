@@ -1,0 +1,283 @@
+"""BalanceKV: KV-cache compression by discrepancy-theoretic halving of the prompt's middle tokens.
+
+Han, Kochetkova, Kapralov, Sheth, Zandieh. "BalanceKV: KV Cache Compression through Discrepancy
+Theory", arXiv:2502.03771 (2025), https://arxiv.org/abs/2502.03771.
+
+What is implemented (the prefill-only form the paper evaluates, Sec. 4.1 / 4.2):
+
+* SoftmaxBalance (Algorithm 2): a self-balancing walk signs the tokens of a set one after another
+  so that, for any query q, sum_+ exp(<k,q>/sqrt(d)) v ~ sum_- exp(<k,q>/sqrt(d)) v. The walk only
+  needs the kernel exp(<k_i,k_j>/sqrt(d)) <v_i,v_j> (the inner product of the embeddings
+  phi(k) (x) v of Sec. 3.4). Token j gets +1 with probability p = 1/2 - step * y^T eta, clipped to
+  [0, 1], where y^T eta is the signed kernel sum against the tokens already signed. Two forms of
+  the step are available: the public reference code's ``gamma`` (default 4, keys centred per
+  block; used by default) and the paper's 1 / (2 c R^2) with R^2 the block's largest
+  ||phi(k) (x) v||^2 (set ``c`` > 0; the paper FAILs when |y^T eta| > c R^2, here p is clipped).
+* Softmax normalisation: instead of a separate walk on (k, 1) (Algorithm 1, line 14) the value is
+  extended by a constant coordinate sqrt(``denom_weight``), so one walk balances numerator and
+  denominator together (kernel: exp(<k_i,k_j>/sqrt(d)) (<v_i,v_j> + denom_weight)).
+* Exact halving (Sec. 4, "we strictly select n/2 embeddings"): along the signed block, at the
+  first position c where one sign has b/2 tokens, the other (smaller) side of the prefix [0, c]
+  is kept with doubled weight and the unbalanced rest (c, b) is kept with its weight unchanged;
+  this keeps exactly b/2 tokens per block so every block, head and layer advances together.
+* Blocks and rounds (Sec. 4; the offline form of MergeAndReduce, Algorithm 3 / proof of Thm 3.3):
+  the middle tokens are cut into blocks of ``block_size`` and halved in parallel; the survivors,
+  in position order, are cut into blocks again (each new block merges two halved neighbours) and
+  halved again, T rounds in all (rate 2^-T). Round r+1 balances the weighted embeddings
+  w_i phi(k_i) (x) v_i, w_i the weight from earlier rounds.
+* The first and last tokens are kept exactly (Sec. 4.1: 256 + 256); kept middle tokens carry
+  log(weight) on their logits at decode time (about log 2^T). Generated tokens are kept
+  (prefill-only, Sec. 4.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvlab.compressors.base import DenseCompressor, Param, PrefillState
+from kvlab.compressors.registry import register
+
+MAX_ROUNDS = 14
+
+
+# ----- SoftmaxBalance, vectorized over blocks ----------------------------------------------------
+@dataclass(frozen=True)
+class WalkConfig:
+    """The walk's knobs: reference-code step ``gamma``, or the paper's ``c`` (> 0 selects it)."""
+
+    gamma: float = 4.0
+    c: float = 0.0
+    denom_weight: float = 0.025
+    center: bool = True
+
+
+def block_kernel(k: Tensor, v: Tensor, w: Tensor, cfg: WalkConfig) -> tuple[Tensor, Tensor]:
+    """Kernel of the weighted embeddings w phi(k) (x) (v, sqrt(lambda)) within each block.
+
+    k, v: [..., b, d]; w: [..., b] token weights. The kernel
+    w_i w_j exp(<k_i,k_j>/sqrt(d)) (<v_i,v_j> + denom_weight) overflows float32 for real keys, so it
+    is returned as (kern [..., b, b] float32, log_scale [..., 1]): the true kernel is
+    kern * exp(log_scale), with the largest exponent of each block shifted to 0.
+    """
+    k, v, w = k.float(), v.float(), w.float()
+    if cfg.center:
+        k = k - k.mean(-2, keepdim=True)
+    logits = k @ k.transpose(-1, -2) / math.sqrt(k.shape[-1])
+    log_scale = logits.flatten(-2).amax(-1, keepdim=True)
+    kern = torch.exp(logits - log_scale.unsqueeze(-1))
+    kern *= v @ v.transpose(-1, -2) + cfg.denom_weight
+    return kern * w.unsqueeze(-1) * w.unsqueeze(-2), log_scale
+
+
+def walk_step(kern: Tensor, log_scale: Tensor, cfg: WalkConfig) -> Tensor:
+    """The walk's step per block for the shifted kernel, [..., 1].
+
+    Reference form: gamma * exp(log_scale) (capped at e^80: p is clipped to 0 or 1 long before).
+    Paper form: 1 / (2 c R^2) with R^2 the block's largest diagonal entry, which is scale-free.
+    """
+    if cfg.c <= 0:
+        if cfg.gamma <= 0:  # no feedback: independent fair signs
+            return torch.zeros_like(log_scale)
+        return torch.exp((math.log(cfg.gamma) + log_scale).clamp(max=80.0))
+    r2 = torch.diagonal(kern, dim1=-2, dim2=-1).amax(-1, keepdim=True)
+    return 1.0 / (2.0 * cfg.c * r2.clamp_min(1e-30))
+
+
+def balance_signs(kern: Tensor, log_scale: Tensor, cfg: WalkConfig, generator: torch.Generator) -> Tensor:
+    """Self-balancing walk (Algorithm 2, lines 4-11) in every block at once.
+
+    kern, log_scale: from ``block_kernel`` ([..., b, b], [..., 1]). Returns signs [..., b] in {-1, +1}.
+    Token i is +1 when u_i < p_i = 1/2 - step * y^T eta, u_i ~ U[0, 1) (comparing with the
+    unclipped p is the same as clipping it to [0, 1]). The loop runs over the b positions only; all
+    blocks, heads and layers advance together.
+    """
+    b = kern.shape[-1]
+    step = walk_step(kern, log_scale, cfg)
+    room = 0.5 - torch.rand(kern.shape[:-1], generator=generator).to(kern.device)  # 1/2 - u
+    signs = kern.new_zeros(kern.shape[:-1])
+    for i in range(b):
+        y_eta = (kern[..., i, :] * signs).sum(-1, keepdim=True)  # unsigned tokens are still 0
+        signs[..., i : i + 1] = torch.where(step * y_eta < room[..., i : i + 1], 1.0, -1.0)
+    return signs
+
+
+def halve(signs: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep exactly b/2 tokens of each signed block, with their weight multipliers.
+
+    signs: [..., b]. Let c be the first position where one sign reaches b/2 tokens: the other sign's
+    tokens in [0, c] are kept with weight 2 (they stand for the balanced prefix), the tokens after c
+    with weight 1. Returns (keep [..., b/2] positions in increasing order, mult [..., b/2] in {1, 2}).
+    """
+    b = signs.shape[-1]
+    half = b // 2
+    pos, neg = (signs > 0).cumsum(-1), (signs < 0).cumsum(-1)
+    c = ((pos >= half) | (neg >= half)).to(torch.int8).argmax(-1, keepdim=True)
+    majority = signs.gather(-1, c)  # the token at c is the one that filled its side
+    prefix = torch.arange(b, device=signs.device) <= c
+    keep = ~prefix | (signs != majority)
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :half]
+    mult = torch.where(prefix, 2.0, 1.0).to(signs.dtype).gather(-1, order)
+    return order, mult
+
+
+def _halve_blocks(k: Tensor, v: Tensor, logw: Tensor, idx: Tensor, cfg: WalkConfig, gen: torch.Generator):
+    """One round over equal blocks: k, v [..., nb, b, d], logw/idx [..., nb, b] -> the kept half of each."""
+    signs = balance_signs(*block_kernel(k, v, logw.exp(), cfg), cfg, gen)
+    order, mult = halve(signs)
+    return idx.gather(-1, order), logw.gather(-1, order) + mult.log()
+
+
+def balance_round(keys: Tensor, values: Tensor, idx: Tensor, logw: Tensor, block: int, cfg: WalkConfig,
+                  gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Halve the tokens ``idx`` [..., m] (weights ``logw`` [..., m] float64) of keys/values [..., n, d].
+
+    The tokens, in position order, are cut into blocks of ``block`` plus one shorter last block (even
+    length), each halved by SoftmaxBalance; when m is odd the last token passes through unchanged
+    (like the unbalanced tail of a block). Returns the kept (idx, logw), [..., ceil(m/2)] each.
+    """
+    m, d = idx.shape[-1], keys.shape[-1]
+    lead = idx.shape[:-1]
+    even = m - m % 2
+    full = even // block * block
+    spans = [(0, full, block)] if full else []
+    if even > full:
+        spans.append((full, even, even - full))
+    out_i, out_w = [], []
+    for a, e, bs in spans:
+        ix = idx[..., a:e]
+        gi = ix.unsqueeze(-1).expand(*ix.shape, d)
+        shape = (*lead, (e - a) // bs, bs)
+        k = keys.gather(-2, gi).reshape(*shape, d)
+        v = values.gather(-2, gi).reshape(*shape, d)
+        i2, w2 = _halve_blocks(k, v, logw[..., a:e].reshape(shape), ix.reshape(shape), cfg, gen)
+        out_i.append(i2.reshape(*lead, -1))
+        out_w.append(w2.reshape(*lead, -1))
+    out_i.append(idx[..., even:])
+    out_w.append(logw[..., even:])
+    return torch.cat(out_i, -1), torch.cat(out_w, -1)
+
+
+def balance_kv(keys: Tensor, values: Tensor, rounds: int, block: int, cfg: WalkConfig,
+               gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """T rounds of blockwise SoftmaxBalance on keys/values [..., m, d].
+
+    Returns the kept token indices [..., ceil(m / 2^T)] (increasing) and their log-weights (float32).
+    """
+    m = keys.shape[-2]
+    idx = torch.arange(m, device=keys.device).expand(*keys.shape[:-2], m)
+    logw = torch.zeros(idx.shape, dtype=torch.float64, device=keys.device)
+    for _ in range(rounds):
+        idx, logw = balance_round(keys, values, idx, logw, block, cfg, gen)
+    return idx, logw.float()
+
+
+# ----- budget -> layout ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Which prompt tokens go where: [0, n_sink) exact, n_middle halved T times, the rest exact."""
+
+    n_tokens: int
+    n_sink: int
+    n_middle: int
+    rounds: int
+
+    @property
+    def n_recent(self) -> int:
+        return self.n_tokens - self.n_sink - self.n_middle
+
+    @property
+    def kept(self) -> int:
+        return self.n_sink + self.n_recent + -(-self.n_middle >> self.rounds)  # ceil(n_middle / 2^T)
+
+
+def make_layout(n: int, sink: int, recent: int, rounds: int) -> Layout:
+    """The middle is what the sink and recent windows leave."""
+    sink = min(sink, n)
+    return Layout(n, sink, n - sink - min(recent, n - sink), rounds)
+
+
+def fit_layout(n: int, cap: int, sink_max: int, recent_max: int, rounds: int = 0) -> Layout:
+    """Map a token capacity ``cap`` onto (sink, recent, T) for an n-token prompt.
+
+    Sink and recent windows are the paper's sizes scaled down so that each takes at most a quarter of
+    the capacity; T is the smallest number of rounds that fits (or the given ``rounds``); capacity
+    left over widens the recent window. Never keeps more than ``cap`` tokens when any T fits.
+    """
+    if cap >= n:
+        return Layout(n, n, 0, 0)
+    sink, recent = min(sink_max, cap // 4), min(recent_max, cap // 4)
+    if not rounds:
+        fits = [t for t in range(1, MAX_ROUNDS + 1) if make_layout(n, sink, recent, t).kept <= cap]
+        if not fits:  # even the deepest halving is over: drop the windows
+            return make_layout(n, 0, 0, MAX_ROUNDS)
+        rounds = fits[0]
+    scale = 1.0 - 2.0**-rounds
+    wide = max(recent, int((cap - sink - (n - sink) / 2**rounds) / scale))
+    while wide > recent and make_layout(n, sink, wide, rounds).kept > cap:
+        wide -= 1
+    return make_layout(n, sink, wide, rounds)
+
+
+# ----- the compressor --------------------------------------------------------------------------
+@register
+class BalanceKV(DenseCompressor):
+    name = "balancekv"
+    title = "BalanceKV"
+    group = "paper"
+    paper = ("Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
+             "Theory, arXiv:2502.03771 (2025), https://arxiv.org/abs/2502.03771")
+    summary = ("Keeps first and recent tokens; halves the middle T times with a self-balancing walk under the "
+               "softmax kernel (SoftmaxBalance), kept tokens weighted ~2^T on their logits.")
+    params = (
+        Param("T", 0, "halving rounds (rate 2^-T on the middle tokens); 0: chosen from the budget",
+              minimum=0, maximum=MAX_ROUNDS),
+        Param("block_size", 256, "tokens per block of the parallel walk (paper Sec. 4.2: b = 256; reference code 128)",
+              minimum=2),
+        Param("n_sink", 256, "first tokens kept exactly (paper Sec. 4.1); at most a quarter of the budget", minimum=0),
+        Param("n_recent", 256, "last prompt tokens kept exactly (paper Sec. 4.1); at least this, scaled like n_sink",
+              minimum=0),
+        Param("gamma", 4.0, "walk step: p = 1/2 - gamma * y^T eta (reference code)", minimum=0.0),
+        Param("c", 0.0, "if > 0, the paper's step p = 1/2 - y^T eta / (2 c R^2) replaces gamma (Alg. 2)", minimum=0.0),
+        Param("denom_weight", 0.025, "constant added to <v_i, v_j>: balances the softmax denominator too",
+              minimum=0.0),
+        Param("center", True, "centre keys per block before the kernel (reference code)"),
+    )
+
+    def walk_config(self) -> WalkConfig:
+        c = self.cfg
+        return WalkConfig(float(c["gamma"]), float(c["c"]), float(c["denom_weight"]), bool(c["center"]))
+
+    def plan(self, n_prompt: int) -> dict:
+        c = self.cfg
+        if self.budget is None or self.budget.is_full:
+            self.layout = Layout(n_prompt, n_prompt, 0, 0)
+        else:
+            cap = self.tokens_for_budget(n_prompt, with_logw=True)
+            self.layout = fit_layout(n_prompt, cap, c["n_sink"], c["n_recent"], c["T"])
+        lay = self.layout
+        self.block = max(2, min(c["block_size"], lay.n_middle >> 1 << 1) // 2 * 2)
+        return {"T": lay.rounds, "n_sink": lay.n_sink, "n_recent": lay.n_recent, "n_middle": lay.n_middle,
+                "block_size": self.block, "kept_tokens": lay.kept}
+
+    def select(self, state: PrefillState):
+        lay = self.layout
+        n_layers = state.keys.shape[0]
+        if lay.rounds == 0 or lay.n_middle == 0:
+            self._logw = None
+            return [None] * n_layers
+        a, e, n = lay.n_sink, lay.n_sink + lay.n_middle, state.n_tokens
+        mid, lw = balance_kv(state.keys[:, :, a:e], state.values[:, :, a:e], lay.rounds, self.block,
+                             self.walk_config(), self.generator)
+        lead = mid.shape[:-1]
+        dev = mid.device
+        idx = torch.cat([torch.arange(a, device=dev).expand(*lead, a), mid + a,
+                         torch.arange(e, n, device=dev).expand(*lead, n - e)], -1)
+        self._logw = torch.cat([lw.new_zeros(*lead, a), lw, lw.new_zeros(*lead, n - e)], -1)
+        return idx
+
+    def log_weights(self, state: PrefillState, idx) -> list[Tensor] | None:
+        return None if self._logw is None else list(self._logw)

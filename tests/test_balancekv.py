@@ -1,0 +1,155 @@
+"""BalanceKV on the embedded model's real keys/values: the walk balances, the halving beats uniform
+sampling (paper Fig. 2), and the engine runs it within its byte budget."""
+
+import math
+
+import pytest
+import torch
+
+from kvlab.budgets import Budget, exact_bytes
+from kvlab.compressors.balancekv import (BalanceKV, WalkConfig, balance_kv, balance_signs, block_kernel,
+                                         fit_layout, halve)
+from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.ops import attention_logits, gather_tokens, group_queries, ungroup
+
+LAYERS = [1, 2, 5]  # the layers of the paper's Fig. 2
+SINK = 32
+
+
+def _blocks(x, start, nb, b):
+    """[L, H, n, d] -> [L, H, nb, b, d], tokens start .. start + nb*b."""
+    return x[:, :, start : start + nb * b].reshape(*x.shape[:2], nb, b, x.shape[-1])
+
+
+def _discrepancy(signs, k, v, q, lam):
+    """Relative norm of sum_i s_i exp(<k_i,q>/sqrt(d)) (v_i, sqrt(lam)) per block and query, averaged.
+
+    signs [L, H, nb, b]; k, v [L, H, nb, b, d]; q [L, H, w, d] (queries of one KV head's group).
+    """
+    k, v, q, s = k.double(), v.double(), q.double(), signs.double()
+    e = torch.exp(torch.einsum("lhnbd,lhwd->lhnwb", k, q) / math.sqrt(k.shape[-1]))
+    vv = torch.cat([v, torch.full((*v.shape[:-1], 1), math.sqrt(lam), dtype=v.dtype)], -1)
+    signed = torch.einsum("lhnwb,lhnb,lhnbe->lhnwe", e, s, vv)
+    total = torch.einsum("lhnwb,lhnbe->lhnwe", e, vv)
+    return (signed.norm(dim=-1) / total.norm(dim=-1)).mean().item()
+
+
+def test_halve_rule_exact_half():
+    signs = torch.tensor([[1.0, 1, -1, 1, 1, -1, -1, -1], [-1.0, 1, -1, 1, -1, 1, 1, -1]])
+    keep, mult = halve(signs)
+    # row 0: '+' reaches 4 at position 4 -> keep the '-' of [0, 4] (pos 2) doubled, then 5, 6, 7 as they are
+    assert keep[0].tolist() == [2, 5, 6, 7] and mult[0].tolist() == [2, 1, 1, 1]
+    # row 1: '+' reaches 4 at position 6 -> keep '-' at 0, 2, 4 doubled, then 7
+    assert keep[1].tolist() == [0, 2, 4, 7] and mult[1].tolist() == [2, 2, 2, 1]
+
+
+def test_walk_balances_better_than_random_split(prefill_state):
+    st = prefill_state
+    b, nb = 128, (st.n_tokens - SINK) // 128
+    k, v = _blocks(st.keys[LAYERS], SINK, nb, b), _blocks(st.values[LAYERS], SINK, nb, b)
+    q = group_queries(st.queries[LAYERS][:, :, -16:], k.shape[1])  # [L, Hkv, g*16, d] test queries
+    cfg = WalkConfig()
+    walk, rand = [], []
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        signs = balance_signs(*block_kernel(k, v, torch.ones(k.shape[:-1]), cfg), cfg, gen)
+        assert set(signs.unique().tolist()) <= {-1.0, 1.0}
+        walk.append(_discrepancy(signs, k, v, q, cfg.denom_weight))
+        perm = torch.rand(signs.shape, generator=gen).argsort(-1)  # a uniform random split into halves
+        rand.append(_discrepancy(torch.where(perm < b // 2, 1.0, -1.0), k, v, q, cfg.denom_weight))
+    assert sum(walk) / len(walk) < 0.85 * sum(rand) / len(rand)
+
+
+def test_walk_balances_synthetic_kernel():
+    """Small-norm Gaussian keys (where Theorem 3.2's bound is tight): the walk is far below chance."""
+    gen = torch.Generator().manual_seed(0)
+    k = 0.7 * torch.randn(1, 1, 4, 256, 16, generator=gen)
+    v = torch.randn(1, 1, 4, 256, 16, generator=gen)
+    q = 0.7 * torch.randn(1, 1, 32, 16, generator=gen)
+    cfg, fair_cfg = WalkConfig(), WalkConfig(gamma=0.0)  # gamma 0: independent fair coins
+    signs = balance_signs(*block_kernel(k, v, torch.ones(k.shape[:-1]), cfg), cfg, gen)
+    fair = balance_signs(*block_kernel(k, v, torch.ones(k.shape[:-1]), fair_cfg), fair_cfg, gen)
+    assert _discrepancy(signs, k, v, q, cfg.denom_weight) < 0.6 * _discrepancy(fair, k, v, q, cfg.denom_weight)
+
+
+def _attend(q, keys, values, idx, logw, scaling):
+    """Causal attention of the last w prompt queries over the kept tokens idx [L, H, m] (with log-weights)."""
+    n, w, g = keys.shape[-2], q.shape[-2], q.shape[1] // keys.shape[1]
+    logits = attention_logits(q, gather_tokens(keys, idx), scaling, logw)
+    qpos = torch.arange(n - w, n).view(w, 1)
+    logits = logits.masked_fill(idx.repeat_interleave(g, 1).unsqueeze(-2) > qpos, float("-inf"))
+    return ungroup(group_queries(logits.softmax(-1), keys.shape[1]) @ gather_tokens(values, idx), q.shape[1])
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3, 4])
+def test_attention_error_below_uniform(prefill_state, rounds):
+    """Paper Sec. 4.1 / Fig. 2: first and recent tokens exact, the middle halved T times, vs uniform."""
+    st = prefill_state
+    k, v, q = st.keys, st.values, st.queries  # every layer: a few layers alone are too noisy for uniform
+    L, H, n, _ = k.shape
+    w = q.shape[-2]
+    m = n - SINK - w
+    e = SINK + m
+    exact = _attend(q, k, v, torch.arange(n).expand(L, H, n), None, st.scaling)
+
+    def rel_error(mid, logw):
+        idx = torch.cat([torch.arange(SINK).expand(L, H, SINK), mid + SINK, torch.arange(e, n).expand(L, H, n - e)], -1)
+        lw = torch.cat([torch.zeros(L, H, SINK), logw, torch.zeros(L, H, n - e)], -1)
+        z = _attend(q, k, v, idx, lw, st.scaling)
+        return ((z - exact).norm(dim=-1) / exact.norm(dim=-1)).mean().item()
+
+    ours, unif = [], []
+    for seed in range(2):  # the walk is nearly deterministic on real keys (p is clipped to 0 or 1)
+        gen = torch.Generator().manual_seed(seed)
+        mid, logw = balance_kv(k[:, :, SINK:e], v[:, :, SINK:e], rounds, 128, WalkConfig(), gen)
+        assert mid.shape == (L, H, -(-m >> rounds))
+        assert (mid.diff(dim=-1) > 0).all() and mid.min() >= 0 and mid.max() < m
+        assert torch.allclose(logw.exp().mean(), torch.tensor(2.0**rounds), rtol=0.35)
+        ours.append(rel_error(mid, logw))
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        umid = torch.rand(L, H, m, generator=gen).argsort(-1)[..., : mid.shape[-1]].sort(-1).values
+        unif.append(rel_error(umid, torch.full(umid.shape, math.log(m / umid.shape[-1]))))
+    print(f"T={rounds}: balancekv {sum(ours) / len(ours):.4f}, uniform {sum(unif) / len(unif):.4f}")
+    assert sum(ours) / len(ours) < sum(unif) / len(unif)
+
+
+def test_layout_fits_budget(lm):
+    comp_cap = BalanceKV(lm.info, Budget.parse("0.25"))
+    for n, frac in [(600, 0.25), (2048, 0.25), (2048, 0.125), (5000, 0.5), (300, 0.1)]:
+        cap = int(frac * n * 512 / 520)
+        lay = fit_layout(n, cap, 256, 256)
+        assert lay.rounds >= 1
+        assert cap - 2 <= lay.kept <= cap  # at or just under the budget
+        assert lay.n_sink <= max(256, cap // 4) and lay.n_sink + lay.n_middle + lay.n_recent == n
+    assert fit_layout(2048, 1000, 256, 256).rounds < fit_layout(2048, 300, 256, 256).rounds
+    assert comp_cap.plan(600)["T"] >= 1
+    assert BalanceKV(lm.info, Budget.parse("1.0")).plan(600)["T"] == 0
+
+
+def test_engine_runs_within_budget(engine, lm, long_text):
+    ids = lm.encode(long_text[:2600])
+    n = len(ids)
+    res = engine.compare(ids, [RunSpec("balancekv", Budget.parse("0.25"))], GenerationSettings(max_new_tokens=4))
+    r = res.runs[0]
+    target = 0.25 * exact_bytes(lm.info, n)
+    assert 0.93 * target <= r.kv_bytes <= target
+    assert r.params["T"] >= 2 and r.params["n_sink"] >= 1 and r.params["kept_tokens"] < n
+    assert set(r.kv_bytes_breakdown) == {"keys", "values", "positions", "log_weights"}
+    # prefill-only (Sec. 4.2): every generated token is kept, K + V + position + log-weight per head and layer
+    per_token = lm.info.n_layers * lm.info.n_kv_heads * (64 * 2 * 4 + 4 + 4)
+    assert [b - r.kv_bytes for b in r.kv_bytes_per_step] == [i * per_token for i in range(len(r.kv_bytes_per_step))]
+    assert len(r.token_ids) >= 1 and r.finish_reason in ("eos", "length")
+
+
+def test_compressor_uses_log_weights(prefill_state, lm):
+    """The kept middle tokens carry log(weight) > 0 on their logits; sinks and recent carry 0."""
+    comp = BalanceKV(lm.info, Budget.parse("0.25"), {"block_size": 64})
+    knobs = comp.plan(prefill_state.n_tokens)
+    comp.compress(prefill_state)
+    k, v, pos, lw = comp.layers[3].views()
+    a = knobs["n_sink"]
+    mid = slice(a, a + -(-knobs["n_middle"] >> knobs["T"]))
+    assert (lw[:, :a] == 0).all() and (lw[:, mid.stop :] == 0).all()
+    assert (lw[:, mid] > 0).float().mean() > 0.9 and abs(lw[:, mid].exp().mean().item() / 2 ** knobs["T"] - 1) < 0.35
+    assert torch.equal(k, gather_tokens(prefill_state.keys[3], pos.long()))
