@@ -1,0 +1,257 @@
+"""QJL (kvlab/compressors/qjl.py): the estimator's statistics, the storage format, budgets, real attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlab.budgets import Budget, exact_bytes, per_token_bytes
+from kvlab.compressors.base import ParamError
+from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make_sketch, sketch_keys
+from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.models import ModelInfo
+from kvlab.ops import dense_attention
+from kvlab.quant import dequantize_groups, group_error_bound, unpack_signs
+
+
+def _pair(d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    k = 0.6 * q + 0.8 * k  # a clearly non-zero inner product
+    return q, k
+
+
+def _estimates(q: torch.Tensor, k: torch.Tensor, m: int, trials: int, orthogonalize: bool, seed: int) -> torch.Tensor:
+    """One QJL estimate of <q, k> per independent sketch: [trials]."""
+    d = q.shape[0]
+    s = make_sketch(trials, m, d, torch.Generator().manual_seed(seed), orthogonalize)  # [T, m, d]
+    bits, norms = sketch_keys(k.expand(trials, 1, 1, d), s)  # [T, 1, 1, m/8], [T, 1, 1]
+    k_hat = dense_key_estimate(s.unsqueeze(1), bits, norms)  # [T, 1, 1, d]
+    return (k_hat.reshape(trials, d) @ q).double()
+
+
+@pytest.mark.parametrize("orthogonalize", [False, True])
+def test_estimator_is_unbiased(orthogonalize):
+    q, k = _pair(64)
+    est = _estimates(q, k, m=64, trials=3000 if orthogonalize else 6000, orthogonalize=orthogonalize, seed=1)
+    se = est.std() / math.sqrt(est.numel())
+    assert abs(est.mean() - q @ k) < 3 * se
+    # Lemma 3.5's scale: the spread is about sqrt(pi/2) ||q|| ||k|| / sqrt(m), not wildly off.
+    assert 0.5 < est.std() / (math.sqrt(math.pi / 2) * q.norm() * k.norm() / 8) < 1.5
+
+
+def test_estimator_error_shrinks_with_m():
+    q, k = _pair(64, seed=3)
+    rmse = [(_estimates(q, k, m, 400, False, seed=m) - q @ k).pow(2).mean().sqrt().item() for m in (32, 128, 512)]
+    assert rmse[0] > rmse[1] > rmse[2]
+    assert rmse[2] < rmse[0] / 2.5  # ~ 1/sqrt(m): a 16x larger sketch gives ~4x less error
+
+
+def test_score_estimate_equals_linear_form():
+    g = torch.Generator().manual_seed(4)
+    d, m = 48, 96
+    s = make_sketch(1, m, d, g)[0]
+    k = torch.randn(2, 7, d, generator=g)
+    q = torch.randn(6, 1, d, generator=g)  # 6 query heads over 2 KV heads
+    bits, norms = sketch_keys(k[None], s[None])
+    est = estimate_scores(q, s, bits[0], norms[0])  # [6, 1, 7]
+    k_hat = dense_key_estimate(s, bits[0], norms[0])  # [2, 7, d]
+    ref = torch.einsum("gjd,gnd->gjn", q.reshape(2, 3, d), k_hat).reshape(6, 1, 7)
+    assert torch.allclose(est, ref, atol=1e-4)
+
+
+def test_orthogonal_sketch_blocks():
+    s = make_sketch(2, 160, 64, torch.Generator().manual_seed(5))
+    assert s.shape == (2, 160, 64) and s.dtype == torch.float32
+    block = s[0, :64]
+    assert torch.allclose(block @ block.T, 64 * torch.eye(64), atol=1e-3)
+    tail = s[1, 128:]  # a partial block: 32 orthogonal rows
+    assert torch.allclose(tail @ tail.T, 64 * torch.eye(32), atol=1e-3)
+
+
+# ----- the compressor on the real model's prefill ----------------------------------------------------
+def _qjl(lm, budget="0.25", n=None, **params) -> QJL:
+    c = QJL(lm.info, None if budget is None else Budget.parse(budget), params)
+    c.plan(n)
+    return c
+
+
+def test_packed_storage_layout(lm, prefill_state):
+    st0 = prefill_state
+    c = _qjl(lm, n=st0.n_tokens)
+    c.compress(st0)
+    layer = c.layers[20]
+    m, m_out, n_q = layer.s.shape[0], layer.s_out.shape[0], layer.n_quantized
+    keys = layer.keys
+    assert n_q > 0 and n_q % 32 == 0
+    assert keys.bits.dtype == torch.uint8 and keys.bits.shape == (3, n_q, m // 8)
+    assert keys.norms.dtype == torch.float16 and keys.norms.shape == (3, n_q)
+    assert keys.out_bits.shape == (3, n_q, m_out // 8) and keys.out_idx.shape == (3, n_q // 32, c.n_out)
+    # Bits are sign(S k_inlier), LSB first, recomputed independently from the real keys.
+    k = st0.keys[20, :, :n_q].float()
+    mask = torch.zeros_like(k, dtype=torch.bool)
+    idx = keys.out_idx.long().repeat_interleave(32, dim=1)
+    mask.scatter_(-1, idx, True)
+    k_in = k.masked_fill(mask, 0.0)
+    proj = k_in @ layer.s.T
+    byte, bit = 5, 3
+    expect = proj[..., 8 * byte + bit] >= 0
+    assert torch.equal(((keys.bits[..., byte] >> bit) & 1).bool(), expect)
+    assert torch.allclose(keys.norms.float(), k_in.norm(dim=-1), rtol=1e-3)
+    # Outlier channels are the largest-norm channels of their token group.
+    top = k[:, :32].norm(dim=1).topk(c.n_out, dim=-1).indices.sort(-1).values
+    assert torch.equal(keys.out_idx[:, 0].long().sort(-1).values, top)
+
+
+def test_bytes_per_key_and_bits_per_coordinate(lm, prefill_state):
+    n = prefill_state.n_tokens
+    c = _qjl(lm, n=n, m=128, n_outliers=0, value_bits=2, residual=64)
+    c.compress(prefill_state)
+    by = c.nbytes_by_kind()
+    n_q = c.layers[0].n_quantized
+    n_init = round(30 * 15 / 32)
+    # m/8 bytes of bits per key (2m on the first layers) plus a float16 norm.
+    assert by["key_bits"] == 3 * n_q * (128 // 8) * (30 + n_init)
+    assert by["key_norms"] == 3 * n_q * 2 * 30
+    assert by["value_codes"] == 3 * n_q * 64 * 2 // 8 * 30
+    assert by["value_scales"] == by["value_zero_points"] == 3 * n_q * 2 * 2 * 30
+    w = n - n_q
+    assert by["residual_keys"] == by["residual_values"] == 3 * w * 64 * 4 * 30
+    bpc = c.bits_per_coordinate()
+    assert bpc["keys"] == pytest.approx((128 * (30 + n_init) / 30 + 16) / 64)
+    assert bpc["values"] == pytest.approx(3.0)
+
+
+def test_value_quantization_within_bound(lm, prefill_state):
+    c = _qjl(lm, n=prefill_state.n_tokens, value_bits=2)
+    c.compress(prefill_state)
+    layer = c.layers[7]
+    n_q = layer.n_quantized
+    v = prefill_state.values[7, :, :n_q]
+    err = (dequantize_groups(layer.values) - v).abs()
+    assert (err <= group_error_bound(layer.values)).all()
+    # 2 bits: at most half of a third of each 32-coordinate group's range.
+    span = v.reshape(3, n_q, 2, 32)
+    span = (span.amax(-1) - span.amin(-1)).repeat_interleave(32, -1)
+    assert (err <= span / 6 * 1.01 + 1e-3).all()
+
+
+def _rel_err(z: torch.Tensor, a: torch.Tensor) -> float:
+    return ((z - a).norm(dim=-1) / a.norm(dim=-1)).mean().item()
+
+
+def test_attention_close_to_exact_and_beats_uniform(lm, prefill_state):
+    st = prefill_state
+    n = st.n_tokens
+    c = _qjl(lm, n=n)
+    c.compress(st)
+    assert c.nbytes() <= 0.25 * exact_bytes(lm.info, n)
+    g = torch.Generator().manual_seed(0)
+    errs, uni = [], []
+    for layer in range(0, 30, 3):
+        q = st.queries[layer, :, -8:]
+        a = dense_attention(q, st.keys[layer], st.values[layer], st.scaling)
+        errs.append(_rel_err(c.attend(layer, q), a))
+        keep = torch.randperm(n, generator=g)[: n // 4]  # uniform sampling at the same budget
+        uni.append(_rel_err(dense_attention(q, st.keys[layer][:, keep], st.values[layer][:, keep], st.scaling), a))
+    qjl_err, uni_err = sum(errs) / len(errs), sum(uni) / len(uni)
+    assert qjl_err < 0.6 * uni_err, (qjl_err, uni_err)
+
+
+def test_more_budget_less_error(lm, prefill_state):
+    st = prefill_state
+    q, errs = st.queries[12, :, -8:], []
+    a = dense_attention(q, st.keys[12], st.values[12], st.scaling)
+    for b in ("0.1", "0.25", "0.6"):
+        c = _qjl(lm, b, n=st.n_tokens)
+        c.compress(st)
+        errs.append(_rel_err(c.attend(12, q), a))
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_full_budget_is_exact(lm, prefill_state):
+    st = prefill_state
+    c = _qjl(lm, "1.0", n=st.n_tokens)
+    c.compress(st)
+    assert c.nbytes() == exact_bytes(lm.info, st.n_tokens)
+    q = st.queries[3, :, -2:]
+    assert torch.allclose(c.attend(3, q), dense_attention(q, st.keys[3], st.values[3], st.scaling), atol=1e-5)
+
+
+def test_streaming_flush_keeps_window_and_budget(lm, prefill_state):
+    st = prefill_state
+    n = st.n_tokens
+    c = _qjl(lm, n=n)
+    c.compress(st)
+    r = c.qplan.residual
+    g = torch.Generator().manual_seed(1)
+    n_q0 = c.layers[0].n_quantized
+    for step in range(40):
+        for layer in range(30):
+            k, v = torch.randn(2, 3, 1, 64, generator=g) * 4
+            c.append(layer, k, v, n + step)
+        layer0 = c.layers[0]
+        assert 0 < layer0.res_k.shape[1] <= r
+        assert layer0.n_quantized + layer0.res_k.shape[1] == n + step + 1
+        assert c.nbytes() <= 0.25 * exact_bytes(lm.info, n + step + 1)
+    assert c.layers[0].n_quantized > n_q0  # at least one group was flushed
+    # The newest token is attended exactly: a query aligned with it puts most weight on it.
+    k_new = c.layers[5].res_k[:, -1:]
+    q = k_new.repeat_interleave(3, dim=0) * 3
+    out = c.attend(5, q)
+    assert _rel_err(out, c.layers[5].res_v[:, -1:].repeat_interleave(3, dim=0)) < 0.3
+    assert torch.equal(c.kept_positions(5)[0, -1], torch.tensor(n + 39, dtype=torch.int32))
+
+
+def test_runs_through_engine_and_holds_budget(engine, lm, long_text):
+    ids = lm.encode(long_text[:1200])
+    res = engine.compare(ids, [RunSpec("qjl", Budget.parse("0.25"))], GenerationSettings(max_new_tokens=6))
+    r = res.runs[0]
+    assert len(r.token_ids) == 6 and r.text
+    assert r.params["fits_budget"] is True and r.params["m"] % 8 == 0
+    for held, exact in zip(r.kv_bytes_per_step, r.exact_kv_bytes_per_step):
+        assert held <= 0.25 * exact
+    assert {"key_bits", "key_norms", "value_codes", "residual_keys"} <= set(r.kv_bytes_breakdown)
+
+
+def test_any_head_dim_and_gqa_group():
+    info = ModelInfo("synthetic", 2, 8, 2, 48, "float32", "cpu", 4096)  # group of 4, head_dim 48
+    g = torch.Generator().manual_seed(7)
+    n = 200
+    k = torch.randn(2, 2, n, 48, generator=g)
+    v = torch.randn(2, 2, n, 48, generator=g)
+    q = torch.randn(2, 8, 4, 48, generator=g)
+    from kvlab.compressors.base import PrefillState
+
+    st = PrefillState(k, v, q, scaling=48**-0.5)
+    errs = []
+    for m in (64, 1024):
+        c = QJL(info, Budget.parse("0.5"), {"m": m, "value_bits": 8, "residual": 32, "value_group": 16})
+        c.plan(n)
+        c.compress(st)
+        assert c.layers[1].keys.out_idx.shape[-1] == 3  # head_dim / 16
+        out = c.attend(1, q[1])
+        assert out.shape == (8, 4, 48)
+        errs.append(_rel_err(out, dense_attention(q[1], k[1], v[1], st.scaling)))
+    assert errs[1] < errs[0] / 3  # ~ 1/sqrt(m): 16x the sketch, ~4x less error
+
+
+def test_bad_params_rejected(lm):
+    with pytest.raises(ParamError):
+        QJL(lm.info, Budget.parse("0.25"), {"m": 100})
+    with pytest.raises(ParamError):
+        QJL(lm.info, Budget.parse("0.25"), {"value_bits": 5})
+    with pytest.raises(ParamError):
+        QJL(lm.info, Budget.parse("0.25"), {"bogus": 1})
+
+
+def test_planned_bytes_match_budget(lm):
+    n = 1000
+    for b in ("0.1", "0.25", "0.5"):
+        c = QJL(lm.info, Budget.parse(b))
+        knobs = c.plan(n)
+        target = float(b) * n * per_token_bytes(lm.info)
+        assert knobs["fits_budget"] and c.qplan.planned_bytes <= target
+        assert c.qplan.planned_bytes > 0.85 * target  # the budget is used, not wasted
