@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvlab compare|methods``.
+"""Command line: ``python -m kvlab compare|sweep|methods``.
 
 Bad arguments exit with status 2 and one line that says what was wrong and what is allowed.
 """
@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
+    src.add_argument("--task", help="a built-in task instead of a prompt: passkey, lines or document")
+    c.add_argument("--length", default="1k", help="task prompt length in tokens (e.g. 1500, 2k)")
+    c.add_argument("--probes", action=argparse.BooleanOptionalAction, default=False,
+                   help="measure attention error, teacher-forced KL/agreement/perplexity and attention maps")
     c.add_argument("--methods", default="exact,streaming", help="comma-separated method names (see `methods`)")
     c.add_argument("--budget", default="0.25", help="fractions in (0,1] or token counts like 512t, comma-separated")
     c.add_argument("--max-new-tokens", type=int, default=32)
@@ -56,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", help="write the full results as JSON here")
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     sub.add_parser("methods", help="list the methods and their parameters")
+    s = sub.add_parser("sweep", help="run a task over lengths x seeds x methods x budgets; JSON, CSV, HTML report")
+    s.add_argument("--task", default="passkey", help="passkey, lines or document")
+    s.add_argument("--lengths", default="1k", help="comma-separated prompt lengths in tokens, e.g. 1k,2k")
+    s.add_argument("--methods", default="all", help="comma-separated method names, or 'all' (every registered method)")
+    s.add_argument("--budgets", default="0.5,0.25", help="comma-separated budgets (fractions or 512t)")
+    s.add_argument("--seeds", type=int, default=1, help="seeds per length (0..N-1)")
+    s.add_argument("--max-new-tokens", type=int, default=16)
+    s.add_argument("--depth", type=float, default=0.5, help="pass-key depth in [0, 1]")
+    s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
+    s.add_argument("--model", default="embedded")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--out", default="sweep-out", help="output folder (cells/, results.json, results.csv, report.html)")
+    s.add_argument("--quiet", action="store_true")
     return p
 
 
@@ -106,7 +123,7 @@ def cmd_compare(args) -> int:
     from kvlab.engine import Engine, GenerationSettings, InputError, expand_runs
     from kvlab.models import ModelLoadError, load_model
 
-    text = _read_prompt(args)
+    text = "" if args.task else _read_prompt(args)
     try:
         budgets = parse_budgets(args.budget)
     except BudgetError as exc:
@@ -127,11 +144,23 @@ def cmd_compare(args) -> int:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 1
     load_s = time.perf_counter() - t0
+    task = None
+    if args.task:
+        from kvlab.tasks import TaskError, make_task
+
+        try:
+            task = make_task(args.task, args.length, args.seed, lambda t: lm.encode(t, chat=not args.no_chat))
+        except TaskError as exc:
+            raise CliError(str(exc)) from None
+        text = task.prompt
     ids = lm.encode(text, chat=not args.no_chat)
     engine = Engine(lm)
     result = None
+    from kvlab.metrics import MetricsProbe, add_text_metrics
+
+    probes = [MetricsProbe()] if args.probes else []
     try:
-        for ev in engine.stream(ids, runs, gen, prompt_text=text):
+        for ev in engine.stream(ids, runs, gen, prompt_text=text, probes=probes):
             if not args.quiet and ev.kind in ("prefill", "compress", "run_done"):
                 print(f"[kvlab] {ev.message}", file=sys.stderr)
             elif not args.quiet and ev.kind == "step" and (ev.step % 8 == 0 or ev.step == ev.total):
@@ -141,11 +170,59 @@ def cmd_compare(args) -> int:
     except InputError as exc:
         raise CliError(str(exc)) from None
     result.timings["load_s"] = load_s
+    add_text_metrics(result)
+    if task is not None:
+        from kvlab.tasks import score_result
+
+        score_result(task, result)
     print(f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}); "
           f"prompt {result.prompt_tokens} tokens; load {load_s:.1f} s, compare {result.timings['compare_s']:.1f} s")
     print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from kvlab.compressors import names
+    from kvlab.engine import Engine, InputError, expand_runs
+    from kvlab.sweep import SweepConfig, budget_labels, run_sweep
+    from kvlab.tasks import TASKS, TaskError, parse_length
+
+    if args.task not in TASKS:
+        raise CliError(f"unknown task {args.task!r}; allowed: {', '.join(TASKS)}")
+    try:
+        lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
+        budgets = budget_labels(args.budgets)
+    except (TaskError, BudgetError) as exc:
+        raise CliError(str(exc)) from None
+    methods = names() if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        expand_runs(methods, [])
+    except InputError as exc:
+        raise CliError(str(exc)) from None
+    if args.seeds < 1 or not lengths:
+        raise CliError("--seeds must be >= 1 and --lengths must name at least one length")
+    cfg = SweepConfig(args.task, lengths, methods, budgets, args.seeds, args.max_new_tokens, args.probes,
+                      args.depth, args.model, args.out)
+
+    def engine_factory():
+        import os
+
+        from kvlab.models import load_model
+
+        device = args.device
+        if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("LOCAL_RANK"):
+            import torch
+
+            if torch.cuda.is_available():
+                device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
+        return Engine(load_model(args.model, device))
+
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
+    report = run_sweep(cfg, engine_factory, log)
+    if report is not None:
+        print(f"report: {report}")
     return 0
 
 
@@ -157,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_compare(args)
         if args.command == "methods":
             return cmd_methods()
+        if args.command == "sweep":
+            return cmd_sweep(args)
         parser.print_help()
         return 2
     except CliError as exc:

@@ -1,0 +1,175 @@
+"""Sweeps: a task over lengths x seeds, every method at every budget, with JSON + CSV + HTML report.
+
+Each grid cell is one generated prompt (task, length, seed); its methods and budgets run together
+in one lockstep comparison. A cell's result is written to ``<out>/cells/<key>.json`` as soon as it
+is done, and a re-run skips cells whose file exists (the key includes a hash of everything that
+changes the result). Across processes (``accelerate launch -m kvlab sweep ...``, or any launcher
+that sets RANK / WORLD_SIZE) process r runs cells r, r + W, r + 2W, ...; after a barrier, process
+0 merges all cell files into ``results.json``, ``results.csv`` and ``report.html``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+
+CSV_FIELDS = (
+    "task", "length", "seed", "prompt_tokens", "label", "method", "budget", "kv_bytes", "exact_bytes",
+    "bytes_fraction", "task_score", "text_similarity", "first_divergence", "kl_mean", "top1_agreement",
+    "perplexity", "attn_rel_error_mean", "prefill_s", "compress_s", "decode_s",
+)
+
+
+@dataclass
+class SweepConfig:
+    task: str
+    lengths: list[int]
+    methods: list[str]
+    budgets: list[str]  # budget labels, e.g. ["0.5", "0.25"]
+    seeds: int = 1
+    max_new_tokens: int = 16
+    probes: bool = True
+    depth: float = 0.5
+    model: str = "embedded"
+    out: str = "sweep-out"
+
+    def key(self) -> str:
+        """Hash of everything besides the cell that changes a cell's result."""
+        parts = {k: v for k, v in asdict(self).items() if k not in ("lengths", "seeds", "out")}
+        return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    length: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}-{self.length}-s{self.seed}"
+
+
+def cells(cfg: SweepConfig) -> list[Cell]:
+    return [Cell(cfg.task, n, s) for n in cfg.lengths for s in range(cfg.seeds)]
+
+
+def cell_path(cfg: SweepConfig, cell: Cell) -> Path:
+    return Path(cfg.out) / "cells" / f"{cell.name}-{cfg.key()}.json"
+
+
+def distributed() -> tuple[int, int, Callable[[], None]]:
+    """(rank, world size, barrier) from accelerate when launched by it (or torchrun), else (0, 1, no-op)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, lambda: None
+    from accelerate import PartialState
+
+    state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"))
+    return state.process_index, state.num_processes, state.wait_for_everyone
+
+
+def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
+    """One comparison on the cell's prompt; returns the compact record written to its file."""
+    from kvlab.budgets import parse_budgets
+    from kvlab.engine import GenerationSettings, expand_runs
+    from kvlab.metrics import MetricsProbe, add_text_metrics
+    from kvlab.tasks import make_task, score_result
+
+    lm = engine.lm
+    task = make_task(cell.task, cell.length, cell.seed, lm.encode, cfg.depth)
+    ids = lm.encode(task.prompt)
+    specs = expand_runs(cfg.methods, parse_budgets(",".join(cfg.budgets)))
+    probes = [MetricsProbe()] if cfg.probes else []
+    result = engine.compare(ids, specs, GenerationSettings(max_new_tokens=cfg.max_new_tokens), prompt_text=task.prompt, probes=probes)
+    add_text_metrics(result)
+    score_result(task, result)
+    return {"cell": asdict(cell), "answer": task.answer, "meta": task.meta, "prompt_tokens": len(ids),
+            "timings": result.timings, "runs": [_compact(r) for r in result.runs]}
+
+
+def _compact(r) -> dict:
+    """A run without the bulky parts (diff opcodes, attention maps); per-layer mean error kept."""
+    m = {k: v for k, v in r.metrics.items() if k not in ("diff", "attn_rel_error", "kl")}
+    err = r.metrics.get("attn_rel_error")
+    if err:
+        m["attn_rel_error_per_layer"] = [sum(col) / len(col) for col in zip(*err)]
+    return {"label": r.label, "method": r.method, "budget": r.budget, "text": r.text, "token_ids": r.token_ids,
+            "kv_bytes": r.kv_bytes, "kv_bytes_per_step": r.kv_bytes_per_step,
+            "exact_kv_bytes_per_step": r.exact_kv_bytes_per_step, "timings": asdict(r.timings), "metrics": m}
+
+
+def run_sweep(cfg: SweepConfig, engine_factory: Callable[[], object], log: Callable[[str], None] = print) -> Path | None:
+    """Run this process's share of the grid, then (process 0) merge. Returns the report path on process 0."""
+    rank, world, barrier = distributed()
+    todo = [c for i, c in enumerate(cells(cfg)) if i % world == rank]
+    engine = None
+    for cell in todo:
+        path = cell_path(cfg, cell)
+        if path.exists():
+            log(f"[sweep {rank}] {cell.name}: done before, skipped")
+            continue
+        engine = engine or engine_factory()
+        rec = run_cell(engine, cfg, cell)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec))
+        tmp.replace(path)
+        log(f"[sweep {rank}] {cell.name}: {len(rec['runs'])} runs, {rec['prompt_tokens']} tokens")
+    barrier()
+    if rank != 0:
+        return None
+    return merge(cfg)
+
+
+def load_cells(cfg: SweepConfig) -> list[dict]:
+    recs = []
+    for cell in cells(cfg):
+        path = cell_path(cfg, cell)
+        if path.exists():
+            recs.append(json.loads(path.read_text()))
+    return recs
+
+
+def rows(recs: list[dict]) -> Iterator[dict]:
+    """One flat row per (cell, run), the CSV's columns."""
+    for rec in recs:
+        c = rec["cell"]
+        for r in rec["runs"]:
+            m, exact = r["metrics"], r["exact_kv_bytes_per_step"][0]
+            yield {
+                "task": c["task"], "length": c["length"], "seed": c["seed"], "prompt_tokens": rec["prompt_tokens"],
+                "label": r["label"], "method": r["method"], "budget": r["budget"], "kv_bytes": r["kv_bytes"],
+                "exact_bytes": exact, "bytes_fraction": r["kv_bytes"] / exact,
+                **{k: m.get(k) for k in ("task_score", "text_similarity", "first_divergence", "kl_mean",
+                                         "top1_agreement", "perplexity", "attn_rel_error_mean")},
+                **{k: r["timings"][k] for k in ("prefill_s", "compress_s", "decode_s")},
+            }
+
+
+def merge(cfg: SweepConfig) -> Path:
+    from kvlab.report import write_report
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recs = load_cells(cfg)
+    (out / "results.json").write_text(json.dumps({"config": asdict(cfg), "cells": recs}))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        w.writerows(rows(recs))
+    return write_report(cfg, recs, out / "report.html")
+
+
+def budget_labels(text: str) -> list[str]:
+    from kvlab.budgets import parse_budgets
+
+    return [b.label for b in parse_budgets(text)]
+
+
+__all__ = ["Cell", "SweepConfig", "cells", "merge", "rows", "run_cell", "run_sweep"]
