@@ -3,8 +3,8 @@
 Each grid cell is one generated prompt (task, length, seed); its methods and budgets run together
 in one lockstep comparison. A cell's result is written to ``<out>/cells/<key>.json`` as soon as it
 is done, and a re-run skips cells whose file exists (the key includes a hash of everything that
-changes the result). Across processes (``accelerate launch -m kvlab sweep ...``, or any launcher
-that sets RANK / WORLD_SIZE) process r runs cells r, r + W, r + 2W, ...; after a barrier, process
+changes the result). Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
+sweep ...``, also on CPU-only machines where it runs N gloo processes; or torchrun) process r runs cells r, r + W, r + 2W, ...; after a barrier, process
 0 merges all cell files into ``results.json``, ``results.csv`` and ``report.html``.
 """
 
@@ -68,9 +68,11 @@ def distributed() -> tuple[int, int, Callable[[], None]]:
     """(rank, world size, barrier) from accelerate when launched by it (or torchrun), else (0, 1, no-op)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, lambda: None
+    import torch
     from accelerate import PartialState
 
-    state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"))
+    # without GPUs, gloo on the CPU (``accelerate launch --multi_gpu --num_processes N`` or torchrun)
+    state = PartialState(cpu=not torch.cuda.is_available())
     return state.process_index, state.num_processes, state.wait_for_everyone
 
 
