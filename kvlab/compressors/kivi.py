@@ -1,0 +1,194 @@
+"""KIVI: asymmetric low-bit quantization of the KV cache — keys per channel, values per token.
+
+Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. "KIVI: A Tuning-Free Asymmetric 2bit Quantization
+for KV Cache", ICML 2024, https://arxiv.org/abs/2402.02750 — Sec. 3 and Algorithm 1: keys have
+outlier *channels*, so they are quantized per channel, in groups of ``group`` consecutive tokens;
+values are quantized per token, in groups of ``group`` channels along head_dim; both with a
+min/scale (asymmetric) code of ``bits`` bits. The most recent tokens stay in full precision (the
+residual) and are quantized ``group`` tokens at a time as decoding pushes them out.
+
+Here the residual holds between ``residual`` and ``residual + group - 1`` tokens (keys and values
+alike): when it reaches ``residual + group`` tokens, its oldest ``group`` are quantized. Storage is
+packed codes (``kvlab.quant``; 3-bit codes take a nibble), float16 scales and minimums, and the
+full-precision residual; positions are implicit (every token is kept). The budget picks the
+highest bit-width whose quantized cache fits, then the longest residual that still fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from kvlab.budgets import exact_bytes
+from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState, _Growable
+from kvlab.compressors.registry import register
+from kvlab.models import ModelInfo
+from kvlab.ops import dense_attention
+from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, quantize_groups, storage_bits
+
+KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
+
+
+def extend_groups(a: QuantizedGroups | None, b: QuantizedGroups) -> QuantizedGroups:
+    """Append ``b``'s groups after ``a``'s along the quantized dim (``a`` must hold whole groups)."""
+    if a is None:
+        return b
+    assert a.length % a.group == 0 and (a.bits, a.group, a.dim) == (b.bits, b.group, b.dim)
+    return QuantizedGroups(
+        torch.cat([a.codes, b.codes], -2),
+        torch.cat([a.scale, b.scale], -1),
+        torch.cat([a.minimum, b.minimum], -1),
+        a.bits,
+        a.group,
+        a.dim,
+        a.length + b.length,
+    )
+
+
+def quantize_kv(k: Tensor, v: Tensor, bits: int, group: int) -> tuple[QuantizedGroups, QuantizedGroups]:
+    """KIVI's asymmetric pair for k, v [..., n, d] (n a multiple of ``group``): keys grouped along
+    tokens (per channel), values grouped along head_dim (per token)."""
+    return quantize_groups(k, bits, group, dim=-2), quantize_groups(v, bits, min(group, v.shape[-1]), dim=-1)
+
+
+def split_layers(q: QuantizedGroups) -> list[QuantizedGroups]:
+    """A tensor quantized with a leading layer dim -> one ``QuantizedGroups`` per layer."""
+    return [
+        QuantizedGroups(c, s, m, q.bits, q.group, q.dim - 1, q.length)
+        for c, s, m in zip(q.codes, q.scale, q.minimum)
+    ]
+
+
+def quantized_len(n: int, residual: int, group: int) -> int:
+    """Tokens in the quantized part when ``n`` are held: whole groups beyond the residual."""
+    return max(0, (n - residual) // group) * group
+
+
+def kivi_bytes(info: ModelInfo, n: int, bits: int, group: int, residual: int) -> int:
+    """The bytes ``KIVI`` will hold for ``n`` tokens (for planning; the run counts its tensors)."""
+    nq, d = quantized_len(n, residual, group), info.head_dim
+    sb = storage_bits(bits)
+    gv = min(group, d)
+    key = d * (nq // group) * (-(-group * sb // 8) + 4)  # packed codes + fp16 scale + fp16 min per group
+    val = nq * (-(-d // gv)) * (-(-gv * sb // 8) + 4)
+    res = (n - nq) * d * 2 * info.dtype_bytes
+    return info.n_layers * info.n_kv_heads * (key + val + res)
+
+
+def solve_kivi(info: ModelInfo, n: int, target: int, group: int, bits: int | None, residual: int | None):
+    """(bits, residual) for ``target`` bytes: the highest bits that fit with no residual, then the
+    longest residual that still fits (unless given). Falls back to 2 bits, no residual."""
+    for b in (bits,) if bits else KIVI_BITS:
+        if residual is not None:
+            if kivi_bytes(info, n, b, group, residual) <= target or b == (bits or KIVI_BITS[-1]):
+                return b, residual
+            continue
+        if kivi_bytes(info, n, b, group, 0) <= target:
+            lo, hi = 0, n  # bytes grow with the residual: binary search the largest that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if kivi_bytes(info, n, b, group, mid) <= target else (lo, mid - 1)
+            return b, lo
+    return bits or KIVI_BITS[-1], residual or 0
+
+
+@dataclass
+class KiviLayer:
+    """One layer: quantized keys (per channel) and values (per token) of the oldest tokens, then
+    the full-precision residual [Hkv, r, d]."""
+
+    kq: QuantizedGroups | None
+    vq: QuantizedGroups | None
+    rk: _Growable
+    rv: _Growable
+
+    def dequantized(self) -> tuple[Tensor, Tensor]:
+        """Keys and values of every token held, [Hkv, n, d] (quantized part first)."""
+        k, v = self.rk.view(), self.rv.view()
+        if self.kq is None:
+            return k, v
+        return torch.cat([dequantize_groups(self.kq, k.dtype), k], -2), torch.cat([dequantize_groups(self.vq, v.dtype), v], -2)
+
+    def flush(self, bits: int, group: int) -> None:
+        """Quantize the residual's oldest ``group`` tokens."""
+        k, v = self.rk.view(), self.rv.view()
+        kq, vq = quantize_kv(k[..., :group, :], v[..., :group, :], bits, group)
+        self.kq = extend_groups(self.kq, kq)  # keys: more groups along tokens
+        self.vq = vq if self.vq is None else cat_groups([self.vq, vq], dim=-2)  # values: more token rows
+        self.rk, self.rv = _Growable(k[..., group:, :].clone()), _Growable(v[..., group:, :].clone())
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for name, q in (("keys", self.kq), ("values", self.vq)):
+            if q is not None:
+                for kind, t in q.tensors():
+                    yield f"{name}_{kind}", t
+        yield "residual_keys", self.rk.view()
+        yield "residual_values", self.rv.view()
+
+
+@register
+class KIVI(Compressor):
+    name = "kivi"
+    title = "KIVI"
+    group = "baseline"
+    paper = "Liu et al., KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, ICML 2024 (arXiv:2402.02750)"
+    summary = "Quantizes keys per channel and values per token to 2-4 bits; recent tokens stay full precision."
+    streaming = True  # holds its bits-per-token while decoding (the residual is flushed in groups)
+    params = (
+        Param("bits", None, "bits per code: 2, 3 or 4 (KIVI-2 / KIVI-4 in the paper; chosen from the budget when not given)"),
+        Param("group", 32, "group size: tokens per key group (per channel), channels per value group (per token)", minimum=1),
+        Param("residual", None, "recent tokens kept in full precision (paper: 128; chosen from the budget when not given)"),
+    )
+
+    def plan(self, n_prompt: int) -> dict:
+        c, info = self.cfg, self.info
+        bits = None if c["bits"] is None else int(c["bits"])
+        if bits is not None and bits not in KIVI_BITS:
+            raise ParamError(f"kivi: parameter bits={bits} is not one of 2, 3, 4")
+        residual = None if c["residual"] is None else max(0, int(c["residual"]))
+        self.group_size = int(c["group"])
+        if self.budget is None or self.budget.is_full:
+            self.bits, self.residual = bits or KIVI_BITS[0], n_prompt if residual is None else residual
+        else:
+            target = self.budget.target_bytes(info, n_prompt)
+            self.bits, self.residual = solve_kivi(info, n_prompt, target, self.group_size, bits, residual)
+        predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
+        return {
+            "bits": self.bits,
+            "group": self.group_size,
+            "residual": self.residual,
+            "quantized_tokens": quantized_len(n_prompt, self.residual, self.group_size),
+            "planned_fraction": round(predicted / exact_bytes(info, n_prompt), 4),
+        }
+
+    def compress(self, state: PrefillState) -> None:
+        n, g = state.n_tokens, self.group_size
+        nq = quantized_len(n, self.residual, g)
+        keys, values = state.keys, state.values
+        if nq:
+            kq, vq = quantize_kv(keys[..., :nq, :], values[..., :nq, :], self.bits, g)
+            kqs, vqs = split_layers(kq), split_layers(vq)
+        else:
+            kqs = vqs = [None] * keys.shape[0]
+        self.layers = [
+            KiviLayer(kqs[i], vqs[i], _Growable(keys[i, :, nq:].contiguous()), _Growable(values[i, :, nq:].contiguous()))
+            for i in range(keys.shape[0])
+        ]
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        cache = self.layers[layer]
+        cache.rk.append(k)
+        cache.rv.append(v)
+        if cache.rk.n >= self.residual + self.group_size:
+            cache.flush(self.bits, self.group_size)
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        k, v = self.layers[layer].dequantized()
+        return dense_attention(q, k, v, self.scaling)
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for layer in self.layers:
+            yield from layer.tensors()
