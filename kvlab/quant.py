@@ -15,6 +15,7 @@ values) and the Triton kernels, which read the same layouts:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -49,13 +50,23 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return (c << shifts).sum(-1, dtype=torch.uint8) if per > 1 else c.squeeze(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def _code_table(bits: int, device: str) -> Tensor:
+    """uint8 [256, 8 // sb]: the codes held by every byte value (a lookup is faster than shifting)."""
+    sb = storage_bits(bits)
+    shifts = torch.arange(0, 8, sb, dtype=torch.int64)
+    return ((torch.arange(256).unsqueeze(-1) >> shifts) & ((1 << sb) - 1)).to(torch.uint8).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sign_table(dtype: torch.dtype, device: str) -> Tensor:
+    """[256, 8] of ±1: the signs held by every byte value."""
+    return (_code_table(1, "cpu").to(dtype) * 2 - 1).to(device)
+
+
 def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of ``pack_codes``: uint8 [..., nbytes] -> uint8 codes [..., n]."""
-    sb = storage_bits(bits)
-    per = 8 // sb
-    shifts = torch.arange(0, 8, sb, dtype=torch.uint8, device=packed.device)
-    mask = (1 << sb) - 1
-    c = (packed.unsqueeze(-1) >> shifts) & mask
+    c = _code_table(bits, str(packed.device))[packed.long()]
     return c.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
@@ -67,7 +78,7 @@ def pack_signs(x: Tensor) -> Tensor:
 def unpack_signs(bits: Tensor, m: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
     """Packed sign bits uint8 [..., m/8] -> ±1 [..., m] (``m`` defaults to 8 x bytes)."""
     m = bits.shape[-1] * 8 if m is None else m
-    return unpack_codes(bits, 1, m).to(dtype) * 2 - 1
+    return _sign_table(dtype, str(bits.device))[bits.long()].reshape(*bits.shape[:-1], -1)[..., :m]
 
 
 @dataclass
