@@ -283,6 +283,8 @@ class QJL(Compressor):
             m, bits = self._fit_m_bits(n_prompt, target, residual)
         total, kb, vb, ms, m_outs = self._bytes(n_prompt, m, bits, residual or n_prompt)
         self.qplan = QJLPlan(ms, m_outs, bits, residual or 0, kb, vb, target, total)
+        if self.full:  # no budget: every token stays exact, nothing is sketched
+            return {"uncompressed": True, "residual": n_prompt}
         return self.qplan.knobs(d)
 
     def _auto_residual(self, target: float) -> int:
@@ -295,10 +297,11 @@ class QJL(Compressor):
         """Pick the value width and the largest m that fit the target.
 
         Key-score noise dominates the attention error (it scales as ||q|| ||k|| / sqrt(m)), so values
-        get 8 bits only when m >= 8 d still fits, 4 bits when m >= 4 d fits, else 2 bits (the reference).
+        get 8 bits only when m >= 8 d still fits, 4 bits when m >= 4 d fits, else 2 bits (the reference),
+        and 1 bit only when even m = 16 does not fit with 2.
         """
         d, m_fixed, b_fixed = self.info.head_dim, self.cfg["m"], self.cfg["value_bits"]
-        choices = [(b_fixed, 0)] if b_fixed is not None else [(8, 8 * d), (4, 4 * d), (2, 0)]
+        choices = [(b_fixed, 0)] if b_fixed is not None else [(8, 8 * d), (4, 4 * d), (2, 2 * M_MIN), (1, 0)]
         for bits, m_needed in choices:
             if m_fixed is not None:
                 if self._bytes(n, m_fixed, bits, residual)[0] <= target or m_needed == 0:
