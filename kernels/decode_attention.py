@@ -9,7 +9,7 @@ full-precision keys or values in memory:
 * values dense, or quantized per token in groups along head_dim (QJL Sec. 4 and KIVI: Liu et al.,
   "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024, arXiv:2402.02750),
   in kvlab.quant's layout (codes packed LSB first, float16 scale and minimum per group);
-* per-token log-weights added to the logits (BalanceKV: Han et al., arXiv:2502.07861, and SubGen:
+* per-token log-weights added to the logits (BalanceKV: Han et al., arXiv:2502.03771, and SubGen:
   Zandieh et al., arXiv:2402.06082 — a kept token standing for several);
 * a kept-index list (eviction methods: H2O, SnapKV, Scissorhands...) reading rows of a larger buffer.
 
@@ -162,10 +162,10 @@ if _runtime.HAVE_TRITON:
             rows = h * N + rows
             if KEY_QJL:
                 norm = tl.load(kn_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-                logits = sign_dot(q_ptr + h * R * M, k_ptr, rows, mask_n, offs_r, mask_r, M, BLOCK_M) * (norm * coef)[None, :]
+                logits = sign_dot(q_ptr + h * R * M, k_ptr, rows, mask_n, offs_r, mask_r, M, R_PAD, BLOCK_N, BLOCK_M) * (norm * coef)[None, :]
                 if HAS_OUT:
                     onorm = tl.load(kon_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-                    oest = sign_dot(qo_ptr + h * R * M_OUT, kob_ptr, rows, mask_n, offs_r, mask_r, M_OUT, BLOCK_M)
+                    oest = sign_dot(qo_ptr + h * R * M_OUT, kob_ptr, rows, mask_n, offs_r, mask_r, M_OUT, R_PAD, BLOCK_N, BLOCK_M)
                     logits += oest * (onorm * coef_out)[None, :]
             else:
                 k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)

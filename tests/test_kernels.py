@@ -167,13 +167,35 @@ def _case_qjl_compressor():
     return {"err": err, "n_quantized": comp.layers[0].n_quantized}
 
 
+def _case_dense_compressor():
+    """A dense (eviction-family) compressor's attend forced through the fused kernel vs its torch path."""
+    import kernels
+    from kvlab.budgets import Budget
+    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.registry import get
+    from kvlab.models import ModelInfo
+
+    info = ModelInfo("synthetic", 2, 9, 3, 64, "float32", "cpu", 4096)  # GQA group 3
+    state = PrefillState(_rand(2, 3, 90, 64, seed=5), _rand(2, 3, 90, 64, seed=6), _rand(2, 9, 8, 64, seed=7), 0.125)
+    comp = get("streaming")(info, Budget.parse("40t"), {}, seed=0)
+    comp.plan(90)
+    comp.compress(state)
+    comp.append(0, _rand(3, 1, 64, seed=8), _rand(3, 1, 64, seed=9), 90)
+    q = _rand(9, 1, 64, seed=10)
+    with kernels.using("triton"):
+        got = comp.attend(0, q)
+    with kernels.using("torch"):
+        ref = comp.attend(0, q)
+    return {"err": (got - ref).abs().max().item(), "kept": comp.layers[0].n}
+
+
 def run_cases() -> dict:
     """Run every case (in a process with TRITON_INTERPRET=1); errors are reported, not raised."""
     torch.set_num_threads(1)
     results = {}
     jobs = [(n, _case_quant, kw) for n, kw in QUANT_CASES] + [(n, _case_scores, kw) for n, kw in SCORE_CASES]
     jobs += [(n, _case_attn, kw) for n, kw in ATTN_CASES] + [("dispatch", _case_dispatch, {})]
-    jobs += [("qjl_compressor", _case_qjl_compressor, {})]
+    jobs += [("qjl_compressor", _case_qjl_compressor, {}), ("dense_compressor", _case_dense_compressor, {})]
     for name, fn, kw in jobs:
         try:
             results[name] = fn(**kw)
@@ -235,6 +257,12 @@ def test_dispatch_switch_in_interpreter(interpreted):
 def test_qjl_compressor_scores_through_kernel(interpreted):
     r = _result(interpreted, "qjl_compressor")
     assert r["n_quantized"] > 0  # the quantized store (not only the window) was attended
+    assert r["err"] < 1e-5
+
+
+def test_dense_compressor_attends_through_kernel(interpreted):
+    r = _result(interpreted, "dense_compressor")
+    assert r["kept"] == 40
     assert r["err"] < 1e-5
 
 
