@@ -108,7 +108,7 @@ class Scissorhands(ScoredEvictionCompressor):
             probs = causal_window_probs(state.queries[a : a + step, :, state.queries.shape[-2] - w :], state.keys[a : a + step], state.scaling)
             flags = self.low_score_flags(probs, n - w)
             rank.append(flags.sum(-2, dtype=torch.int32))
-            kept.append(flags[..., w - carry :, :].sum(-2, dtype=torch.int32))
+            kept.append(rank[-1] if carry == w else flags[..., w - carry :, :].sum(-2, dtype=torch.int32))
         return torch.cat(rank), torch.cat(kept)
 
     def observe(self, layer: int, attn: Tensor) -> None:
