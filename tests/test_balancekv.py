@@ -52,7 +52,7 @@ def test_walk_balances_better_than_random_split(prefill_state):
     walk, rand = [], []
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
-        signs = balance_signs(*block_kernel(k, v, torch.ones(k.shape[:-1]), cfg), cfg, gen)
+        signs = balance_signs(*block_kernel(k, v, None, cfg), cfg, gen)
         assert set(signs.unique().tolist()) <= {-1.0, 1.0}
         walk.append(_discrepancy(signs, k, v, q, cfg.denom_weight))
         perm = torch.rand(signs.shape, generator=gen).argsort(-1)  # a uniform random split into halves
@@ -67,8 +67,8 @@ def test_walk_balances_synthetic_kernel():
     v = torch.randn(1, 1, 4, 256, 16, generator=gen)
     q = 0.7 * torch.randn(1, 1, 32, 16, generator=gen)
     cfg, fair_cfg = WalkConfig(), WalkConfig(gamma=0.0)  # gamma 0: independent fair coins
-    signs = balance_signs(*block_kernel(k, v, torch.ones(k.shape[:-1]), cfg), cfg, gen)
-    fair = balance_signs(*block_kernel(k, v, torch.ones(k.shape[:-1]), fair_cfg), fair_cfg, gen)
+    signs = balance_signs(*block_kernel(k, v, None, cfg), cfg, gen)
+    fair = balance_signs(*block_kernel(k, v, None, fair_cfg), fair_cfg, gen)
     assert _discrepancy(signs, k, v, q, cfg.denom_weight) < 0.6 * _discrepancy(fair, k, v, q, cfg.denom_weight)
 
 

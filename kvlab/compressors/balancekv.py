@@ -55,22 +55,26 @@ class WalkConfig:
     center: bool = True
 
 
-def block_kernel(k: Tensor, v: Tensor, w: Tensor, cfg: WalkConfig) -> tuple[Tensor, Tensor]:
+def block_kernel(k: Tensor, v: Tensor, logw: Tensor | None, cfg: WalkConfig) -> tuple[Tensor, Tensor]:
     """Kernel of the weighted embeddings w phi(k) (x) (v, sqrt(lambda)) within each block.
 
-    k, v: [..., b, d]; w: [..., b] token weights. The kernel
+    k, v: [..., b, d]; logw: [..., b] log token weights (None: all weights 1). The kernel
     w_i w_j exp(<k_i,k_j>/sqrt(d)) (<v_i,v_j> + denom_weight) overflows float32 for real keys, so it
     is returned as (kern [..., b, b] float32, log_scale [..., 1]): the true kernel is
-    kern * exp(log_scale), with the largest exponent of each block shifted to 0.
+    kern * exp(log_scale), with the largest exponent of each block shifted to 0. Built in place.
     """
-    k, v, w = k.float(), v.float(), w.float()
+    k, v = k.float(), v.float()
     if cfg.center:
         k = k - k.mean(-2, keepdim=True)
-    logits = k @ k.transpose(-1, -2) / math.sqrt(k.shape[-1])
-    log_scale = logits.flatten(-2).amax(-1, keepdim=True)
-    kern = torch.exp(logits - log_scale.unsqueeze(-1))
-    kern *= v @ v.transpose(-1, -2) + cfg.denom_weight
-    return kern * w.unsqueeze(-1) * w.unsqueeze(-2), log_scale
+    k = k * k.shape[-1] ** -0.25
+    kern = k @ k.transpose(-1, -2)  # <k_i, k_j> / sqrt(d)
+    if logw is not None:
+        lw = logw.float()
+        kern.add_(lw.unsqueeze(-1)).add_(lw.unsqueeze(-2))
+    log_scale = kern.flatten(-2).amax(-1, keepdim=True)
+    kern.sub_(log_scale.unsqueeze(-1)).exp_()
+    kern.mul_((v @ v.transpose(-1, -2)).add_(cfg.denom_weight))
+    return kern, log_scale
 
 
 def walk_step(kern: Tensor, log_scale: Tensor, cfg: WalkConfig) -> Tensor:
@@ -87,21 +91,28 @@ def walk_step(kern: Tensor, log_scale: Tensor, cfg: WalkConfig) -> Tensor:
     return 1.0 / (2.0 * cfg.c * r2.clamp_min(1e-30))
 
 
-def balance_signs(kern: Tensor, log_scale: Tensor, cfg: WalkConfig, generator: torch.Generator) -> Tensor:
+def balance_signs(kern: Tensor, log_scale: Tensor, cfg: WalkConfig, generator: torch.Generator,
+                  chunk: int = 16) -> Tensor:
     """Self-balancing walk (Algorithm 2, lines 4-11) in every block at once.
 
     kern, log_scale: from ``block_kernel`` ([..., b, b], [..., 1]). Returns signs [..., b] in {-1, +1}.
     Token i is +1 when u_i < p_i = 1/2 - step * y^T eta, u_i ~ U[0, 1) (comparing with the
     unclipped p is the same as clipping it to [0, 1]). The loop runs over the b positions only; all
-    blocks, heads and layers advance together.
+    blocks, heads and layers advance together. Positions go in chunks: the pull of the tokens signed
+    before a chunk is one batched product, so each sequential step only touches ``chunk`` columns.
     """
     b = kern.shape[-1]
     step = walk_step(kern, log_scale, cfg)
     room = 0.5 - torch.rand(kern.shape[:-1], generator=generator).to(kern.device)  # 1/2 - u
     signs = kern.new_zeros(kern.shape[:-1])
-    for i in range(b):
-        y_eta = (kern[..., i, :] * signs).sum(-1, keepdim=True)  # unsigned tokens are still 0
-        signs[..., i : i + 1] = torch.where(step * y_eta < room[..., i : i + 1], 1.0, -1.0)
+    for a in range(0, b, chunk):
+        e = min(a + chunk, b)
+        y_eta = (kern[..., a:e, :a] @ signs[..., :a, None]).squeeze(-1)  # [..., e - a]
+        sub = kern[..., a:e, a:e].contiguous()
+        part = signs[..., a:e]
+        for i in range(e - a):
+            y = y_eta[..., i : i + 1] + (sub[..., i, :] * part).sum(-1, keepdim=True)  # unsigned tokens are 0
+            part[..., i : i + 1] = torch.where(step * y < room[..., a + i : a + i + 1], 1.0, -1.0)
     return signs
 
 
@@ -126,7 +137,7 @@ def halve(signs: Tensor) -> tuple[Tensor, Tensor]:
 
 def _halve_blocks(k: Tensor, v: Tensor, logw: Tensor, idx: Tensor, cfg: WalkConfig, gen: torch.Generator):
     """One round over equal blocks: k, v [..., nb, b, d], logw/idx [..., nb, b] -> the kept half of each."""
-    signs = balance_signs(*block_kernel(k, v, logw.exp(), cfg), cfg, gen)
+    signs = balance_signs(*block_kernel(k, v, logw, cfg), cfg, gen)
     order, mult = halve(signs)
     return idx.gather(-1, order), logw.gather(-1, order) + mult.log()
 
