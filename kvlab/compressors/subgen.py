@@ -53,8 +53,11 @@ PAPER = (
 
 # ----- clustering ----------------------------------------------------------------------------------
 def _sqdist(x: Tensor, xsq: Tensor, c: Tensor, csq: Tensor) -> Tensor:
-    """Squared distances of points x [B, n, d] to points c [B, m, d] given their squared norms: [B, n, m]."""
-    return (xsq.unsqueeze(-1) - 2 * torch.matmul(x, c.transpose(-1, -2)) + csq.unsqueeze(-2)).clamp_min_(0)
+    """Squared distances of points x [B, n, d] to points c [B, m, d] given their squared norms: [B, n, m].
+
+    Expanded as |x|^2 + |c|^2 - 2 <x, c> (may dip a rounding error below 0; callers only compare).
+    """
+    return torch.baddbmm(xsq.unsqueeze(-1) + csq.unsqueeze(-2), x, c.transpose(-1, -2), alpha=-2)
 
 
 @dataclass
@@ -88,7 +91,7 @@ def greedy_kcenter(x: Tensor, k: int) -> KCenter:
         best = torch.where(closer, d2, best)
         assign.masked_fill_(closer, j)
         cur = best.argmax(-1)
-    return KCenter(centers, assign, best.amax(-1).sqrt())
+    return KCenter(centers, assign, best.amax(-1).clamp_min(0).sqrt())
 
 
 def _nearest(centers: Tensor, csq: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -272,16 +275,15 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int) -> tuple[Tensor, Te
     count = torch.zeros(b, dtype=torch.long, device=keys.device)
     delta2 = (delta * delta).unsqueeze(-1)
     for j in range(m_cap):
-        far = best > delta2
-        has = far.any(-1)
+        has, p = torch.max(best > delta2, dim=-1)  # the first key no earlier representative covers
         if not bool(has.any()):
             break
-        p = far.to(torch.uint8).argmax(-1)  # first key no earlier representative covers
         c = keys[rows, p]
         centers[:, j] = c * has.unsqueeze(-1)
-        lo = int(p.masked_fill(~has, n).min())  # no key before lo sees a new representative
-        d2 = _sqdist(keys[:, lo:], ksq[:, lo:], c.unsqueeze(1), ksq[rows, p].unsqueeze(1)).squeeze(-1)
-        upd = (d2 < best[:, lo:]) & (tok[lo:] >= p.unsqueeze(-1)) & has.unsqueeze(-1)
+        p = p.masked_fill_(~has, n)  # streams without a new representative update nothing
+        lo = int(p.min())  # no key before lo sees a new representative
+        d2 = _sqdist(keys[:, lo:], ksq[:, lo:], c.unsqueeze(1), ksq[rows, p.clamp_max(n - 1)].unsqueeze(1)).squeeze(-1)
+        upd = (d2 < best[:, lo:]) & (tok[lo:] >= p.unsqueeze(-1))
         best[:, lo:] = torch.where(upd, d2, best[:, lo:])
         assign[:, lo:].masked_fill_(upd, j)
         count += has
@@ -326,7 +328,7 @@ class SubGen(Compressor):
         "denominator and s (k, v) samples drawn proportional to ||v||^2 for the numerator; streams while decoding."
     )
     streaming = True
-    DELTA_SAMPLE = 512  # keys per stream the automatic delta looks at
+    DELTA_SAMPLE = 256  # keys per stream the automatic delta looks at
     params = (
         Param("delta", None, "cluster radius delta (None: the greedy k-center radius of the prompt keys with m_cap centers, times delta_scale)", minimum=0.0),
         Param("t", 4, "uniform reservoir samples per cluster (softmax denominator)", minimum=1),
