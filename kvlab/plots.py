@@ -253,7 +253,7 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
     runs = [r for r in compressed_runs(result) if labels is None or r.label in labels]
     runs = [r for r in runs if attn_map(r) is not None]
     if not runs:
-        why = "no attention maps in this result (run with “record attention maps” on)"
+        why = "no attention maps in this result (turn the measurements on and run again)"
         return no_data(title, why, height=300)
     n = len(runs)
     fig = make_subplots(rows=n, cols=2, shared_xaxes=True, horizontal_spacing=0.05,

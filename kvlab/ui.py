@@ -93,18 +93,27 @@ def builtin_presets() -> dict[str, str]:
     }
 
 
-def presets() -> dict[str, str]:
-    """Task presets from kvlab.tasks when it offers them, else the built-in ones."""
-    out = builtin_presets()
-    try:
-        from kvlab import tasks  # noqa: F401  (landing separately; optional)
+TASK_PRESETS = {"Document question": "document", "Pass-key retrieval": "passkey", "Line retrieval": "lines"}
 
-        extra = getattr(tasks, "dashboard_presets", None)
-        if callable(extra):
-            out.update(extra())
+
+def presets(lm: LoadedModel | None = None, n_tokens: int = 1000) -> tuple[dict[str, str], dict[str, Any]]:
+    """Preset prompts and, for task presets, their ``kvlab.tasks.Task`` (answer + scoring).
+
+    Task prompts come from kvlab.tasks sized to ~``n_tokens`` for ``lm``; the built-in texts stand in
+    when that is not possible.
+    """
+    texts, tasks = builtin_presets(), {}
+    if lm is None:
+        return texts, tasks
+    try:
+        from kvlab.tasks import make_task
+
+        for label, name in TASK_PRESETS.items():
+            task = make_task(name, n_tokens, 0, lm.encode)
+            texts[label], tasks[label] = task.prompt, task
     except Exception:  # noqa: BLE001 - presets must never break the page
         pass
-    return out
+    return texts, tasks
 
 
 DEFAULT_PRESET = "Document question"
@@ -156,7 +165,10 @@ def params_from_rows(rows: Any, chosen: list[str]) -> dict[str, dict]:
 # ----- live view of a run -----------------------------------------------------------------------
 @dataclass
 class LiveProbe:
-    """Reads each cache's bytes right after compression and, when greedy, the tokens as they come."""
+    """Reads each cache's bytes right after compression and, when greedy, the tokens as they come.
+
+    It defines no ``on_attend``: the engine then skips the per-row attention hook for it.
+    """
 
     n_runs: int
     greedy: bool
@@ -170,9 +182,6 @@ class LiveProbe:
         first = int(torch.argmax(logits)) if self.greedy else None
         self.tokens = [[first] if first is not None else [] for _ in compressors]
 
-    def on_attend(self, layer, row, q, out) -> None:
-        pass
-
     def on_step(self, step, rows, logits) -> None:
         for row, i in enumerate(rows):
             self.bytes_now[i] = self.comps[i].nbytes()
@@ -183,30 +192,24 @@ class LiveProbe:
         self.comps = []
 
 
-def metric_probes(lm: LoadedModel, record_maps: bool) -> list:
-    """The metrics helper's probe (attention error, KL, maps) when kvlab.metrics provides it."""
-    try:
-        from kvlab import metrics
-    except ImportError:
+def metric_probes(record: bool, map_layer: int | None, map_head: int) -> list:
+    """The metrics probe (attention error, KL / agreement, attention maps) when measurements are on."""
+    if not record:
         return []
-    make = getattr(metrics, "MetricsProbe", None)
-    if make is None:
-        return []
-    try:
-        return [make(lm.info) if record_maps else make(lm.info, maps=False)]
-    except TypeError:
-        try:
-            return [make()]
-        except Exception:  # noqa: BLE001
-            return []
+    from kvlab.metrics import MetricsProbe, ProbeSettings
+
+    return [MetricsProbe(ProbeSettings(map_layer=map_layer, map_head=map_head))]
 
 
-def add_text_metrics(result: CompareResult) -> None:
-    try:
-        from kvlab.metrics import add_text_metrics as add
-    except ImportError:
-        return
+def add_text_metrics(result: CompareResult, task=None) -> None:
+    """Cheap, always-on text metrics (diff, first divergence, similarity) and the task score."""
+    from kvlab.metrics import add_text_metrics as add
+
     add(result)
+    if task is not None:
+        from kvlab.tasks import score_result
+
+        score_result(task, result)
 
 
 # ----- HTML pieces (every user or model text goes through html.escape) ---------------------------
@@ -314,8 +317,8 @@ def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedM
     run = next((r for r in runs if r.label == label), runs[0] if runs else None)
     kept = plots.kept_of(run) if run is not None else None
     if run is None or (kept is None and not bars):
-        return "<div class='kv-empty'>no kept positions in this result (run with “record attention maps” on; "
-        "sketch and quantization methods keep no token positions)</div>"
+        return ("<div class='kv-empty'>no kept positions in this result (turn the measurements on; sketch and "
+                "quantization methods keep no token positions)</div>")
     parts = []
     if kept is not None:
         keep = set(kept)
@@ -439,6 +442,7 @@ class Dashboard:
         self.lm = lm
         self.limits = limits or Limits()
         self.engines: dict[str, Engine] = {EMBEDDED: Engine(lm)}
+        self.tasks: dict[str, Any] = {}
 
     # ----- model work ----------------------------------------------------------------------
     def engine_for(self, model: str) -> Engine:
@@ -473,7 +477,7 @@ class Dashboard:
         return engine, ids, chosen, bl, max_new
 
     def compare(self, model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps,
-                progress=gr.Progress()):
+                map_layer=None, map_head=0, progress=gr.Progress()):
         """Generator: yields (status, cards, state, *figures) as the comparison runs."""
         n_out = len(FIGURE_OUTPUTS) + 3
         try:
@@ -481,7 +485,7 @@ class Dashboard:
             specs = expand_runs(chosen, bl, params_from_rows(param_table, chosen))
             gen = GenerationSettings(max_new_tokens=max_new, seed=int(seed or 0))
             live = LiveProbe(len(specs), greedy=not gen.do_sample)
-            probes = [live] + metric_probes(engine.lm, bool(record_maps))
+            probes = [live] + metric_probes(bool(record_maps), self._map_layer(map_layer, engine), int(map_head or 0))
             result = None
             last_yield = 0.0
             for ev in engine.stream(ids, specs, gen, prompt_text=prompt, probes=probes):
@@ -504,11 +508,20 @@ class Dashboard:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             raise gr.Error("out of GPU memory: try a shorter prompt, fewer methods or fewer new tokens") from None
-        add_text_metrics(result)
+        add_text_metrics(result, next((t for t in self.tasks.values() if t.prompt == prompt), None))
         data = result.to_json()
         msg = (f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
                f"{result.timings.get('compare_s', 0):.1f} s")
         yield (progress_html(1.0, msg), *self.render(data, "mean", None))
+
+    @staticmethod
+    def _map_layer(value, engine: Engine) -> int | None:
+        if value is None or str(value).strip() in ("", "auto"):
+            return None
+        layer = int(value)
+        if not 0 <= layer < engine.info.n_layers:
+            raise InputError(f"map layer {layer} is out of range; allowed: 0..{engine.info.n_layers - 1}")
+        return layer
 
     def _partial(self, engine: Engine, ids, specs, live: LiveProbe) -> CompareResult:
         from kvlab.budgets import exact_bytes
@@ -591,10 +604,10 @@ FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
 def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
     """The page. Launch with ``launch_kwargs()`` (theme, css) and ``queue_kwargs``."""
     dash = Dashboard(lm, limits)
+    preset_texts, dash.tasks = presets(lm)
     lim = dash.limits
     groups = method_groups()
     papers0, baselines0 = default_methods()
-    preset_texts = presets()
 
     with gr.Blocks(title="kvlab — KV-cache compression side by side") as demo:
         gr.HTML(
@@ -625,8 +638,14 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
                                         label="Max new tokens")
                 with gr.Row():
                     seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
-                    record_maps = gr.Checkbox(value=True, label="Record attention error & maps",
+                    record_maps = gr.Checkbox(value=True, label="Measure attention error, KL & maps",
                                               info="the costly measurements (a shadow exact cache)")
+                with gr.Row():
+                    heads = lm.info.n_heads
+                    map_layer = gr.Number(value=lm.info.n_layers // 2, precision=0, minimum=0,
+                                          maximum=lm.info.n_layers - 1, label="Attention-map layer")
+                    map_head = gr.Number(value=0, precision=0, minimum=0, maximum=heads - 1,
+                                         label="Attention-map query head")
                 run_btn = gr.Button("Run comparison", variant="primary", elem_id="kv-run")
         with gr.Accordion("Advanced parameters per method (papers' defaults; edit the value column)", open=False):
             param_table = gr.Dataframe(value=param_rows(), headers=["method", "parameter", "value", "default", "meaning"],
@@ -665,7 +684,7 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
         preset.change(lambda name: preset_texts.get(name, ""), preset, prompt, api_name="preset")
         run_btn.click(
             gpu(dash.compare),
-            [model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps],
+            [model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head],
             [status, *views],
             api_name="compare",
             concurrency_limit=1,

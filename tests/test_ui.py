@@ -34,7 +34,7 @@ def app(lm):
     demo = build_demo(lm)
     demo.queue(max_size=8)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_kwargs())
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, show_error=True, **launch_kwargs())
     url = f"http://127.0.0.1:{port}/"
     assert urllib.request.urlopen(url + "gradio_api/info", timeout=30).status == 200
     yield url
@@ -51,7 +51,7 @@ def compared(client):
     """One real comparison: exact + streaming at 0.5 and 0.25, 6 new tokens, attention maps on."""
     out = client.predict(
         "embedded", PROMPT + XSS, [], ["streaming"], "0.5, 0.25", 6, 0,
-        {"headers": ["method", "parameter", "value", "default", "meaning"], "data": param_rows()}, True,
+        {"headers": ["method", "parameter", "value", "default", "meaning"], "data": param_rows()}, True, 3, 1,
         api_name="/compare",
     )
     return out
@@ -75,6 +75,24 @@ def test_compare_returns_cards_and_figures(compared):
     assert values[0] < values[1] < values[2] == pytest.approx(100.0)
     steps = json.loads(bytes_fig["plot"])["data"]
     assert len(steps) == 4 and len(steps[1]["y"]) == 6  # exact dashed + 3 runs, prefill + 5 steps
+
+
+def test_measurements_reach_the_panels(compared):
+    status, cards, gauges, bytes_fig, err_step, err_layer, kl_fig, heat, qvm, strip, *_ = compared
+    err = json.loads(err_step["plot"])["data"]
+    assert [d["name"] for d in err] == ["streaming@0.5", "streaming@0.25"]
+    # fewer kept tokens, larger attention error (mean over the decode steps)
+    means = [sum(d["y"]) / len(d["y"]) for d in err]
+    assert 0 < means[0] < means[1]
+    layer = json.loads(err_layer["plot"])["data"][0]
+    assert layer["type"] == "heatmap" and len(layer["z"]) == 2 and len(layer["z"][0]) == 30
+    heat_fig = json.loads(heat["plot"])
+    assert "layer 3, head 1" in heat_fig["layout"]["title"]["text"]
+    assert sum(d["type"] == "heatmap" for d in heat_fig["data"]) == 4  # exact + method for two runs
+    assert heat_fig["layout"]["shapes"], "evicted positions are marked"
+    assert "kv-evicted" in strip and "kv-kept" in strip and "<img" not in strip
+    qvm_fig = json.loads(qvm["plot"])
+    assert [len(d["x"]) for d in qvm_fig["data"]] == [2]  # streaming at two budgets
 
 
 def test_saving_in_cards_matches_budget(compared):
@@ -110,11 +128,11 @@ def test_export_and_load_round_trip(client, compared, tmp_path):
 def test_bad_input_gives_clear_messages(client):
     table = {"headers": ["method", "parameter", "value", "default", "meaning"], "data": param_rows()}
     cases = [
-        (("embedded", "   ", [], ["streaming"], "0.25", 4, 0, table, False), "prompt is empty"),
-        (("embedded", "hi", [], [], "0.25", 4, 0, table, False), "no method selected"),
-        (("embedded", "hi", [], ["streaming"], "1.5", 4, 0, table, False), "outside (0, 1]"),
-        (("embedded", "hi", [], ["streaming"], "0.25", 100000, 0, table, False), "greater than maximum"),
-        (("some/other-model", "hi", [], ["streaming"], "0.25", 4, 0, table, False), "embedded model only"),
+        (("embedded", "   ", [], ["streaming"], "0.25", 4, 0, table, False, 3, 0), "prompt is empty"),
+        (("embedded", "hi", [], [], "0.25", 4, 0, table, False, 3, 0), "no method selected"),
+        (("embedded", "hi", [], ["streaming"], "1.5", 4, 0, table, False, 3, 0), "outside (0, 1]"),
+        (("embedded", "hi", [], ["streaming"], "0.25", 100000, 0, table, False, 3, 0), "greater than maximum"),
+        (("some/other-model", "hi", [], ["streaming"], "0.25", 4, 0, table, False, 3, 0), "embedded model only"),
     ]
     for args, needle in cases:
         with pytest.raises(Exception) as info:

@@ -1,0 +1,135 @@
+"""End to end in headless Chromium (Debian ``chromium`` + Playwright): the real page, the real model.
+
+Starts ``app.py`` on a free port of 127.0.0.1, runs the default comparison, checks that cards,
+gauges, curves and heatmaps rendered, saves the README screenshot (assets/screenshot.png), and
+checks that a prompt holding HTML is shown as text and opens no dialog. The app is always killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parent.parent
+SHOT = ROOT / "assets" / "screenshot.png"
+XSS = "<img src=x onerror=alert(1)>"
+
+sync_api = pytest.importorskip("playwright.sync_api")
+if not os.path.exists(CHROMIUM):
+    pytest.skip("Debian chromium is not installed (make browser)", allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"app exited with {proc.returncode}")
+        try:
+            if urllib.request.urlopen(url + "gradio_api/info", timeout=5).status == 200:
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError("the app did not answer /gradio_api/info")
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    port = free_port()
+    env = {**os.environ, "KVLAB_THREADS": os.environ.get("KVLAB_THREADS", "2"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_ready(url, proc)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()
+
+
+@pytest.fixture()
+def page(browser):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+    pg = ctx.new_page()
+    pg.dialogs = []
+    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+    yield pg
+    ctx.close()
+
+
+def open_page(page, url: str) -> None:
+    page.goto(url, wait_until="load", timeout=60_000)
+    page.wait_for_selector("#kv-run", timeout=60_000)
+    page.wait_for_timeout(500)
+
+
+def run_and_wait(page, timeout_ms: int = 240_000) -> None:
+    page.click("#kv-run")
+    page.wait_for_function("() => (document.querySelector('#kv-status')?.innerText || '').includes('done:')",
+                           timeout=timeout_ms)
+    page.wait_for_timeout(1500)  # plots draw after the values arrive
+
+
+def test_default_comparison_renders_every_panel(page, app_url):
+    open_page(page, app_url)
+    assert page.locator("#kv-prompt textarea").input_value().strip()
+    run_and_wait(page)
+    cards = page.locator("#kv-cards .kv-card")
+    assert cards.count() >= 2
+    assert "reference" in cards.first.inner_text()
+    # gauges (one indicator per run) and the bytes chart are drawn by plotly
+    assert page.locator("#kv-gauges .indicatorlayer .trace").count() == cards.count()
+    assert page.locator("#kv-bytes .scatterlayer .trace").count() == cards.count() + 1
+    SHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SHOT), full_page=True)
+    # curves and heatmaps: in their tabs
+    page.get_by_role("tab", name="Errors").click()
+    page.wait_for_selector("#kv-err-step .main-svg", timeout=30_000)
+    page.wait_for_selector("#kv-err-layer .main-svg", timeout=30_000)
+    page.get_by_role("tab", name="Attention").click()
+    page.wait_for_selector("#kv-heat .main-svg", timeout=30_000)
+    page.screenshot(path=str(SHOT.with_name("screenshot-attention.png")), full_page=True)
+    assert not page.dialogs
+
+
+def test_html_in_prompt_is_text(page, app_url):
+    open_page(page, app_url)
+    page.locator("#kv-budgets textarea, #kv-budgets input").first.fill("0.5")
+    page.locator("#kv-prompt textarea").fill(f"Repeat this exactly: {XSS}")
+    run_and_wait(page)
+    page.wait_for_timeout(1000)
+    assert not page.dialogs, page.dialogs
+    assert page.locator("#kv-cards img").count() == 0
+    page.get_by_role("tab", name="Attention").click()
+    page.wait_for_timeout(500)
+    assert page.locator("#kv-strip img").count() == 0
+    assert not page.dialogs
