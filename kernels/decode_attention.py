@@ -109,15 +109,23 @@ def merge_partials(parts: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
 if _runtime.HAVE_TRITON:
 
     @triton.jit
-    def _dequant_tile(v_ptr, vs_ptr, vm_ptr, rows, mask_n, offs_d, mask_d, NG, VG: tl.constexpr, SB: tl.constexpr, VBPG: tl.constexpr):
+    def _dequant_tile(
+        v_ptr, vs_ptr, vm_ptr, rows, mask_n, offs_d, mask_d, NG,
+        VG: tl.constexpr, SB: tl.constexpr, VBPG: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+    ):  # fmt: skip
         """Values of ``rows`` from packed codes (kvlab.quant layout) -> float32 [BLOCK_N, D_PAD]."""
         per: tl.constexpr = 8 // SB
-        grp, within = offs_d // VG, offs_d % VG
-        byte_idx = grp * VBPG + within // per
-        shift = (within % per) * SB
+        grp = offs_d // VG
         mask = mask_n[:, None] & mask_d[None, :]
-        byte = tl.load(v_ptr + rows[:, None] * (NG * VBPG) + byte_idx[None, :], mask=mask, other=0)
-        code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << SB) - 1)
+        if VG * SB % 8 == 0:  # groups end on byte boundaries: channel c is in byte c // per; load each byte once
+            b = tl.arange(0, D_PAD // per)
+            byte = tl.load(v_ptr + rows[:, None] * (NG * VBPG) + b[None, :], mask=mask_n[:, None] & (b < NG * VBPG)[None, :], other=0)
+            code = (byte.to(tl.int32)[:, :, None] >> (tl.arange(0, per) * SB)[None, None, :]) & ((1 << SB) - 1)
+            code = tl.reshape(code, (BLOCK_N, D_PAD))
+        else:  # groups padded to whole bytes: gather per channel
+            within = offs_d % VG
+            byte = tl.load(v_ptr + rows[:, None] * (NG * VBPG) + (grp * VBPG + within // per)[None, :], mask=mask, other=0)
+            code = (byte.to(tl.int32) >> ((within % per) * SB)[None, :]) & ((1 << SB) - 1)
         sm = rows[:, None] * NG + grp[None, :]
         scale = tl.load(vs_ptr + sm, mask=mask, other=0.0).to(tl.float32)
         low = tl.load(vm_ptr + sm, mask=mask, other=0.0).to(tl.float32)
@@ -179,7 +187,7 @@ if _runtime.HAVE_TRITON:
             p = tl.exp(logits - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if VAL_Q:
-                v = _dequant_tile(v_ptr, vs_ptr, vm_ptr, rows, mask_n, offs_d, mask_d, NG, VG, SB, VBPG)
+                v = _dequant_tile(v_ptr, vs_ptr, vm_ptr, rows, mask_n, offs_d, mask_d, NG, VG, SB, VBPG, BLOCK_N, D_PAD)
             else:
                 v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
                 v = v.to(tl.float32)

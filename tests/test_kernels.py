@@ -45,6 +45,8 @@ ATTN_CASES = [
     ("attn_qjl_out_4bit_g4_d128", dict(g=4, d=128, n=90, kind="qjl_out", bits=4)),
     ("attn_qjl_3bit_g8_d128", dict(g=8, d=128, n=70, kind="qjl", bits=3, splits=2)),
     ("attn_qjl_1bit_g1_d64_t2", dict(g=1, d=64, n=66, kind="qjl", bits=1, t=2)),
+    ("attn_qjl_2bit_group18_g3_d64", dict(g=3, d=64, n=50, kind="qjl", bits=2, value_group=18)),  # groups not byte-aligned
+    ("attn_qjl_8bit_g4_d64", dict(g=4, d=64, n=40, kind="qjl", bits=8)),
 ]
 
 
@@ -95,7 +97,7 @@ def _case_scores(g, d, n, outliers, t, hkv=2):
     return {"rel_err": ((got - ref).abs().max() / ref.abs().max()).item(), "shape_ok": got.shape == ref.shape}
 
 
-def _segments(kind, hkv, d, n, bits, seed):
+def _segments(kind, hkv, d, n, bits, seed, value_group=32):
     from kernels.formats import Segment
     from kvlab.quant import quantize_groups
 
@@ -109,13 +111,13 @@ def _segments(kind, hkv, d, n, bits, seed):
         return [Segment(keys=keys, values=values, index=idx, log_weights=torch.rand(hkv, n))]
     _, qk = _qjl_keys(hkv, n, d, 2 * d, kind == "qjl_out", seed)
     recent = Segment(keys=_rand(hkv, 5, d, seed=seed + 2), values=_rand(hkv, 5, d, seed=seed + 3))
-    return [Segment(qjl=qk, qvalues=quantize_groups(values, bits, 32, -1)), recent]
+    return [Segment(qjl=qk, qvalues=quantize_groups(values, bits, value_group, -1)), recent]
 
 
-def _case_attn(g, d, n, kind, bits=2, splits=None, t=1, hkv=2):
+def _case_attn(g, d, n, kind, bits=2, splits=None, t=1, hkv=2, value_group=32):
     from kernels import decode_attention as A
 
-    segs = _segments(kind, hkv, d, n, bits, seed=n + g)
+    segs = _segments(kind, hkv, d, n, bits, seed=n + g, value_group=value_group)
     q = _rand(hkv * g, t, d, seed=3) * 2
     ref = A.decode_attention_torch(q, segs, d**-0.5)
     got = A.decode_attention_triton(q, segs, d**-0.5, splits)

@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Iterator
 import torch
 from torch import Tensor
 
+from kernels import Segment, use_triton
+from kernels.decode_attention import decode_attention as kernel_decode_attention
 from kvlab.budgets import Budget, per_token_bytes
 from kvlab.models import ModelInfo
 from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes
@@ -300,6 +302,8 @@ class DenseCompressor(Compressor):
             out, probs = dense_attention(q, k, v, self.scaling, lw, return_probs=True)
             self.after_attend(layer, probs)
             return out
+        if use_triton(q.device):  # fused Triton decode attention on CUDA; elsewhere unchanged
+            return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
         return dense_attention(q, k, v, self.scaling, lw)
 
     wants_probs: ClassVar[bool] = False
