@@ -255,3 +255,30 @@ def test_planned_bytes_match_budget(lm):
         target = float(b) * n * per_token_bytes(lm.info)
         assert knobs["fits_budget"] and c.qplan.planned_bytes <= target
         assert c.qplan.planned_bytes > 0.85 * target  # the budget is used, not wasted
+
+
+def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_state):
+    from kvlab.compressors.qjl import estimate_scores_split, outlier_mask
+
+    st = prefill_state
+    n, errs = st.n_tokens, []
+    for split in (False, True):
+        c = _qjl(lm, n=n, split_query=split)
+        c.compress(st)
+        layer_errs = []
+        for layer in (10, 20, 29):
+            q = st.queries[layer, :, -8:]
+            a = dense_attention(q, st.keys[layer], st.values[layer], st.scaling)
+            layer_errs.append(_rel_err(c.attend(layer, q), a))
+        errs.append(sum(layer_errs) / 3)
+    assert errs[1] < 0.9 * errs[0], errs
+    # The split estimate is <q, k_hat restricted to each part's channels>.
+    lay = c.layers[20]
+    kq, q = lay.keys, st.queries[20, :, -2:]
+    mask = outlier_mask(kq.out_idx, 64, 32)
+    k_hat = dense_key_estimate(lay.s, kq.bits, kq.norms).masked_fill(mask, 0.0)
+    k_hat = k_hat + dense_key_estimate(lay.s_out, kq.out_bits, kq.out_norms).masked_fill(~mask, 0.0)
+    ref = torch.einsum("gjd,gnd->gjn", q.reshape(3, 6, 64), k_hat).reshape(9, 2, -1)
+    est = estimate_scores_split(q, lay.s, kq.bits, kq.norms, kq.out_idx, 32, outliers=False)
+    est = est + estimate_scores_split(q, lay.s_out, kq.out_bits, kq.out_norms, kq.out_idx, 32, outliers=True)
+    assert torch.allclose(est, ref, rtol=1e-4, atol=1e-2)

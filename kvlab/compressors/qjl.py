@@ -77,6 +77,27 @@ def estimate_scores(q: Tensor, s: Tensor, bits: Tensor, norms: Tensor) -> Tensor
     return ungroup(dots * (norms.float().unsqueeze(-2) * (SQRT_HALF_PI / m)), q.shape[0])
 
 
+def estimate_scores_split(
+    q: Tensor, s: Tensor, bits: Tensor, norms: Tensor, out_idx: Tensor, group: int, outliers: bool
+) -> Tensor:
+    """The estimate with the query restricted to the channels the sketch encoded (``split_query``).
+
+    <q, k_part> = <q_part, k_part>, so projecting only q's inlier (or outlier) channels keeps the
+    estimate unbiased while its variance drops from ~||q||^2 ||k_part||^2 to ~||q_part||^2 ||k_part||^2.
+    The channel split changes per token group, so the projection is made per group.
+    q: [Hq, t, d]; bits: [Hkv, n, m/8]; norms: [Hkv, n]; out_idx: uint8 [Hkv, n/group, n_out]; returns [Hq, t, n].
+    """
+    m, hkv, d = s.shape[0], bits.shape[0], q.shape[-1]
+    mask = torch.zeros(*out_idx.shape[:-1], d, dtype=torch.bool, device=q.device)
+    mask.scatter_(-1, out_idx.long(), True)  # [Hkv, ng, d]
+    keep = mask if outliers else ~mask
+    q_part = group_queries(q.float(), hkv).unsqueeze(1) * keep.unsqueeze(-2)  # [Hkv, ng, g*t, d]
+    signs = unpack_signs(bits, m).reshape(hkv, mask.shape[1], group, m)  # [Hkv, ng, group, m]
+    dots = torch.matmul(torch.matmul(q_part, s.t()), signs.transpose(-1, -2))  # [Hkv, ng, g*t, group]
+    dots = dots.permute(0, 2, 1, 3).reshape(hkv, -1, bits.shape[1])
+    return ungroup(dots * (norms.float().unsqueeze(-2) * (SQRT_HALF_PI / m)), q.shape[0])
+
+
 def dense_key_estimate(s: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
     """The linear form of the estimator: k_hat = sqrt(pi/2)/m * ||k|| * S^T sign(S k), [..., n, d]."""
     m = s.shape[-2]
@@ -205,6 +226,8 @@ class QJL(Compressor):
         Param("residual", None, "recent tokens kept at full precision at most (reference: 128); from the "
               "budget when not given"),
         Param("orthogonalize", True, "orthogonalize the sketch rows by QR in blocks of head_dim (Sec. 4.1)"),
+        Param("split_query", False, "estimate each part's score with the query restricted to that part's channels "
+              "(same storage, lower variance; not in the paper, torch path only)"),
         Param("count_sketch", False, "count the sketch matrices as held bytes (they are regenerated from the "
               "seed, so by default they are not)"),
     )
@@ -408,15 +431,23 @@ class QJL(Compressor):
         logits = [ungroup(torch.matmul(group_queries(qf, hkv), st.res_k.float().transpose(-1, -2)), hq)]
         vals = [st.res_v.float()]
         if st.keys is not None:
-            kq = st.keys
-            est = qjl_estimate(qf, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
-            if kq.out_bits.shape[-1]:
-                est = est + qjl_estimate(qf, st.s_out, kq.out_bits, kq.out_norms)
-            logits.insert(0, est)
+            logits.insert(0, self._key_scores(st, qf))
             vals.insert(0, dequantize_groups(st.values))
         probs = torch.softmax(torch.cat(logits, -1) * self.scaling, dim=-1)
         out = torch.matmul(group_queries(probs, hkv), torch.cat(vals, -2))
         return ungroup(out, hq).to(q.dtype)
+
+    def _key_scores(self, st: QJLLayer, qf: Tensor) -> Tensor:
+        """Estimated scores of the quantized keys, inliers plus outliers: [Hq, t, n_quantized]."""
+        kq, has_out = st.keys, st.keys.out_bits.shape[-1] > 0
+        if self.cfg["split_query"] and has_out:
+            g = self.cfg["outlier_group"]
+            est = estimate_scores_split(qf, st.s, kq.bits, kq.norms, kq.out_idx, g, outliers=False)
+            return est + estimate_scores_split(qf, st.s_out, kq.out_bits, kq.out_norms, kq.out_idx, g, outliers=True)
+        est = qjl_estimate(qf, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
+        if has_out:
+            est = est + qjl_estimate(qf, st.s_out, kq.out_bits, kq.out_norms)
+        return est
 
     # ----- bytes ----------------------------------------------------------------------------------
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
@@ -467,4 +498,4 @@ def _index_groups(q: QuantizedGroups, j: int) -> QuantizedGroups:
     return QuantizedGroups(q.codes[j], q.scale[j], q.minimum[j], q.bits, q.group, q.dim - 1, q.length)
 
 
-__all__ = ["QJL", "dense_key_estimate", "estimate_scores", "make_sketch", "outlier_channels", "sketch_keys"]
+__all__ = ["QJL", "dense_key_estimate", "estimate_scores", "estimate_scores_split", "make_sketch", "outlier_channels", "sketch_keys"]
