@@ -249,8 +249,8 @@ class BalanceKV(DenseCompressor):
         Param("block_size", 256, "tokens per block of the parallel walk (paper Sec. 4.2: b = 256; reference code 128)",
               minimum=2),
         Param("n_sink", 256, "first tokens kept exactly (paper Sec. 4.1); at most a quarter of the budget", minimum=0),
-        Param("n_recent", 256, "last prompt tokens kept exactly (paper Sec. 4.1); at least this, scaled like n_sink",
-              minimum=0),
+        Param("n_recent", 256, "last prompt tokens kept exactly (paper Sec. 4.1); capped like n_sink, then widened "
+              "by capacity the halving leaves over", minimum=0),
         Param("gamma", 4.0, "walk step: p = 1/2 - gamma * y^T eta (reference code)", minimum=0.0),
         Param("c", 0.0, "if > 0, the paper's step p = 1/2 - y^T eta / (2 c R^2) replaces gamma (Alg. 2)", minimum=0.0),
         Param("denom_weight", 0.025, "constant added to <v_i, v_j>: balances the softmax denominator too",
