@@ -1,0 +1,108 @@
+"""Sweeps from the CLI: results, resuming, the 2-process accelerate split, and the report in Chromium."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--task", "passkey", "--lengths", "150,200", "--seeds", "2", "--methods", "exact,streaming",
+         "--budgets", "0.5,0.25", "--max-new-tokens", "3"]
+
+
+def _csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def small_sweep(tmp_path_factory, lm):
+    out = tmp_path_factory.mktemp("sweep")
+    assert main(["sweep", *SMALL, "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_sweep_writes_results(small_sweep):
+    rows = _csv(small_sweep / "results.csv")
+    assert len(rows) == 2 * 2 * 3  # lengths x seeds x (exact + streaming at 2 budgets)
+    assert {r["label"] for r in rows} == {"exact", "streaming@0.5", "streaming@0.25"}
+    for r in rows:
+        assert r["task_score"] in ("0.0", "1.0")
+        assert float(r["attn_rel_error_mean"]) < (1e-5 if r["label"] == "exact" else 1.0)
+        frac = float(r["bytes_fraction"])
+        assert frac == 1.0 if r["label"] == "exact" else frac < float(r["budget"]) + 0.01
+    data = json.loads((small_sweep / "results.json").read_text())
+    assert len(data["cells"]) == 4 and len(data["cells"][0]["runs"][0]["metrics"]["attn_rel_error_per_layer"]) == 30
+
+
+def test_rerun_skips_done_cells(small_sweep, capsys):
+    cells = sorted((small_sweep / "cells").iterdir())
+    before = [p.stat().st_mtime_ns for p in cells]
+    assert main(["sweep", *SMALL, "--out", str(small_sweep)]) == 0
+    assert capsys.readouterr().err.count("skipped") == 4
+    assert [p.stat().st_mtime_ns for p in cells] == before
+
+
+@pytest.mark.slow
+def test_accelerate_two_processes_match_single(small_sweep, tmp_path):
+    out = tmp_path / "acc"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    acc = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    cmd = [acc, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "kvlab", "sweep", *SMALL, "--out", str(out)]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "[sweep 0]" in p.stderr and "[sweep 1]" in p.stderr  # both processes ran cells
+    keep = ("task", "length", "seed", "label", "kv_bytes", "task_score", "text_similarity", "first_divergence", "top1_agreement")
+    one = [{k: r[k] for k in keep} for r in _csv(small_sweep / "results.csv")]
+    two = [{k: r[k] for k in keep} for r in _csv(out / "results.csv")]
+    assert one == two
+    for a, b in zip(_csv(small_sweep / "results.csv"), _csv(out / "results.csv")):
+        assert float(a["attn_rel_error_mean"]) == pytest.approx(float(b["attn_rel_error_mean"]), rel=1e-3, abs=1e-6)
+
+
+def render(report: Path, shot: Path) -> int:
+    """Open the report in Chromium, wait for every plotly figure, screenshot; returns the figures rendered."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium",
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(report.as_uri())
+        n = page.locator("section.fig").count()
+        page.wait_for_function(f"document.querySelectorAll('section.fig .main-svg .trace').length >= {n}", timeout=60000)
+        rendered = page.evaluate("[...document.querySelectorAll('section.fig')].filter(s => s.querySelector('.main-svg .trace')).length")
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    assert not errors, errors
+    return rendered if rendered == n else -1
+
+
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian's chromium (make browser)")
+def test_report_renders_in_chromium(small_sweep, tmp_path):
+    shot = tmp_path / "report.png"
+    assert render(small_sweep / "report.html", shot) == 3
+    assert shot.stat().st_size > 20000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian's chromium (make browser)")
+def test_full_passkey_sweep_all_methods(tmp_path):
+    """The issue's acceptance sweep: lengths 1k and 2k, 8 seeds, budgets 0.5 and 0.25, every method."""
+    out = tmp_path / "full"
+    args = ["sweep", "--task", "passkey", "--lengths", "1k,2k", "--seeds", "8", "--methods", "all",
+            "--budgets", "0.5,0.25", "--max-new-tokens", "8", "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    rows = _csv(out / "results.csv")
+    assert {r["length"] for r in rows} == {"1024", "2048"} and len({r["seed"] for r in rows}) == 8
+    assert render(out / "report.html", tmp_path / "full.png") == 3
