@@ -1,0 +1,82 @@
+"""Probes on vs off: what the costly measurements add to a lockstep comparison.
+
+The foundation's benchmark setup (bench/compare_lockstep.py): exact + 4 methods on a ~1.9k-token
+prompt from CPython's reference manual, 32 new tokens, 2 CPU threads. Runs the comparison without
+probes and with ``MetricsProbe`` (shadow-cache attention error at every layer and step,
+teacher-forced KL / agreement / perplexity, attention maps), alternating ``--repeats`` times, and
+reports the median ratio. Target (issue 5): probes on <= 1.6x probes off.
+
+    python -m bench.probes [--methods exact,qjl,subgen,balancekv,scissorhands] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.compare_lockstep import DEFAULT, long_prompt
+from kvlab.budgets import Budget
+from kvlab.compressors import names
+from kvlab.engine import Engine, GenerationSettings, RunSpec
+from kvlab.metrics import MetricsProbe, add_text_metrics
+from kvlab.models import load_model
+
+
+def timed(engine, ids, specs, gen, probes: bool):
+    t0 = time.perf_counter()
+    res = engine.compare(ids, specs, gen, probes=[MetricsProbe()] if probes else [])
+    dt = time.perf_counter() - t0
+    add_text_metrics(res)
+    return dt, res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--methods", default=DEFAULT)
+    ap.add_argument("--budget", default="0.25")
+    ap.add_argument("--tokens", type=int, default=1900)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model("embedded")
+    engine = Engine(lm)
+    wanted = [m for m in args.methods.split(",") if m in names()]
+    budget = Budget.parse(args.budget)
+    specs = [RunSpec(m, None if m == "exact" else budget) for m in wanted]
+    ids = long_prompt(lm, args.tokens)
+    gen = GenerationSettings(max_new_tokens=args.new)
+    engine.compare(lm.encode("warm up"), [RunSpec("exact")], GenerationSettings(max_new_tokens=2), probes=[MetricsProbe()])
+
+    off, on, res = [], [], None
+    for _ in range(args.repeats):
+        off.append(timed(engine, ids, specs, gen, False)[0])
+        dt, res = timed(engine, ids, specs, gen, True)
+        on.append(dt)
+    out = {
+        "prompt_tokens": len(ids),
+        "new_tokens": args.new,
+        "threads": args.threads,
+        "methods": [s.label for s in specs],
+        "probes_off_s": [round(x, 2) for x in off],
+        "probes_on_s": [round(x, 2) for x in on],
+        "ratio": round(statistics.median(on) / statistics.median(off), 3),
+        "metrics": {r.label: {k: r.metrics.get(k) for k in ("attn_rel_error_mean", "kl_mean", "top1_agreement",
+                                                            "perplexity", "first_divergence", "text_similarity")}
+                    for r in res.runs},
+        "result_json_bytes": len(res.dumps(indent=None)),
+    }
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
