@@ -40,8 +40,9 @@ def test_cluster_pass_matches_token_by_token_rule():
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(6, 300, 8, generator=g, dtype=torch.float64)
     delta = torch.tensor([2.0, 3.0, 3.5, 4.0, 5.0, 3.0], dtype=torch.float64)
-    assign, centers, count = _cluster_stream(keys, delta, 40)
+    assign, centers, count = _cluster_stream(keys, delta, 40, chunk=64)  # chunks of tokens, as on long prompts
     assert torch.equal(assign, _sequential_clusters(keys, delta, 40))
+    assert torch.equal(_cluster_stream(keys, delta, 40, chunk=300)[0], assign)
     assert count.tolist()[0] == 40 and count.tolist()[4] < 10  # the cap binds for small delta only
     # every representative is the first key of its cluster
     for b in range(6):

@@ -15,9 +15,9 @@ arXiv:2402.06082 (2024); later version "ClusterGen" (same authors, same Algorith
   output ``z / tau`` (logits scaled by 1/sqrt(d) as the model does; a common shift cancels in the ratio).
 
 The pass runs over the prompt at compress time and keeps running on every generated token. It is
-sequential only in the cluster assignment, which runs over all L x Hkv streams together and loops
-once per opened cluster rather than once per token (see ``_cluster_stream``; same result as the
-token-by-token rule). Over the prompt the reservoirs are drawn from the closed form of their coin
+sequential only in the cluster assignment, which runs over all L x Hkv streams together, in chunks
+of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
+same result as the token-by-token rule). Over the prompt the reservoirs are drawn from the closed form of their coin
 flips (the same distribution); while decoding the coins are flipped token by token. To hold a byte budget, the cluster count is capped at ``m_cap``: once a
 stream has ``m_cap`` clusters, a far key joins its nearest cluster anyway (the uniform reservoir still
 estimates that cluster's sum without bias; only the variance grows).
@@ -80,7 +80,7 @@ def greedy_kcenter(x: Tensor, k: int) -> KCenter:
     k = min(k, n)
     xsq = (x * x).sum(-1)
     rows = torch.arange(b, device=x.device)
-    best = torch.full((b, n), float("inf"), device=x.device)
+    best = torch.full((b, n), float("inf"), dtype=x.dtype, device=x.device)
     assign = torch.zeros(b, n, dtype=torch.long, device=x.device)
     centers = torch.zeros(b, k, dtype=torch.long, device=x.device)
     cur = torch.zeros(b, dtype=torch.long, device=x.device)
@@ -255,39 +255,59 @@ def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
     return torch.rand(p.shape[0], slots, generator=gen).to(p.device) < p.unsqueeze(-1)
 
 
-def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int) -> tuple[Tensor, Tensor, Tensor]:
+def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
     """UpdateSoftmaxNormalizer's cluster assignment over a whole prompt, for B streams in lockstep.
 
     Exactly the sequential rule (a key joins the nearest representative opened before it if within
-    delta, else opens one; past ``m_cap`` clusters it joins the nearest), computed one *opened
-    cluster* at a time instead of one token at a time: the next representative of a stream is its
-    first key not within delta of any earlier representative, and a representative opened at
-    position p is visible to keys at positions >= p only. Loops max(clusters) times, not n times.
+    delta, else opens one; past ``m_cap`` clusters it joins the nearest), computed in chunks of
+    tokens: one matrix product gives every key of the chunk its nearest earlier representative,
+    then the chunk loops once per representative it opens (the first key of a stream that nothing
+    covers opens the next one, visible only to keys from there on). Python loops over opened
+    clusters, not over tokens.
 
     keys [B, n, d], delta [B]. Returns assign [B, n], centers [B, m_cap, d], count [B].
     """
     b, n, d = keys.shape
     ksq = (keys * keys).sum(-1)
-    rows, tok = torch.arange(b, device=keys.device), torch.arange(n, device=keys.device)
-    best = torch.full((b, n), float("inf"), device=keys.device)
-    assign = torch.zeros(b, n, dtype=torch.long, device=keys.device)
     centers = keys.new_zeros(b, m_cap, d)
+    csq = torch.full((b, m_cap), float("inf"), dtype=keys.dtype, device=keys.device)
     count = torch.zeros(b, dtype=torch.long, device=keys.device)
+    assign = torch.empty(b, n, dtype=torch.long, device=keys.device)
     delta2 = (delta * delta).unsqueeze(-1)
-    for j in range(m_cap):
+    for a in range(0, n, chunk):
+        x, xsq = keys[:, a : a + chunk], ksq[:, a : a + chunk]
+        used = max(1, int(count.max()))
+        best, near = _sqdist(x, xsq, centers[:, :used], csq[:, :used]).min(-1)
+        _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2)
+        assign[:, a : a + chunk] = near
+    return assign, centers, count
+
+
+def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
+    """Open representatives inside one chunk, in order; updates best / near [B, c], centers, csq, count in place.
+
+    x [B, c, d], xsq [B, c]: the chunk's keys; best / near: squared distance to, and index of, the
+    nearest representative visible to each key so far.
+    """
+    b, c, _ = x.shape
+    m_cap = centers.shape[1]
+    rows, tok = torch.arange(b, device=x.device), torch.arange(c, device=x.device)
+    while True:
         has, p = torch.max(best > delta2, dim=-1)  # the first key no earlier representative covers
+        has &= count < m_cap
         if not bool(has.any()):
-            break
-        c = keys[rows, p]
-        centers[:, j] = c * has.unsqueeze(-1)
-        p = p.masked_fill_(~has, n)  # streams without a new representative update nothing
+            return
+        slot = count.clamp_max(m_cap - 1)
+        opened = torch.where(has.unsqueeze(-1), x[rows, p], centers[rows, slot])
+        centers[rows, slot] = opened
+        csq[rows, slot] = torch.where(has, xsq[rows, p], csq[rows, slot])
+        p = p.masked_fill_(~has, c)  # streams without a new representative update nothing
         lo = int(p.min())  # no key before lo sees a new representative
-        d2 = _sqdist(keys[:, lo:], ksq[:, lo:], c.unsqueeze(1), ksq[rows, p.clamp_max(n - 1)].unsqueeze(1)).squeeze(-1)
+        d2 = _sqdist(x[:, lo:], xsq[:, lo:], opened.unsqueeze(1), xsq[rows, p.clamp_max(c - 1)].unsqueeze(1)).squeeze(-1)
         upd = (d2 < best[:, lo:]) & (tok[lo:] >= p.unsqueeze(-1))
         best[:, lo:] = torch.where(upd, d2, best[:, lo:])
-        assign[:, lo:].masked_fill_(upd, j)
+        near[:, lo:] = torch.where(upd, slot.unsqueeze(-1), near[:, lo:])
         count += has
-    return assign, centers, count
 
 
 # ----- the compressors -----------------------------------------------------------------------------
