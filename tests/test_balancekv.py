@@ -153,3 +153,41 @@ def test_compressor_uses_log_weights(prefill_state, lm):
     assert (lw[:, :a] == 0).all() and (lw[:, mid.stop :] == 0).all()
     assert (lw[:, mid] > 0).float().mean() > 0.9 and abs(lw[:, mid].exp().mean().item() / 2 ** knobs["T"] - 1) < 0.35
     assert torch.equal(k, gather_tokens(prefill_state.keys[3], pos.long()))
+
+
+def test_streaming_merge_and_reduce(prefill_state, lm):
+    """balancekv-stream: generated tokens go through the MergeAndReduce tree (Algorithm 3)."""
+    from kvlab.compressors.balancekv import BalanceKVStream
+    from kvlab.compressors.base import PrefillState
+    from kvlab.ops import dense_attention
+
+    st, n0, g = prefill_state, 200, 96
+    comp = BalanceKVStream(lm.info, Budget.parse("0.25"), {"block_size": 16})
+    knobs = comp.plan(n0)
+    comp.compress(PrefillState(st.keys[:, :, :n0], st.values[:, :, :n0], st.queries[..., :0, :], st.scaling))
+    start = comp.layers[0].n
+    for p in range(n0, n0 + g):
+        for layer in range(lm.info.n_layers):
+            comp.append(layer, st.keys[layer, :, p : p + 1], st.values[layer, :, p : p + 1], p)
+    # 96 tokens in batches of 16, T = 3: 48 reach level 1, 24 level 2, 8 of them are final
+    assert knobs["stream_T"] == 3 and comp.levels[0] == [0, 0, 8]
+    assert comp.layers[0].n == start + 8 + 8
+    k, v, pos, lw = comp.layers[0].views()
+    assert (pos.diff(dim=-1) > 0).all()
+    gen = pos[0] >= n0
+    assert abs(lw[:, gen].exp().sum(-1).mean().item() / g - 1) < 0.35  # the weights stand for all 96 tokens
+    ours, unif = [], []
+    rng = torch.Generator().manual_seed(0)
+    q = st.queries[:, :, -16:]
+    for layer in range(lm.info.n_layers):
+        k, v, pos, lw = comp.layers[layer].views()
+        sel = pos[0] >= n0
+        a = dense_attention(q[layer], st.keys[layer, :, n0 : n0 + g], st.values[layer, :, n0 : n0 + g], st.scaling)
+        z = dense_attention(q[layer], k[:, sel], v[:, sel], st.scaling, lw[:, sel])
+        ours.append(((z - a).norm(dim=-1) / a.norm(dim=-1)).mean().item())
+        m = int(sel.sum())
+        ui = torch.rand(3, g, generator=rng).argsort(-1)[:, :m].sort(-1).values + n0
+        zu = dense_attention(q[layer], gather_tokens(st.keys[layer], ui), gather_tokens(st.values[layer], ui),
+                             st.scaling, torch.full((3, m), math.log(g / m)))
+        unif.append(((zu - a).norm(dim=-1) / a.norm(dim=-1)).mean().item())
+    assert sum(ours) < sum(unif)

@@ -292,3 +292,65 @@ class BalanceKV(DenseCompressor):
 
     def log_weights(self, state: PrefillState, idx) -> list[Tensor] | None:
         return None if self._logw is None else list(self._logw)
+
+
+# ----- streaming: MergeAndReduce over generated tokens -------------------------------------------
+@register
+class BalanceKVStream(BalanceKV):
+    """BalanceKV whose generated tokens are compressed too, by MergeAndReduce (Algorithm 3, online).
+
+    Each layer's cache ends with levels 0..T-1 of the merge tree, each a contiguous run of tokens
+    (level 0 last). A new token joins level 0; when a level holds ``block_size`` tokens it is halved
+    by SoftmaxBalance and its survivors join the next level, which sits right before it; survivors of
+    level T-1 are final. The cache then grows by about 2^-T per generated token, plus at most
+    T * block_size buffered tokens.
+    """
+
+    name = "balancekv-stream"
+    title = "BalanceKV (streaming)"
+    summary = ("BalanceKV on the prompt, then MergeAndReduce over generated tokens: every block_size new "
+               "tokens are halved by the balancing walk, level by level, up to T times.")
+    streaming = True
+
+    def plan(self, n_prompt: int) -> dict:
+        knobs = super().plan(n_prompt)
+        self.rounds = self.layout.rounds or int(self.cfg["T"])
+        self.batch = max(2, int(self.cfg["block_size"]) // 2 * 2)
+        return {**knobs, "stream_T": self.rounds, "stream_block": self.batch}
+
+    def compress(self, state: PrefillState) -> None:
+        super().compress(state)
+        for layer in self.layers:  # decoding halves generated tokens: every token needs a log-weight
+            if layer.logw is None:
+                k, v, pos, _ = layer.views()
+                layer.logw = type(layer).make(k, v, pos, torch.zeros(pos.shape)).logw
+        self.levels = [[0] * self.rounds for _ in self.layers]
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        cache, counts = self.layers[layer], self.levels[layer]
+        cache.append(k, v, pos)
+        if not self.rounds:
+            return
+        counts[0] += 1
+        lvl = 0
+        while lvl < self.rounds and counts[lvl] == self.batch:
+            self._reduce_tail(cache)
+            counts[lvl] = 0
+            if lvl + 1 < self.rounds:
+                counts[lvl + 1] += self.batch // 2
+            lvl += 1
+
+    def _reduce_tail(self, cache) -> None:
+        """Halve the last ``batch`` tokens of one layer (all heads at once), in place."""
+        k, v, _, lw = cache.views()
+        n, t = cache.n, self.batch
+        h = k.shape[0]
+        cfg = self.walk_config()
+        tail_lw = lw[:, n - t :].double()
+        signs = balance_signs(*block_kernel(k[:, None, n - t :], v[:, None, n - t :], tail_lw[:, None], cfg), cfg,
+                              self.generator)
+        keep, mult = halve(signs)
+        keep, mult = keep[:, 0], mult[:, 0]
+        head = torch.arange(n - t, device=k.device).expand(h, n - t)
+        cache.keep(torch.cat([head, keep + (n - t)], -1))
+        cache.logw.buf[:, n - t : n - t // 2, 0] += mult.log().to(cache.logw.buf.dtype)
