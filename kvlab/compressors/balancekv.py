@@ -28,6 +28,7 @@ What is implemented (the prefill-only form the paper evaluates, Sec. 4.1 / 4.2):
 * The first and last tokens are kept exactly (Sec. 4.1: 256 + 256); kept middle tokens carry
   log(weight) on their logits at decode time (about log 2^T). Generated tokens are kept
   (prefill-only, Sec. 4.2).
+* ``balancekv-stream`` also runs MergeAndReduce (Algorithm 3) online over the generated tokens.
 """
 
 from __future__ import annotations
@@ -323,7 +324,7 @@ class BalanceKVStream(BalanceKV):
         for layer in self.layers:  # decoding halves generated tokens: every token needs a log-weight
             if layer.logw is None:
                 k, v, pos, _ = layer.views()
-                layer.logw = type(layer).make(k, v, pos, torch.zeros(pos.shape)).logw
+                layer.logw = type(layer).make(k, v, pos, torch.zeros(pos.shape, device=pos.device)).logw
         self.levels = [[0] * self.rounds for _ in self.layers]
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
