@@ -99,3 +99,19 @@ def test_every_method_at_full_budget_is_exact(engine, lm):
     for r in res.runs:
         assert r.metrics["attn_rel_error_mean"] < 1e-4, r.label
         assert r.metrics["top1_agreement"] == 1.0, r.label
+
+
+@pytest.mark.slow
+def test_teacher_forcing_covers_every_exact_step_for_every_method(engine, lm):
+    """Tiny budgets make runs diverge: their forked teacher-forced copies must still score every exact step."""
+    specs = [RunSpec("exact")] + [RunSpec(m, Budget.parse("4t")) for m in names() if m != "exact"]
+    _, res = _compare(engine, lm, specs, new=4, settings=ProbeSettings(attn_error=False, maps=False))
+    exact = res.runs[0]
+    steps = len(exact.token_ids) - 1
+    diverged = 0
+    for r in res.runs:
+        assert len(r.metrics["kl"]) == steps, r.label
+        assert all(math.isfinite(x) and x >= 0 for x in r.metrics["kl"]), r.label
+        assert math.isfinite(r.metrics["perplexity"]), r.label
+        diverged += r.metrics["first_divergence"] is not None
+    assert diverged > 0
