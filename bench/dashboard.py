@@ -20,16 +20,20 @@ def run_once(dash, prompt: str, papers: list[str], budget: str, new: int, measur
     t0 = time.perf_counter()
     first = None
     yields = 0
-    status = ""
+    status, data = "", None
     for out in dash.compare("embedded", prompt, papers, [], budget, new, 0, None, measure, None, 0,
                             progress=lambda *a, **k: None):
         yields += 1
         status = out[0]
+        if isinstance(out[2], dict):
+            data = out[2]
         if first is None and "kv-card" in str(out[1]):
             first = time.perf_counter() - t0
     total = time.perf_counter() - t0
     return {"measure": measure, "first_results_s": round(first or total, 2), "complete_s": round(total, 2),
-            "yields": yields, "status": status.split("kv-progress-msg'>")[-1].removesuffix("</div>")}
+            "yields": yields, "status": status.split("kv-progress-msg'>")[-1].removesuffix("</div>"),
+            "prefill_s": round((data or {}).get("timings", {}).get("prefill_s", 0.0), 2),
+            "compress_s": {r["method"]: round(r["timings"]["compress_s"], 2) for r in (data or {}).get("runs", [])}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new} new tokens, {args.threads} threads, load average {info['loadavg_1m']} on {info['cpus']} CPUs")
     for r in rows:
         print(f"  measurements {'on ' if r['measure'] else 'off'}: first results {r['first_results_s']:6.1f} s · "
-              f"complete {r['complete_s']:6.1f} s · {r['status']}")
+              f"complete {r['complete_s']:6.1f} s · prefill {r['prefill_s']} s · {r['status']}")
+        print(f"    compression s: {r['compress_s']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(info, f, indent=1)

@@ -37,9 +37,9 @@ def _layout(fig: go.Figure, height: int, title: str, **kw) -> go.Figure:
     fig.update_layout(
         height=height,
         title=dict(text=title, x=0.01, font=dict(size=15)),
-        margin=dict(l=50, r=20, t=50, b=45),
+        margin=dict(l=60, r=20, t=50, b=90),
         template="plotly_white",
-        legend=dict(orientation="h", y=-0.18),
+        legend=dict(orientation="h", y=-0.3, yanchor="top"),
         **kw,
     )
     return fig
@@ -121,7 +121,7 @@ def bytes_per_step(result: CompareResult) -> go.Figure:
     if not runs:
         return no_data("Bytes per decode step", "no runs yet")
     fig = go.Figure()
-    ref = runs[0]
+    ref = max(runs, key=lambda r: len(r.exact_kv_bytes_per_step))  # the longest run: exact growth over all steps
     fig.add_trace(go.Scatter(
         x=list(range(len(ref.exact_kv_bytes_per_step))), y=[b / KIB for b in ref.exact_kv_bytes_per_step],
         name="exact (all tokens seen)", line=dict(color="#999", dash="dash"),
@@ -133,7 +133,7 @@ def bytes_per_step(result: CompareResult) -> go.Figure:
         ))
     fig.update_xaxes(title="decode step (0 = after prefill)")
     fig.update_yaxes(title="KiB held", rangemode="tozero")
-    return _layout(fig, 340, "Bytes per decode step")
+    return _layout(fig, 380, "Bytes per decode step")
 
 
 # ----- errors -----------------------------------------------------------------------------------

@@ -128,10 +128,17 @@ def method_groups() -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+CORE_PAPER_METHODS = ("qjl", "subgen", "balancekv", "scissorhands")  # one per paper: the default comparison
+
+
 def default_methods() -> tuple[list[str], list[str]]:
-    """The default comparison: exact + the papers' methods (StreamingLLM while none is registered)."""
+    """The default comparison: exact + the four papers' methods (their variants stay one tick away).
+
+    Falls back to every registered paper method, then to StreamingLLM, while the registry is partial.
+    """
     groups = method_groups()
-    papers = [n for _, n in groups.get("paper", [])]
+    registered = [n for _, n in groups.get("paper", [])]
+    papers = [n for n in CORE_PAPER_METHODS if n in registered] or registered
     baselines = [] if papers else [n for _, n in groups.get("baseline", []) if n == "streaming"]
     return papers, baselines
 
@@ -667,7 +674,8 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
             with gr.Tab("Attention", id="attention"):
                 shown = gr.CheckboxGroup([], label="Methods shown (empty: all)")
                 heat = gr.Plot(label="Attention heatmaps", elem_id="kv-heat")
-                strip_pick = gr.Dropdown([], label="Kept-token strip: method", elem_id="kv-strip-pick")
+                strip_pick = gr.Dropdown([], label="Kept-token strip: method", elem_id="kv-strip-pick",
+                                         allow_custom_value=True)
                 strip = gr.HTML(kept_strip_html(None, None, None), elem_id="kv-strip")
             with gr.Tab("Quality vs memory", id="quality"):
                 qvm = gr.Plot(label="Quality vs memory", elem_id="kv-qvm")
@@ -692,8 +700,8 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
         ).then(lambda data: gr.update(choices=[r["method"] if not r.get("budget") else f"{r['method']}@{r['budget']}"
                                                for r in (data or {}).get("runs", []) if r["method"] != "exact"],
                                       value=[]), state, shown, api_name=False)
-        layer_pick.change(dash.view_errors, [state, layer_pick], err_step, api_name="view_errors")
-        gr.on([shown.change, strip_pick.change], dash.view_attention, [state, shown, strip_pick], [heat, strip],
+        layer_pick.input(dash.view_errors, [state, layer_pick], err_step, api_name="view_errors")
+        gr.on([shown.input, strip_pick.input], dash.view_attention, [state, shown, strip_pick], [heat, strip],
               api_name="view_attention")
         export_btn.click(dash.export, state, files, api_name="export")
         upload.upload(dash.load_json, [upload, layer_pick, strip_pick], [status, *views], api_name="load_json")

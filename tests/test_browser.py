@@ -92,7 +92,7 @@ def open_page(page, url: str) -> None:
     page.wait_for_timeout(500)
 
 
-def run_and_wait(page, timeout_ms: int = 240_000) -> None:
+def run_and_wait(page, timeout_ms: int = 1_200_000) -> None:
     page.click("#kv-run")
     page.wait_for_function("() => (document.querySelector('#kv-status')?.innerText || '').includes('done:')",
                            timeout=timeout_ms)
@@ -104,19 +104,25 @@ def test_default_comparison_renders_every_panel(page, app_url):
     assert page.locator("#kv-prompt textarea").input_value().strip()
     run_and_wait(page)
     cards = page.locator("#kv-cards .kv-card")
-    assert cards.count() >= 2
-    assert "reference" in cards.first.inner_text()
-    # gauges (one indicator per run) and the bytes chart are drawn by plotly
-    assert page.locator("#kv-gauges .indicatorlayer .trace").count() == cards.count()
-    assert page.locator("#kv-bytes .scatterlayer .trace").count() == cards.count() + 1
+    n = cards.count()
+    assert n >= 2
+    # gauges (one indicator per run) and the bytes chart are drawn by plotly once the values arrive
+    page.wait_for_function(
+        f"() => document.querySelectorAll('#kv-gauges .indicatorlayer .trace').length === {n}"
+        f" && document.querySelectorAll('#kv-bytes .scatterlayer .trace').length === {n + 1}",
+        timeout=60_000,
+    )
     SHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SHOT), full_page=True)
+    assert "reference" in cards.first.inner_text()
+    assert all("KiB" in cards.nth(i).inner_text() for i in range(n))
     # curves and heatmaps: in their tabs
     page.get_by_role("tab", name="Errors").click()
     page.wait_for_selector("#kv-err-step .main-svg", timeout=30_000)
     page.wait_for_selector("#kv-err-layer .main-svg", timeout=30_000)
     page.get_by_role("tab", name="Attention").click()
     page.wait_for_selector("#kv-heat .main-svg", timeout=30_000)
+    page.wait_for_timeout(1500)
     page.screenshot(path=str(SHOT.with_name("screenshot-attention.png")), full_page=True)
     assert not page.dialogs
 

@@ -107,6 +107,22 @@ def test_view_errors_rerenders_from_state(client, compared):
     assert "layer 3" in title
 
 
+def test_view_attention_rerenders_without_recomputing(client, compared):
+    heat, strip = client.predict([], "streaming@0.25", api_name="/view_attention")
+    fig = json.loads(heat["plot"])
+    assert sum(d["type"] == "heatmap" for d in fig["data"]) == 4
+    assert "streaming@0.25: " in strip and "streaming@0.5: " not in strip
+    _, strip = client.predict([], "streaming@0.5", api_name="/view_attention")
+    assert "streaming@0.5: " in strip
+
+
+def test_heatmaps_filter_methods(client, compared):
+    path = next(f for f in client.predict(api_name="/export") if f.endswith(".json"))
+    fig = plots.attention_heatmaps(CompareResult.load(path), ["streaming@0.25"])
+    assert sum(d.type == "heatmap" for d in fig.data) == 2
+    assert [a.text for a in fig.layout.annotations[:2]] == ["exact · queries of streaming@0.25", "streaming@0.25"]
+
+
 def test_export_and_load_round_trip(client, compared, tmp_path):
     files = client.predict(api_name="/export")
     paths = [Path(f) for f in files]
