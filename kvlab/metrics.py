@@ -50,7 +50,7 @@ JSON layout (``CompareResult.to_json()``; every run in ``runs[]`` carries these;
                                           # pairs keeping it at the end (exact: all 1)
     }
 
-Floats are rounded (4 significant digits) to keep the JSON small: a 2k-token prompt with 5 runs
+Floats are rounded (4 significant digits; NaN or inf become null) to keep the JSON small: a 2k-token prompt with 5 runs
 and 8 map queries is well under 1 MB. Costs (prefill/compress/decode seconds, bytes per step)
 are already in ``run.timings`` and ``run.kv_bytes_per_step``.
 """
@@ -74,7 +74,9 @@ def _round(x, digits: int = 4):
     if isinstance(x, (list, tuple)):
         return [_round(v, digits) for v in x]
     x = float(x)
-    return 0.0 if x == 0 or not math.isfinite(x) else float(f"{x:.{digits}g}")
+    if not math.isfinite(x):
+        return None  # NaN / inf (a broken estimate) shows as null, never as a good-looking 0
+    return 0.0 if x == 0 else float(f"{x:.{digits}g}")
 
 
 # ----- free-running text ----------------------------------------------------------------------

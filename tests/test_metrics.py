@@ -115,3 +115,9 @@ def test_teacher_forcing_covers_every_exact_step_for_every_method(engine, lm):
         assert math.isfinite(r.metrics["perplexity"]), r.label
         diverged += r.metrics["first_divergence"] is not None
     assert diverged > 0
+
+
+def test_non_finite_values_are_null_not_zero():
+    from kvlab.metrics import _round
+
+    assert _round([0.123456, float("nan"), 0.0, [float("inf")]]) == [0.1235, None, 0.0, [None]]
