@@ -82,7 +82,7 @@ def fraction_held(run: RunResult) -> float | None:
 
 
 # ----- memory -----------------------------------------------------------------------------------
-def gauges(result: CompareResult, per_row: int = 4) -> go.Figure:
+def gauges(result: CompareResult, per_row: int = 5) -> go.Figure:
     """One gauge per run: bytes held after compression as % of the exact cache; the number is % saved."""
     runs = result.runs
     if not runs:
@@ -239,7 +239,15 @@ def map_site(result: CompareResult) -> tuple[int, int] | None:
 def kept_of(run: RunResult) -> list[int] | None:
     """Prompt positions a run kept (at the map's layer and KV head), or None when not position-based."""
     kept = (run.extras or {}).get("kept_positions")
-    return None if kept is None else [int(x) for x in kept]
+    m = attn_map(run)
+    if kept is None or (m is not None and m.get("method") is None):  # sketches: every position, compressed
+        return None
+    return [int(x) for x in kept]
+
+
+def _log_weights(z: list[list[float]]) -> list[list[float]]:
+    """log10 of attention weights (floored at 1e-4): sink tokens take most of the mass on a linear scale."""
+    return [[math.log10(max(float(w), 1e-4)) for w in row] for row in z]
 
 
 def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -> go.Figure:
@@ -259,19 +267,20 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
     fig = make_subplots(rows=n, cols=2, shared_xaxes=True, horizontal_spacing=0.05,
                         vertical_spacing=min(0.08, 0.3 / n),
                         subplot_titles=[t for r in runs for t in (f"exact · queries of {r.label}", r.label)])
-    zmax = max(max(max(row) for row in attn_map(r)["exact"]) for r in runs) or 1.0
     for i, r in enumerate(runs, start=1):
         m = attn_map(r)
         steps = m.get("steps") or list(range(len(m["exact"])))
         for col, z in ((1, m["exact"]), (2, m.get("method"))):
             if z is None:
-                fig.add_annotation(text="no token-level weights (sketch / quantized cache)", showarrow=False,
-                                   x=0.5, y=0.5, xref=f"x{2 * i} domain", yref=f"y{2 * i} domain",
-                                   font=dict(size=12, color="#666"))
+                fig.add_annotation(text="keeps every position in compressed form: no token-level weights",
+                                   showarrow=False, x=0.5, y=0.5, xref="x domain", yref="y domain",
+                                   font=dict(size=12, color="#666"), row=i, col=col)
                 continue
-            fig.add_trace(go.Heatmap(z=z, y=steps, colorscale="Magma", zmin=0, zmax=zmax, showscale=(i == 1 and col == 1),
-                                     colorbar=dict(title="weight", len=0.5, y=1.0, yanchor="top"),
-                                     hovertemplate="pos %{x}<br>step %{y}<br>w=%{z:.4f}<extra>" + r.label + "</extra>"),
+            fig.add_trace(go.Heatmap(z=_log_weights(z), y=steps, customdata=z, colorscale="Magma", zmin=-4, zmax=0,
+                                     showscale=(i == 1 and col == 1),
+                                     colorbar=dict(title="log10 w", len=0.5, y=1.0, yanchor="top"),
+                                     hovertemplate="pos %{x}<br>step %{y}<br>w=%{customdata:.4f}<extra>" + r.label
+                                     + "</extra>"),
                           row=i, col=col)
         kept = kept_of(r)
         if kept is not None:

@@ -323,10 +323,15 @@ def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedM
     bars = [b for b in bars if b]
     run = next((r for r in runs if r.label == label), runs[0] if runs else None)
     kept = plots.kept_of(run) if run is not None else None
+    if run is not None and kept is None and plots.attn_map(run) is not None:
+        parts_note = (f"<div class='kv-strip-title'>{html.escape(run.label)} keeps every prompt position "
+                      "(compressed), so no token is evicted</div>")
+    else:
+        parts_note = ""
     if run is None or (kept is None and not bars):
         return ("<div class='kv-empty'>no kept positions in this result (turn the measurements on; sketch and "
                 "quantization methods keep no token positions)</div>")
-    parts = []
+    parts = [parts_note] if parts_note else []
     if kept is not None:
         keep = set(kept)
         pieces = _pieces(result.prompt_token_ids, lm)
