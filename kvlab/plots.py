@@ -272,9 +272,13 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
         steps = m.get("steps") or list(range(len(m["exact"])))
         for col, z in ((1, m["exact"]), (2, m.get("method"))):
             if z is None:
+                k = 2 * (i - 1) + col  # subplot index: axes x{k}, y{k} (paper coordinates render everywhere)
+                xd, yd = fig.layout[f"xaxis{k}"].domain, fig.layout[f"yaxis{k}"].domain
                 fig.add_annotation(text="keeps every position in compressed form: no token-level weights",
-                                   showarrow=False, x=0.5, y=0.5, xref="x domain", yref="y domain",
-                                   font=dict(size=12, color="#666"), row=i, col=col)
+                                   showarrow=False, x=sum(xd) / 2, y=sum(yd) / 2, xref="paper", yref="paper", xanchor="center",
+                                   font=dict(size=12, color="#666"))
+                fig.update_xaxes(visible=False, row=i, col=col)
+                fig.update_yaxes(visible=False, row=i, col=col)
                 continue
             fig.add_trace(go.Heatmap(z=_log_weights(z), y=steps, customdata=z, colorscale="Magma", zmin=-4, zmax=0,
                                      showscale=(i == 1 and col == 1),
