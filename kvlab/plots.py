@@ -48,7 +48,8 @@ def _layout(fig: go.Figure, height: int, title: str, **kw) -> go.Figure:
 def no_data(title: str, why: str, height: int = 320) -> go.Figure:
     """An empty figure that explains, in words, why there is nothing to draw."""
     fig = go.Figure()
-    fig.add_annotation(text=why, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#666"))
+    fig.add_annotation(text=why, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+                       font=dict(size=14, color="#666"))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _layout(fig, height, title)
@@ -157,7 +158,10 @@ def error_per_step(result: CompareResult, layer: str | int = "mean") -> go.Figur
         m = _err_matrix(r)
         if m is None:
             continue
-        ys = [_mean(row) if layer in (None, "mean") else (row[int(layer)] if int(layer) < len(row) else None) for row in m]
+        if layer in (None, "mean"):
+            ys = [_mean(row) for row in m]
+        else:
+            ys = [row[int(layer)] if int(layer) < len(row) else None for row in m]
         fig.add_trace(go.Scatter(x=list(range(1, len(ys) + 1)), y=ys, name=r.label, mode="lines+markers",
                                  marker=dict(size=4), line=dict(color=color_of(result, r.label))))
     if not fig.data:
@@ -180,7 +184,8 @@ def error_per_layer(result: CompareResult) -> go.Figure:
     if not rows:
         return no_data(title, "no attention-error measurements in this result")
     fig = go.Figure(go.Heatmap(z=rows, x=list(range(len(rows[0]))), y=labels, colorscale="Viridis",
-                               colorbar=dict(title="rel. err"), hovertemplate="%{y}<br>layer %{x}: %{z:.3f}<extra></extra>"))
+                               colorbar=dict(title="rel. err"),
+                               hovertemplate="%{y}<br>layer %{x}: %{z:.3f}<extra></extra>"))
     fig.update_xaxes(title="layer", dtick=2)
     return _layout(fig, 120 + 38 * len(rows), title)
 
@@ -275,7 +280,8 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
                 k = 2 * (i - 1) + col  # subplot index: axes x{k}, y{k} (paper coordinates render everywhere)
                 xd, yd = fig.layout[f"xaxis{k}"].domain, fig.layout[f"yaxis{k}"].domain
                 fig.add_annotation(text="keeps every position in compressed form: no token-level weights",
-                                   showarrow=False, x=sum(xd) / 2, y=sum(yd) / 2, xref="paper", yref="paper", xanchor="center",
+                                   showarrow=False, x=sum(xd) / 2, y=sum(yd) / 2, xref="paper", yref="paper",
+                                   xanchor="center",
                                    font=dict(size=12, color="#666"))
                 fig.update_xaxes(visible=False, row=i, col=col)
                 fig.update_yaxes(visible=False, row=i, col=col)

@@ -302,11 +302,13 @@ def _card(run: RunResult, exact: RunResult | None, lm: LoadedModel | None, group
 
 def cards_html(result: CompareResult | None, lm: LoadedModel | None, live: bool = False) -> str:
     if result is None or not result.runs:
-        return "<div class='kv-empty'>Run a comparison (or load a JSON export) to see one card per method × budget.</div>"
+        return ("<div class='kv-empty'>Run a comparison (or load a JSON export) to see one card per "
+                "method × budget.</div>")
     exact = next((r for r in result.runs if r.method == "exact"), None)
     groups = {n: c.group for n, c in methods().items()}
     return "<div class='kv-cards'>" + "".join(
-        _card(r, exact, lm, groups.get(r.method, "baseline"), plots.color_of(result, r.label), live and r is not exact) for r in result.runs
+        _card(r, exact, lm, groups.get(r.method, "baseline"), plots.color_of(result, r.label), live and r is not exact)
+        for r in result.runs
     ) + "</div>"
 
 
@@ -426,7 +428,8 @@ def report_html(result: CompareResult, lm: LoadedModel | None = None) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>kvlab report</title>"
         f"<style>{CSS} body{{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:16px}}</style>"
         "</head><body><h1>kvlab report</h1>"
-        f"<p>Model <b>{html.escape(str(result.model.get('id', '')))}</b> on {html.escape(str(result.model.get('device', '')))}"
+        f"<p>Model <b>{html.escape(str(result.model.get('id', '')))}</b> on "
+        f"{html.escape(str(result.model.get('device', '')))}"
         f" · prompt {result.prompt_tokens} tokens · settings <code>{settings}</code></p>"
         f"<details><summary>Prompt</summary><pre class='kv-text'>{prompt}</pre></details>"
         f"{cards_html(result, lm)}{''.join(body)}</body></html>"
@@ -461,7 +464,8 @@ class Dashboard:
         model = (model or EMBEDDED).strip() or EMBEDDED
         if model not in self.engines:
             if not self.limits.allow_model_choice:
-                raise InputError("this page runs the embedded model only (set KVLAB_ALLOW_MODEL_CHOICE=1 to allow others)")
+                raise InputError("this page runs the embedded model only "
+                                 "(set KVLAB_ALLOW_MODEL_CHOICE=1 to allow others)")
             try:
                 self.engines[model] = Engine(load_model(model))
             except ModelLoadError as exc:
@@ -660,7 +664,8 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
                                          label="Attention-map query head")
                 run_btn = gr.Button("Run comparison", variant="primary", elem_id="kv-run")
         with gr.Accordion("Advanced parameters per method (papers' defaults; edit the value column)", open=False):
-            param_table = gr.Dataframe(value=param_rows(), headers=["method", "parameter", "value", "default", "meaning"],
+            param_table = gr.Dataframe(value=param_rows(),
+                                       headers=["method", "parameter", "value", "default", "meaning"],
                                        type="array", interactive=True, wrap=True, max_height=320,
                                        static_columns=[0, 1, 3, 4])
         status = gr.HTML(progress_html(0.0, "ready"), elem_id="kv-status")

@@ -34,7 +34,8 @@ def app(lm):
     demo = build_demo(lm)
     demo.queue(max_size=8)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, show_error=True, **launch_kwargs())
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, show_error=True,
+                **launch_kwargs())
     url = f"http://127.0.0.1:{port}/"
     assert urllib.request.urlopen(url + "gradio_api/info", timeout=30).status == 200
     yield url
