@@ -279,7 +279,7 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
             if z is None:
                 k = 2 * (i - 1) + col  # subplot index: axes x{k}, y{k} (paper coordinates render everywhere)
                 xd, yd = fig.layout[f"xaxis{k}"].domain, fig.layout[f"yaxis{k}"].domain
-                fig.add_annotation(text="keeps every position in compressed form: no token-level weights",
+                fig.add_annotation(text="no token-level weights for this cache (sketched or clustered keys)",
                                    showarrow=False, x=sum(xd) / 2, y=sum(yd) / 2, xref="paper", yref="paper",
                                    xanchor="center",
                                    font=dict(size=12, color="#666"))
