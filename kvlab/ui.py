@@ -331,8 +331,8 @@ def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedM
     else:
         parts_note = ""
     if run is None or (kept is None and not bars):
-        return ("<div class='kv-empty'>no kept positions in this result (turn the measurements on; sketched or clustered "
-                "caches keep no token positions)</div>")
+        return ("<div class='kv-empty'>no kept positions in this result (turn the measurements on; sketched or "
+                "clustered caches keep no token positions)</div>")
     parts = [parts_note] if parts_note else []
     if kept is not None:
         keep = set(kept)

@@ -17,7 +17,10 @@ gradio_client = pytest.importorskip("gradio_client")
 
 from kvlab import plots  # noqa: E402
 from kvlab.results import CompareResult  # noqa: E402
-from kvlab.ui import Dashboard, build_demo, launch_kwargs, param_rows, params_from_rows  # noqa: E402
+import gradio as gr  # noqa: E402
+import torch  # noqa: E402
+
+from kvlab.ui import Dashboard, build_demo, gpu, launch_kwargs, param_rows, params_from_rows  # noqa: E402
 
 PROMPT = "Summarize: the cat sat on the mat because the mat was warm and the sun was out. " * 6
 XSS = "<img src=x onerror=alert(1)> is not markup here."
@@ -169,3 +172,26 @@ def test_figures_say_no_data_without_metrics(lm):
     for fig in (plots.error_per_step(empty), plots.attention_heatmaps(empty), plots.quality_vs_memory(empty)):
         assert "no " in fig.layout.annotations[0].text
     assert Dashboard(lm).render(None, "mean", None)[0].count("kv-empty") == 1
+
+
+def test_out_of_memory_becomes_a_message_and_the_page_keeps_serving(lm, client):
+    dash = Dashboard(lm)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        yield  # a generator, like Engine.stream
+
+    dash.engines["embedded"].stream = oom
+    with pytest.raises(gr.Error, match="out of GPU memory"):
+        list(dash.compare("embedded", "hello", [], ["streaming"], "0.5", 2, 0, None, False,
+                          progress=lambda *a, **k: None))
+    # the served page still answers
+    text = client.predict("Pass-key retrieval", api_name="/preset")
+    assert "pass key" in text.lower() and len(text) > 2000  # the ~1k-token task prompt from kvlab.tasks
+
+
+def test_gpu_wrapper_is_a_no_op_without_spaces():
+    def f():
+        return 1
+
+    assert gpu(f) is f
