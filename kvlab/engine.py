@@ -332,7 +332,8 @@ class _RowObserver:
         self.probe, self.active = probe, active
 
     def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None:
-        self.probe.on_attend(layer, self.active[row], q, out)
+        if row < len(self.active):  # teacher-forced rows come after the free-running ones
+            self.probe.on_attend(layer, self.active[row], q, out)
 
 
 def _defines(probe, hook: str) -> bool:
