@@ -62,7 +62,7 @@ def error_per_layer(recs: list[dict]) -> go.Figure:
         per = [p for p in per if p]
         if not per:
             continue
-        mean = [sum(col) / len(col) for col in zip(*per)]
+        mean = [_mean(col) for col in zip(*per)]
         fig.add_trace(go.Scatter(x=list(range(len(mean))), y=mean, mode="lines+markers", name=label))
     return _layout(fig, "Attention relative error per layer (vs budget)", "layer", "mean ||z - a|| / ||a||")
 

@@ -100,10 +100,16 @@ def _compact(r) -> dict:
     m = {k: v for k, v in r.metrics.items() if k not in ("diff", "attn_rel_error", "kl")}
     err = r.metrics.get("attn_rel_error")
     if err:
-        m["attn_rel_error_per_layer"] = [sum(col) / len(col) for col in zip(*err)]
+        m["attn_rel_error_per_layer"] = [_finite_mean(col) for col in zip(*err)]
     return {"label": r.label, "method": r.method, "budget": r.budget, "text": r.text, "token_ids": r.token_ids,
             "kv_bytes": r.kv_bytes, "kv_bytes_per_step": r.kv_bytes_per_step,
             "exact_kv_bytes_per_step": r.exact_kv_bytes_per_step, "timings": asdict(r.timings), "metrics": m}
+
+
+def _finite_mean(xs) -> float | None:
+    """Mean of the values that are not null (NaN was stored as null); null when none is left."""
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def run_sweep(cfg: SweepConfig, engine_factory: Callable[[], object], log: Callable[[str], None] = print) -> Path | None:
