@@ -8,6 +8,7 @@ import pkgutil
 from kvlab.compressors.base import Compressor
 
 _REGISTRY: dict[str, type[Compressor]] = {}
+_RESOLVERS: list = []  # name -> class or None, for composed names such as "snapkv+kivi4"
 _LOADED = False
 
 
@@ -22,6 +23,11 @@ def register(cls: type[Compressor]) -> type[Compressor]:
         raise TypeError(f"method name {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def add_resolver(fn) -> None:
+    """Let ``get`` build classes for names that are not registered (e.g. compositions)."""
+    _RESOLVERS.append(fn)
 
 
 def _load_all() -> None:
@@ -50,6 +56,10 @@ def get(name: str) -> type[Compressor]:
     try:
         return _REGISTRY[name]
     except KeyError:
+        for fn in _RESOLVERS:
+            cls = fn(name)
+            if cls is not None:
+                return cls
         raise UnknownMethodError(f"unknown method {name!r}; allowed: {', '.join(names())}") from None
 
 
