@@ -1,0 +1,70 @@
+"""The shared matrix: every registered method (and sample compositions) on one real prefill.
+
+For budgets 0.5 / 0.25 / 0.125: plan + compress + a few append/attend steps give the right shapes
+and finite outputs; bytes right after compression are within 5% of the budget or under it. At
+budget 1.0 every method is the exact cache: its attention output equals exact attention.
+"""
+
+import pytest
+import torch
+
+from kvlab.budgets import Budget, exact_bytes
+from kvlab.compressors import get, names
+from kvlab.ops import dense_attention
+
+COMPOSED = ["streaming+kivi4", "h2o+kivi2"]  # built on demand by the registry's "+kiviB" parser
+METHODS = [m for m in names() if m != "exact"] + COMPOSED
+BUDGETS = ["0.5", "0.25", "0.125"]
+STEPS = 3
+
+
+def _build(lm, state, name, budget):
+    comp = get(name)(lm.info, Budget.parse(budget), {}, seed=0)
+    if comp.query_window() > state.queries.shape[-2]:
+        pytest.skip(f"{name} needs {comp.query_window()} prompt queries; the fixture captured {state.queries.shape[-2]}")
+    knobs = comp.plan(state.n_tokens)
+    comp.compress(state)
+    return comp, knobs
+
+
+def _new_token(state, layer, step):
+    """A plausible new key/value [Hkv, 1, d]: a prompt token's, scaled (real statistics, new content)."""
+    j = state.n_tokens - 1 - 7 * step
+    return state.keys[layer, :, j : j + 1] * 0.9, state.values[layer, :, j : j + 1] * 1.1
+
+
+def test_matrix_covers_every_registered_method():
+    assert {"streaming", "uniform", "snapkv", "pyramidkv", "kivi"} <= set(METHODS)
+    assert "scissorhands+kivi4" in names() or "scissorhands" not in names()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_budgets_shapes_and_bytes(lm, prefill_state, name):
+    state, info = prefill_state, lm.info
+    n = state.n_tokens
+    for budget in BUDGETS:
+        comp, knobs = _build(lm, state, name, budget)
+        target = float(budget) * exact_bytes(info, n)
+        got = comp.nbytes()
+        assert 0 < got <= 1.05 * target, f"{name}@{budget}: {got / exact_bytes(info, n):.3f} of exact, knobs {knobs}"
+        for step in range(STEPS):
+            for layer in (0, info.n_layers - 1):
+                k, v = _new_token(state, layer, step)
+                comp.append(layer, k, v, n + step)
+                q = state.queries[layer, :, -1 - step :][:, :1]
+                out = comp.attend(layer, q)
+                assert out.shape == (info.n_heads, 1, info.head_dim) and torch.isfinite(out).all(), (name, budget)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_full_budget_is_exact(lm, prefill_state, name):
+    state, info = prefill_state, lm.info
+    comp, _ = _build(lm, state, name, "1.0")
+    n = state.n_tokens
+    for layer in (0, 14, info.n_layers - 1):
+        k, v = _new_token(state, layer, 0)
+        comp.append(layer, k, v, n)
+        q = state.queries[layer, :, -1:]
+        ref = dense_attention(q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2), state.scaling)
+        torch.testing.assert_close(comp.attend(layer, q), ref, atol=1e-5, rtol=1e-4, msg=f"{name} layer {layer}")
+    assert comp.nbytes() >= exact_bytes(info, n) * 0.999  # nothing dropped
