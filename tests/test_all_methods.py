@@ -20,9 +20,9 @@ STEPS = 3
 
 def _build(lm, state, name, budget):
     comp = get(name)(lm.info, Budget.parse(budget), {}, seed=0)
+    knobs = comp.plan(state.n_tokens)  # the engine's order: plan, then query_window
     if comp.query_window() > state.queries.shape[-2]:
         pytest.skip(f"{name} needs {comp.query_window()} prompt queries; the fixture captured {state.queries.shape[-2]}")
-    knobs = comp.plan(state.n_tokens)
     comp.compress(state)
     return comp, knobs
 
