@@ -18,6 +18,15 @@ BUDGETS = ["0.5", "0.25", "0.125"]
 STEPS = 3
 
 
+@pytest.fixture(scope="module")
+def matrix_state(engine, lm, long_text):
+    """The same ~600-token real prefill as ``prefill_state``, with every prompt query captured so that
+    methods with long query windows (Scissorhands: w = B/2) are covered too."""
+    ids = lm.encode(long_text[:3000])
+    state, _ = engine.prefill(ids, window=len(ids), acc_attn=True)
+    return state
+
+
 def _build(lm, state, name, budget):
     comp = get(name)(lm.info, Budget.parse(budget), {}, seed=0)
     knobs = comp.plan(state.n_tokens)  # the engine's order: plan, then query_window
@@ -39,8 +48,8 @@ def test_matrix_covers_every_registered_method():
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_budgets_shapes_and_bytes(lm, prefill_state, name):
-    state, info = prefill_state, lm.info
+def test_budgets_shapes_and_bytes(lm, matrix_state, name):
+    state, info = matrix_state, lm.info
     n = state.n_tokens
     for budget in BUDGETS:
         comp, knobs = _build(lm, state, name, budget)
@@ -57,8 +66,8 @@ def test_budgets_shapes_and_bytes(lm, prefill_state, name):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_full_budget_is_exact(lm, prefill_state, name):
-    state, info = prefill_state, lm.info
+def test_full_budget_is_exact(lm, matrix_state, name):
+    state, info = matrix_state, lm.info
     comp, _ = _build(lm, state, name, "1.0")
     n = state.n_tokens
     for layer in (0, 14, info.n_layers - 1):
