@@ -189,10 +189,15 @@ def load_model(
         raise ModelLoadError(f"{spec!r} is not a causal language model (architectures: {', '.join(archs)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code)
+        # Several GPUs and device "auto": let accelerate spread a model too large for one of them.
+        spread = dev == "cuda" and device in (None, "auto") and torch.cuda.device_count() > 1
+        extra = {"device_map": "auto"} if spread else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(_explain(spec, exc)) from exc
-    model.to(dev).eval()
+    if not spread:
+        model.to(dev)
+    model.eval()
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n_heads = text_cfg.num_attention_heads
     info = ModelInfo(
