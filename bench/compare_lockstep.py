@@ -37,23 +37,32 @@ def long_prompt(lm, target_tokens: int) -> list[int]:
     return lm.encode(text[:lo] + "\n\nSummarize the text above.")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_setup_args(ap: argparse.ArgumentParser) -> None:
+    """The benchmark setup shared by the lockstep and probe benchmarks."""
     ap.add_argument("--methods", default=DEFAULT)
     ap.add_argument("--budget", default="0.25")
     ap.add_argument("--tokens", type=int, default=1900)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
-    args = ap.parse_args()
+
+
+def setup(args):
+    """Model, engine, run specs, prompt ids and generation settings for ``args``."""
     torch.set_num_threads(args.threads)
     lm = load_model("embedded")
     engine = Engine(lm)
     wanted = [m for m in args.methods.split(",") if m in names()]
     budget = Budget.parse(args.budget)
     specs = [RunSpec(m, None if m == "exact" else budget) for m in wanted]
-    ids = long_prompt(lm, args.tokens)
-    gen = GenerationSettings(max_new_tokens=args.new)
+    return lm, engine, specs, long_prompt(lm, args.tokens), GenerationSettings(max_new_tokens=args.new)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_setup_args(ap)
+    args = ap.parse_args()
+    lm, engine, specs, ids, gen = setup(args)
     engine.compare(lm.encode("warm up"), [RunSpec("exact")], GenerationSettings(max_new_tokens=2))
 
     t0 = time.perf_counter()

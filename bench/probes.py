@@ -16,14 +16,9 @@ import json
 import statistics
 import time
 
-import torch
-
-from bench.compare_lockstep import DEFAULT, long_prompt
-from kvlab.budgets import Budget
-from kvlab.compressors import names
-from kvlab.engine import Engine, GenerationSettings, RunSpec
+from bench.compare_lockstep import add_setup_args, setup
+from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.metrics import MetricsProbe, add_text_metrics
-from kvlab.models import load_model
 
 
 def timed(engine, ids, specs, gen, probes: bool):
@@ -36,22 +31,10 @@ def timed(engine, ids, specs, gen, probes: bool):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--methods", default=DEFAULT)
-    ap.add_argument("--budget", default="0.25")
-    ap.add_argument("--tokens", type=int, default=1900)
-    ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    add_setup_args(ap)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--json")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    lm = load_model("embedded")
-    engine = Engine(lm)
-    wanted = [m for m in args.methods.split(",") if m in names()]
-    budget = Budget.parse(args.budget)
-    specs = [RunSpec(m, None if m == "exact" else budget) for m in wanted]
-    ids = long_prompt(lm, args.tokens)
-    gen = GenerationSettings(max_new_tokens=args.new)
+    lm, engine, specs, ids, gen = setup(args)
     engine.compare(lm.encode("warm up"), [RunSpec("exact")], GenerationSettings(max_new_tokens=2), probes=[MetricsProbe()])
 
     off, on, res = [], [], None

@@ -25,7 +25,7 @@ indices uint8 [Hkv, n_groups, n_outliers], values packed by ``kvlab.quant.pack_c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
