@@ -29,7 +29,7 @@ def attention_logits(q: Tensor, k: Tensor, scaling: float, logw: Tensor | None =
     (a kept token standing for exp(logw) tokens). Returns [..., Hq, t, n].
     """
     hq, hkv = q.shape[-3], k.shape[-3]
-    s = torch.matmul(group_queries(q, hkv), k.transpose(-1, -2)) * scaling
+    s = torch.matmul(group_queries(q * scaling, hkv), k.transpose(-1, -2))  # scale the small operand
     if logw is not None:
         s = s + logw.unsqueeze(-2).to(s.dtype)
     return ungroup(s, hq)
@@ -65,9 +65,9 @@ def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float) -> Tensor
     """
     w, n = queries.shape[-2], keys.shape[-2]
     logits = attention_logits(queries.float(), keys.float(), scaling)
-    qpos = torch.arange(n - w, n, device=keys.device).unsqueeze(-1)
-    kpos = torch.arange(n, device=keys.device).unsqueeze(0)
-    logits = logits.masked_fill(kpos > qpos, float("-inf"))
+    # Only the last w keys can lie in a query's future: mask that [w, w] block in place.
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
+    logits[..., n - w :].masked_fill_(future, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
