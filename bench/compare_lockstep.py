@@ -37,6 +37,14 @@ def long_prompt(lm, target_tokens: int) -> list[int]:
     return lm.encode(text[:lo] + "\n\nSummarize the text above.")
 
 
+def emit(out: dict, path: str | None) -> None:
+    """Print a benchmark's result as JSON, and write it to ``path`` when given."""
+    print(json.dumps(out, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def add_setup_args(ap: argparse.ArgumentParser) -> None:
     """The benchmark setup shared by the lockstep and probe benchmarks."""
     ap.add_argument("--methods", default=DEFAULT)
@@ -86,10 +94,7 @@ def main() -> None:
         "per_method_alone_s": {k: round(v, 2) for k, v in alone.items()},
         "ratio": round(lockstep_s / one_by_one, 3),
     }
-    print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

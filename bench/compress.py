@@ -10,12 +10,11 @@ separately. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
-from bench.compare_lockstep import long_prompt
+from bench.compare_lockstep import emit, long_prompt
 from kvlab.budgets import Budget
 from kvlab.compressors import get
 from kvlab.engine import Engine
@@ -56,8 +55,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"  {name:16s} {r['compress_s']:7.3f} s  {100 * r['of_prefill']:5.1f}% of prefill  bytes {r['bytes_fraction']:.3f} of exact")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        emit(out, args.json)
 
 
 if __name__ == "__main__":

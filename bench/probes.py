@@ -12,11 +12,10 @@ reports the median ratio. Target (issue 5): probes on <= 1.6x probes off.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
-from bench.compare_lockstep import add_setup_args, setup
+from bench.compare_lockstep import add_setup_args, emit, setup
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.metrics import MetricsProbe, add_text_metrics
 
@@ -55,10 +54,7 @@ def main() -> None:
                     for r in res.runs},
         "result_json_bytes": len(res.dumps(indent=None)),
     }
-    print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out, args.json)
 
 
 if __name__ == "__main__":
