@@ -30,7 +30,7 @@ from torch import Tensor
 from kernels import _runtime
 from kernels.formats import QJLKeys
 from kvlab.ops import group_queries, ungroup
-from kvlab.quant import pack_signs, unpack_signs
+from kvlab.quant import sign_table, pack_signs, unpack_signs
 
 if _runtime.HAVE_TRITON:
     import triton
@@ -106,22 +106,22 @@ def _estimate_torch(sq: Tensor, bits: Tensor, norms: Tensor, m: int) -> Tensor:
     """sqrt(pi/2)/m * norm * <S q, signs>: sq [Hkv, R, m], bits [Hkv, n, m/8], norms [Hkv, n] -> [Hkv, R, n].
 
     <S q, signs> is read straight from the packed bytes with a lookup table: for every byte slot b
-    and every byte value, lut[b, value] = <sq[8b:8b+8], signs of value> ([Hkv, m/8 * 256, R]), and a
-    key's score is the sum of one table row per byte (``embedding_bag``), 8x fewer operations than
-    unpacking every bit. Sketch sizes that are not a multiple of 8 fall back to unpacking.
+    and every byte value, lut[b, value] = <sq[8b:8b+8], signs of value> ([Hkv * m/8 * 256, R]), and a
+    key's score is the sum of one table row per byte (``embedding_bag`` over int32 row numbers),
+    8x fewer operations than unpacking every bit. Sketch sizes that are not a multiple of 8 fall
+    back to unpacking.
     """
     hkv, r, n = sq.shape[0], sq.shape[1], bits.shape[1]
     if m % 8 or n == 0:
         dots = torch.matmul(sq, unpack_signs(bits, m).transpose(-1, -2))
-    else:
-        nb = m // 8
-        table = unpack_signs(torch.arange(256, dtype=torch.uint8, device=bits.device).unsqueeze(-1))  # [256, 8]
-        lut = torch.matmul(sq.reshape(hkv, r, nb, 8), table.T)  # [Hkv, R, m/8, 256]
-        lut = lut.permute(0, 2, 3, 1).reshape(hkv * nb * 256, r)
-        offset = (torch.arange(hkv, device=bits.device) * nb).view(hkv, 1, 1) + torch.arange(nb, device=bits.device)
-        idx = (offset * 256 + bits.long()).reshape(hkv * n, nb)
-        dots = torch.nn.functional.embedding_bag(idx, lut, mode="sum").reshape(hkv, n, r).transpose(1, 2)
-    return dots * (norms.float().unsqueeze(-2) * _estimate_coef(m))
+        return dots * (norms.float().unsqueeze(-2) * _estimate_coef(m))
+    nb = m // 8
+    table = sign_table(torch.float32, str(bits.device))  # [256, 8]
+    lut = torch.matmul(sq.reshape(hkv, r, nb, 8), table.T).permute(0, 2, 3, 1).reshape(-1, r)  # [Hkv*nb*256, R]
+    rows = bits + (torch.arange(hkv * nb, dtype=torch.int32, device=bits.device) * 256).view(hkv, 1, nb)
+    starts = torch.arange(0, hkv * n * nb, nb, dtype=torch.int32, device=bits.device)
+    dots = torch.nn.functional.embedding_bag(rows.view(-1), lut, starts, mode="sum").view(hkv, n, r)
+    return (dots * (norms.float().unsqueeze(-1) * _estimate_coef(m))).transpose(1, 2)
 
 
 def qjl_scores_torch(q: Tensor, keys: QJLKeys) -> Tensor:

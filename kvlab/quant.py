@@ -51,7 +51,7 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _code_table(bits: int, device: str) -> Tensor:
+def code_table(bits: int, device: str) -> Tensor:
     """uint8 [256, 8 // sb]: the codes held by every byte value (a lookup is faster than shifting)."""
     sb = storage_bits(bits)
     shifts = torch.arange(0, 8, sb, dtype=torch.int64)
@@ -59,14 +59,14 @@ def _code_table(bits: int, device: str) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _sign_table(dtype: torch.dtype, device: str) -> Tensor:
+def sign_table(dtype: torch.dtype, device: str) -> Tensor:
     """[256, 8] of ±1: the signs held by every byte value."""
-    return (_code_table(1, "cpu").to(dtype) * 2 - 1).to(device)
+    return (code_table(1, "cpu").to(dtype) * 2 - 1).to(device)
 
 
 def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of ``pack_codes``: uint8 [..., nbytes] -> uint8 codes [..., n]."""
-    c = _code_table(bits, str(packed.device))[packed.long()]
+    c = code_table(bits, str(packed.device))[packed.long()]
     return c.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
@@ -78,7 +78,7 @@ def pack_signs(x: Tensor) -> Tensor:
 def unpack_signs(bits: Tensor, m: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
     """Packed sign bits uint8 [..., m/8] -> ±1 [..., m] (``m`` defaults to 8 x bytes)."""
     m = bits.shape[-1] * 8 if m is None else m
-    return _sign_table(dtype, str(bits.device))[bits.long()].reshape(*bits.shape[:-1], -1)[..., :m]
+    return sign_table(dtype, str(bits.device))[bits.long()].reshape(*bits.shape[:-1], -1)[..., :m]
 
 
 @dataclass
@@ -153,6 +153,27 @@ def dequantize_groups(q: QuantizedGroups, dtype: torch.dtype = torch.float32) ->
     return x.movedim(-1, q.dim)
 
 
+def weighted_token_sum(weights: Tensor, q: QuantizedGroups) -> Tensor:
+    """``weights @ dequantize_groups(q)`` without materializing the dequantized tensor.
+
+    q quantizes x [*lead, n, d] per token (groups along the last dim); weights [*lead, R, n].
+    Returns float32 [*lead, R, d]. With x_ic = min_ig + scale_ig * code_ic (g the group of c),
+    sum_i w_i x_ic = sum_i (w_i scale_ig) code_ic + sum_i w_i min_ig: the codes are read as floats
+    through a 256-entry table per byte, and the minima enter through one small matmul.
+    """
+    if q.dim != q.scale.dim() - 1:
+        raise ValueError("weighted_token_sum needs values quantized along their last dim (per token)")
+    *lead, n, n_groups, nbytes = q.codes.shape
+    table = code_table(q.bits, str(q.codes.device)).float()  # [256, codes per byte]
+    codes = torch.nn.functional.embedding(q.codes.transpose(-3, -2).int(), table)  # [*lead, G, n, nbytes, per]
+    codes = codes.reshape(*lead, n_groups, n, -1)[..., : q.group]  # [*lead, G, n, group]
+    w = weights.float()
+    scaled = (w.unsqueeze(-1) * q.scale.float().unsqueeze(-3)).movedim(-1, -3)  # [*lead, G, R, n]
+    out = torch.matmul(scaled, codes).movedim(-3, -2).flatten(-2)  # [*lead, R, G * group]
+    out = out + torch.matmul(w, q.minimum.float()).repeat_interleave(q.group, -1)
+    return out[..., : q.length]
+
+
 def cat_groups(parts: list[QuantizedGroups], dim: int) -> QuantizedGroups:
     """Concatenate quantized tensors along an original dim other than the quantized one.
 
@@ -197,4 +218,5 @@ __all__ = [
     "storage_bits",
     "unpack_codes",
     "unpack_signs",
+    "weighted_token_sum",
 ]

@@ -14,6 +14,7 @@ from kvlab.quant import (
     quantize_groups,
     unpack_codes,
     unpack_signs,
+    weighted_token_sum,
 )
 
 
@@ -98,3 +99,16 @@ def test_cat_groups_matches_quantizing_whole():
 def test_unsupported_bits_rejected():
     with pytest.raises(ValueError):
         pack_codes(torch.zeros(8), 5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("d,group", [(64, 32), (50, 16), (64, 12)])
+def test_weighted_token_sum_equals_weights_times_dequantized(bits, d, group):
+    x = torch.randn(3, 70, d) * 2 + 0.5
+    q = quantize_groups(x, bits, group, dim=-1)
+    w = torch.softmax(torch.randn(3, 4, 70), -1)
+    got = weighted_token_sum(w, q)
+    assert got.shape == (3, 4, d)
+    torch.testing.assert_close(got, w @ dequantize_groups(q), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        weighted_token_sum(w.transpose(-1, -2), quantize_groups(x, bits, group, dim=1))

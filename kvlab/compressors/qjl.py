@@ -36,7 +36,15 @@ from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
 from kvlab.compressors.registry import register
 from kvlab.ops import group_queries, ungroup
-from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, pack_signs, quantize_groups, storage_bits, unpack_signs
+from kvlab.quant import (
+    QuantizedGroups,
+    cat_groups,
+    pack_signs,
+    quantize_groups,
+    storage_bits,
+    unpack_signs,
+    weighted_token_sum,
+)
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)
 M_MIN = 8  # smallest sketch: one byte of sign bits per key
@@ -424,17 +432,22 @@ class QJL(Compressor):
         st.res_k, st.res_v = st.res_k[:, g:].clone(), st.res_v[:, g:].clone()
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
-        """One softmax over estimated scores (quantized tokens) and exact scores (window). q [Hq, t, d]."""
+        """One softmax over estimated scores (quantized tokens) and exact scores (window). q [Hq, t, d].
+
+        The quantized values are never dequantized as a whole: their probability-weighted sum is
+        read from the codes (``weighted_token_sum``).
+        """
         st = self.layers[layer]
         hq, hkv = q.shape[0], st.res_k.shape[0]
         qf = q.float()
-        logits = [ungroup(torch.matmul(group_queries(qf, hkv), st.res_k.float().transpose(-1, -2)), hq)]
-        vals = [st.res_v.float()]
-        if st.keys is not None:
-            logits.insert(0, self._key_scores(st, qf))
-            vals.insert(0, dequantize_groups(st.values))
-        probs = torch.softmax(torch.cat(logits, -1) * self.scaling, dim=-1)
-        out = torch.matmul(group_queries(probs, hkv), torch.cat(vals, -2))
+        logits = ungroup(torch.matmul(group_queries(qf, hkv), st.res_k.float().transpose(-1, -2)), hq)
+        nq = st.n_quantized
+        if nq:
+            logits = torch.cat([self._key_scores(st, qf), logits], -1)
+        probs = group_queries(torch.softmax(logits * self.scaling, dim=-1), hkv)  # [Hkv, g*t, n]
+        out = torch.matmul(probs[..., nq:], st.res_v.float())
+        if nq:
+            out = out + weighted_token_sum(probs[..., :nq], st.values)
         return ungroup(out, hq).to(q.dtype)
 
     def _key_scores(self, st: QJLLayer, qf: Tensor) -> Tensor:
