@@ -1,35 +1,57 @@
-"""Composition: an eviction method whose kept tokens are stored KIVI-style quantized.
+"""Compositions: an eviction method whose kept tokens are stored compressed.
 
-Scissorhands (Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for
-LLM KV Cache Compression at Test Time", NeurIPS 2023, arXiv:2305.17118, Sec. 5 / Table 4) shows
-that eviction and 4-bit quantization compose; KIVI (Liu et al., arXiv:2402.02750) gives the
-quantizer: asymmetric min/scale codes of ``bits`` bits in groups of ``quant_group``. Any method
-built on ``DenseCompressor`` can be wrapped: ``METHOD+kiviB`` (B in 2, 3, 4), e.g.
-``scissorhands+kivi4`` or ``snapkv+kivi2``. The wrapper is a subclass made on demand: the method
-chooses and evicts tokens exactly as it does alone; its per-layer store is swapped for one that
-holds packed codes, float16 scales and minimums (plus the method's positions / weights / scores),
-and attention reads the dequantized tokens. Because eviction removes single tokens, keys and
-values are both grouped per token (along head_dim) here; KIVI's per-channel key groups span
-several tokens and would not survive an eviction. The byte budget accounts for the quantized
-size, so the method keeps more tokens at the same memory. Budget 1.0 is no compression.
+Any method built on ``DenseCompressor`` (except ``exact``) can be wrapped. The wrapper is a
+subclass made on demand (``get("h2o+kivi2")``, ``get("streaming+qjl")``): the method chooses and
+evicts tokens exactly as it does alone; its per-layer store is swapped for one that holds the
+kept tokens compressed (plus the method's positions / log-weights / scores, as it holds them), and
+attention reads them back as dense keys and values, so the method's attention, the probabilities
+it scores tokens with and its ``keep(idx)`` evictions work unchanged. The byte budget accounts for
+the compressed size of a token, so the method keeps more tokens at the same memory. Budget 1.0 is
+no compression (the inner method as it is, i.e. the exact cache).
+
+``METHOD+kiviB`` (B in 2, 3, 4), e.g. ``scissorhands+kivi4`` or ``snapkv+kivi2``. Scissorhands
+(Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache
+Compression at Test Time", NeurIPS 2023, arXiv:2305.17118, Sec. 5 / Table 4) shows that eviction
+and 4-bit quantization compose; KIVI (Liu et al., arXiv:2402.02750) gives the quantizer: asymmetric
+min/scale codes of ``bits`` bits in groups of ``quant_group``. Because eviction removes single
+tokens, keys and values are both grouped per token (along head_dim) here; KIVI's per-channel key
+groups span several tokens and would not survive an eviction.
+
+``METHOD+qjl``, e.g. ``snapkv+qjl`` or ``h2o+qjl``. QJL (Zandieh, Daliri, Han, "QJL: 1-Bit
+Quantized JL Transform for KV Cache Quantization with Zero Overhead", AAAI 2025, arXiv:2406.03482)
+stores each kept key as the sign bits of S k (``qjl_m`` bits, packed) plus ||k|| in float16, and each
+kept value as per-token ``value_bits``-bit group codes (the reference's 2 bits by default). Its score
+estimate sqrt(pi/2)/m * ||k|| * <S q, sign(S k)> is linear in q, = <q, k_hat> with
+k_hat = sqrt(pi/2)/m * ||k|| * S^T sign(S k) (``qjl.dense_key_estimate``), so the store hands
+attention k_hat, computed from the bits on every read and never stored. Optionally
+(``qjl_outliers`` > 0) the largest-magnitude channels of each key are sketched separately (Sec. 4.1),
+chosen per token rather than per group of 32 tokens, since eviction removes single tokens
+(``split_query`` restricts each part of k_hat to its own channels, as ``qjl``'s knob). One sketch
+per layer, drawn from the method's seed on a stream of its own (the inner method's random draws stay
+as they are alone); like ``qjl``, its bytes count only with ``count_sketch`` (it is regenerated from
+the seed). QJL's full-precision recent window and larger first-layer sketches are not used here: every
+kept token is sketched, and one token costs the same in every layer, as the token budget assumes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import torch
 from torch import Tensor
 
 from kvlab.budgets import per_token_bytes
-from kvlab.compressors.base import DenseCompressor, DenseLayer, Param, PrefillState, _Growable
+from kvlab.compressors.base import DenseCompressor, DenseLayer, Param, ParamError, PrefillState, _Growable
+from kvlab.compressors.qjl import M_MIN, QuantizedKeys, _index_keys, make_sketch, quantize_keys
 from kvlab.compressors.registry import add_resolver, get, register
 from kvlab.ops import gather_tokens
 from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, quantize_groups, storage_bits
 
 SUFFIX = "+kivi"
 BITS = (2, 3, 4)
+QJL_SUFFIX = "+qjl"
+SKETCH_STREAM = 0x514A4C  # "QJL": the sketch's seed is the method's seed plus this
 
 
 def quantize_tokens(x: Tensor, bits: int, group: int) -> QuantizedGroups:
@@ -45,101 +67,200 @@ def gather_quantized(q: QuantizedGroups, idx: Tensor) -> QuantizedGroups:
     return QuantizedGroups(pick(q.codes), pick(q.scale), pick(q.minimum), q.bits, q.group, q.dim, q.length)
 
 
+def quantized_token_bytes(d: int, bits: int, group: int) -> int:
+    """Bytes of one token's [d] vector quantized per token: packed codes + fp16 scale and minimum per group."""
+    g = min(group, d)
+    return -(-d // g) * (-(-g * storage_bits(bits) // 8) + 4)
+
+
+# ----- the shared machinery: a per-layer store and the mixin that installs it --------------------
 @dataclass
-class QuantizedDenseLayer:
+class TokenStore:
+    """What every compressed store keeps besides K and V: positions [Hkv, n, 1] and optional log-weights.
+
+    A subclass is a ``DenseLayer`` look-alike (``n``, ``views``, ``append``, ``keep``, ``tensors``):
+    it adds its K/V storage through ``dense_kv``, ``_append_kv``, ``_keep_kv`` and ``_kv_tensors``.
+    """
+
+    pos: _Growable  # [Hkv, n, 1] int32
+    logw: _Growable | None
+
+    @property
+    def n(self) -> int:
+        return self.pos.n
+
+    def positions(self) -> Tensor:
+        return self.pos.view().squeeze(-1)
+
+    def log_weights(self) -> Tensor | None:
+        return None if self.logw is None else self.logw.view().squeeze(-1)
+
+    def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        k, v = self.dense_kv()
+        return k, v, self.positions(), self.log_weights()
+
+    def append(self, k: Tensor, v: Tensor, pos: int) -> None:
+        self._append_kv(k, v)
+        self.pos.append(torch.full((k.shape[0], k.shape[1], 1), pos, dtype=torch.int32, device=k.device))
+        if self.logw is not None:
+            self.logw.append(torch.zeros((k.shape[0], k.shape[1], 1), device=k.device))
+
+    def keep(self, idx: Tensor) -> None:
+        self._keep_kv(idx)
+        self.pos = _Growable(gather_tokens(self.positions(), idx).unsqueeze(-1))
+        if self.logw is not None:
+            self.logw = _Growable(gather_tokens(self.log_weights(), idx).unsqueeze(-1))
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        yield from self._kv_tensors()
+        yield "positions", self.positions()
+        if self.logw is not None:
+            yield "log_weights", self.log_weights()
+
+    # what a store provides
+    def dense_kv(self) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def _append_kv(self, k: Tensor, v: Tensor) -> None:
+        raise NotImplementedError
+
+    def _keep_kv(self, idx: Tensor) -> None:
+        raise NotImplementedError
+
+    def _kv_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        raise NotImplementedError
+
+
+class ComposedStore:
+    """Mixin over a ``DenseCompressor``: same selection and eviction, kept tokens held in ``store``.
+
+    A subclass sets ``store`` (a ``TokenStore`` class) and implements ``kv_bytes`` (one token's K and
+    V in one layer and KV head, as stored), ``store_args(layer)`` (the keyword arguments of
+    ``store.from_dense`` for one layer) and ``store_knobs`` (shown with the plan).
+    """
+
+    store: ClassVar[type[TokenStore]]
+
+    def composing(self) -> bool:
+        return not (self.budget is None or self.budget.is_full)
+
+    def kv_bytes(self) -> int:
+        raise NotImplementedError
+
+    def store_args(self, layer: int) -> dict:
+        return {}
+
+    def store_knobs(self) -> dict:
+        return {}
+
+    def per_token_bytes(self, with_logw: bool = False) -> int:
+        full = super().per_token_bytes(with_logw)
+        return full - per_token_bytes(self.info) + self.kv_bytes() if self.composing() else full
+
+    def plan(self, n_prompt: int) -> dict:
+        knobs = super().plan(n_prompt)
+        return {**knobs, **self.store_knobs()} if self.composing() else knobs
+
+    def compress(self, state: PrefillState) -> None:
+        super().compress(state)
+        if self.composing():
+            self.prepare_store(state)
+            self.layers = [self.store.from_dense(layer, **self.store_args(i)) for i, layer in enumerate(self.layers)]
+
+    def prepare_store(self, state: PrefillState) -> None:
+        """Hook run once before the dense layers are converted (e.g. to draw sketches)."""
+
+    def kept_positions(self, layer: int) -> Tensor | None:
+        cache = self.layers[layer]  # positions without decoding the keys and values
+        return cache.positions() if isinstance(cache, TokenStore) else super().kept_positions(layer)
+
+
+_MADE: dict[str, type] = {}
+
+
+def compose(inner: type[DenseCompressor], mixin: type[ComposedStore], tag: str, class_tag: str, title: str,
+            summary: str, params: tuple[Param, ...], **attrs) -> type[DenseCompressor]:
+    """The class ``INNER + tag``: ``inner``'s selection with ``mixin``'s storage (made once per name)."""
+    name = f"{inner.name}{tag}"
+    if name not in _MADE:
+        clash = {p.name for p in params} & {p.name for p in inner.params}
+        if clash:
+            raise TypeError(f"{name}: parameters {sorted(clash)} clash with {inner.name}'s")
+        _MADE[name] = type(
+            f"{inner.__name__}{class_tag}",
+            (mixin, inner),
+            {"name": name, "title": title, "summary": summary, "params": inner.params + params, **attrs},
+        )
+    return _MADE[name]
+
+
+def composable(base: str) -> type[DenseCompressor] | None:
+    """The method named ``base`` if a composition can wrap it: dense, not ``exact``, not itself composed."""
+    try:
+        inner = get(base)
+    except ValueError:
+        return None
+    if not issubclass(inner, DenseCompressor) or issubclass(inner, ComposedStore) or inner.name == "exact":
+        return None
+    return inner
+
+
+# ----- METHOD+kiviB -----------------------------------------------------------------------------
+@dataclass
+class QuantizedDenseLayer(TokenStore):
     """A ``DenseLayer`` look-alike whose keys and values are stored as per-token quantized codes."""
 
     k: QuantizedGroups
     v: QuantizedGroups
-    pos: _Growable  # [Hkv, n, 1] int32
-    logw: _Growable | None
     bits: int
     group: int
 
     @classmethod
     def from_dense(cls, layer: DenseLayer, bits: int, group: int) -> "QuantizedDenseLayer":
         k, v, _, _ = layer.views()
-        return cls(quantize_tokens(k, bits, group), quantize_tokens(v, bits, group), layer.pos, layer.logw, bits, group)
+        return cls(layer.pos, layer.logw, quantize_tokens(k, bits, group), quantize_tokens(v, bits, group), bits, group)
 
-    @property
-    def n(self) -> int:
-        return self.pos.n
+    def dense_kv(self) -> tuple[Tensor, Tensor]:
+        return dequantize_groups(self.k), dequantize_groups(self.v)
 
-    def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        lw = None if self.logw is None else self.logw.view().squeeze(-1)
-        return dequantize_groups(self.k), dequantize_groups(self.v), self.pos.view().squeeze(-1), lw
-
-    def append(self, k: Tensor, v: Tensor, pos: int) -> None:
+    def _append_kv(self, k: Tensor, v: Tensor) -> None:
         self.k = cat_groups([self.k, quantize_tokens(k, self.bits, self.group)], dim=-2)
         self.v = cat_groups([self.v, quantize_tokens(v, self.bits, self.group)], dim=-2)
-        self.pos.append(torch.full((k.shape[0], k.shape[1], 1), pos, dtype=torch.int32, device=k.device))
-        if self.logw is not None:
-            self.logw.append(torch.zeros((k.shape[0], k.shape[1], 1), device=k.device))
 
-    def keep(self, idx: Tensor) -> None:
+    def _keep_kv(self, idx: Tensor) -> None:
         self.k, self.v = gather_quantized(self.k, idx), gather_quantized(self.v, idx)
-        self.pos = _Growable(gather_tokens(self.pos.view().squeeze(-1), idx).unsqueeze(-1))
-        if self.logw is not None:
-            self.logw = _Growable(gather_tokens(self.logw.view().squeeze(-1), idx).unsqueeze(-1))
 
-    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def _kv_tensors(self) -> Iterator[tuple[str, Tensor]]:
         for name, q in (("keys", self.k), ("values", self.v)):
             for kind, t in q.tensors():
                 yield f"{name}_{kind}", t
-        yield "positions", self.pos.view().squeeze(-1)
-        if self.logw is not None:
-            yield "log_weights", self.logw.view().squeeze(-1)
 
 
-class QuantizedStore:
+class QuantizedStore(ComposedStore):
     """Mixin over a ``DenseCompressor``: same selection and eviction, KIVI-style quantized storage."""
 
+    store = QuantizedDenseLayer
     kv_bits: int = 4
 
-    def quantizing(self) -> bool:
-        return not (self.budget is None or self.budget.is_full)
+    def kv_bytes(self) -> int:
+        return 2 * quantized_token_bytes(self.info.head_dim, self.kv_bits, int(self.cfg["quant_group"]))
 
-    def quantized_kv_bytes(self) -> int:
-        """Bytes of one token's K and V in one layer and KV head once quantized."""
-        d = self.info.head_dim
-        g = min(int(self.cfg["quant_group"]), d)
-        n_groups = -(-d // g)
-        return 2 * n_groups * (-(-g * storage_bits(self.kv_bits) // 8) + 4)
+    def store_args(self, layer: int) -> dict:
+        return {"bits": self.kv_bits, "group": int(self.cfg["quant_group"])}
 
-    def per_token_bytes(self, with_logw: bool = False) -> int:
-        full = super().per_token_bytes(with_logw)
-        return full - per_token_bytes(self.info) + self.quantized_kv_bytes() if self.quantizing() else full
-
-    def plan(self, n_prompt: int) -> dict:
-        knobs = super().plan(n_prompt)
-        return {**knobs, "kv_bits": self.kv_bits, "quant_group": int(self.cfg["quant_group"])}
-
-    def compress(self, state: PrefillState) -> None:
-        super().compress(state)
-        if self.quantizing():
-            g = int(self.cfg["quant_group"])
-            self.layers = [QuantizedDenseLayer.from_dense(layer, self.kv_bits, g) for layer in self.layers]
-
-
-_MADE: dict[str, type] = {}
+    def store_knobs(self) -> dict:
+        return {"kv_bits": self.kv_bits, "quant_group": int(self.cfg["quant_group"])}
 
 
 def quantized(inner: type[DenseCompressor], bits: int) -> type[DenseCompressor]:
     """The class ``INNER+kiviBITS``: ``inner``'s selection with quantized storage (made once)."""
-    name = f"{inner.name}{SUFFIX}{bits}"
-    if name not in _MADE:
-        _MADE[name] = type(
-            f"{inner.__name__}Kivi{bits}",
-            (QuantizedStore, inner),
-            {
-                "name": name,
-                "title": f"{inner.title} + KIVI {bits}-bit",
-                "summary": f"{inner.title}'s token selection; kept keys/values stored as {bits}-bit codes (per token).",
-                "kv_bits": bits,
-                "params": inner.params + (Param("quant_group", 32, "quantization group along head_dim", minimum=1),),
-            },
-        )
-    return _MADE[name]
+    return compose(
+        inner, QuantizedStore, f"{SUFFIX}{bits}", f"Kivi{bits}",
+        title=f"{inner.title} + KIVI {bits}-bit",
+        summary=f"{inner.title}'s token selection; kept keys/values stored as {bits}-bit codes (per token).",
+        params=(Param("quant_group", 32, "quantization group along head_dim", minimum=1),),
+        kv_bits=bits,
+    )
 
 
 def resolve(name: str) -> type | None:
@@ -147,20 +268,198 @@ def resolve(name: str) -> type | None:
     base, sep, bits = name.rpartition(SUFFIX)
     if not sep or not bits.isdigit() or int(bits) not in BITS:
         return None
-    try:
-        inner = get(base)
-    except ValueError:
+    inner = composable(base)
+    return None if inner is None else quantized(inner, int(bits))
+
+
+# ----- METHOD+qjl -------------------------------------------------------------------------------
+def sketch_tokens(k: Tensor, s: Tensor, s_out: Tensor, n_out: int) -> QuantizedKeys:
+    """k [Hkv, n, d] -> QJL keys of one layer, outlier channels chosen per token (groups of one token)."""
+    return _index_keys(quantize_keys(k[None], s[None], s_out[None], 1, n_out), 0)
+
+
+def _gather_keys(kq: QuantizedKeys, idx: Tensor) -> QuantizedKeys:
+    """Keep tokens ``idx`` [Hkv, m] of per-token sketched keys (empty outlier parts stay empty)."""
+    pick = lambda t: gather_tokens(t, idx) if t.numel() else t  # noqa: E731
+    return QuantizedKeys(pick(kq.bits), pick(kq.norms), pick(kq.out_bits), pick(kq.out_norms), pick(kq.out_idx))
+
+
+@dataclass
+class QJLDenseLayer(TokenStore):
+    """A ``DenseLayer`` look-alike: keys as QJL sketches (read back as k_hat), values as per-token codes.
+
+    keys: bits uint8 [Hkv, n, m/8], norms fp16 [Hkv, n] (+ per-token outlier bits / norms / channel
+    indices uint8 [Hkv, n, n_out] when ``n_out``); s [m, d], s_out [m_out, d] float32, this layer's sketches.
+    """
+
+    keys: QuantizedKeys
+    v: QuantizedGroups
+    s: Tensor
+    s_out: Tensor
+    n_out: int
+    split: bool  # each sketch's part of k_hat restricted to its own channels (qjl's split_query)
+    value_bits: int
+    value_group: int
+
+    @classmethod
+    def from_dense(cls, layer: DenseLayer, s: Tensor, s_out: Tensor, n_out: int, split: bool, value_bits: int,
+                   value_group: int) -> "QJLDenseLayer":
+        k, v, _, _ = layer.views()
+        keys, values = sketch_tokens(k, s, s_out, n_out), quantize_tokens(v, value_bits, value_group)
+        return cls(layer.pos, layer.logw, keys, values, s, s_out, n_out, split, value_bits, value_group)
+
+    def dense_kv(self) -> tuple[Tensor, Tensor]:
+        return self.keys.estimate(self.s, self.s_out, split_group=1 if self.split else 0), dequantize_groups(self.v)
+
+    def _append_kv(self, k: Tensor, v: Tensor) -> None:
+        self.keys = self.keys.cat(sketch_tokens(k, self.s, self.s_out, self.n_out))
+        self.v = cat_groups([self.v, quantize_tokens(v, self.value_bits, self.value_group)], dim=-2)
+
+    def _keep_kv(self, idx: Tensor) -> None:
+        self.keys, self.v = _gather_keys(self.keys, idx), gather_quantized(self.v, idx)
+
+    def _kv_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for kind, t in self.keys.tensors():
+            if t.numel() or kind in ("key_bits", "key_norms"):
+                yield kind, t
+        for kind, t in self.v.tensors():
+            yield f"value_{kind}", t
+
+
+class QJLStore(ComposedStore):
+    """Mixin over a ``DenseCompressor``: same selection and eviction, QJL-sketched keys, quantized values.
+
+    ``qjl_m`` defaults to 2 x head_dim, the reference's sketch on most layers (256 bits for head_dim
+    128): 2 bits per key coordinate (+ the norm), as many as the 2-bit values, so that neither half of
+    a token dominates its bytes. The estimate's standard deviation is at most
+    sqrt(pi/2) ||q|| ||k|| / sqrt(m) (the second moment in Lemma 3.5's proof): 1/13 of ||q|| ||k||
+    at m = 256, small next to the spread of real attention logits.
+    """
+
+    store = QJLDenseLayer
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        m = self.cfg["qjl_m"]
+        if m is None or str(m).strip().lower() in ("", "none", "auto"):
+            m = 2 * self.info.head_dim
+        try:
+            m = int(float(m))
+        except (TypeError, ValueError):
+            raise ParamError(f"{self.name}: parameter qjl_m={m!r} must be an integer or empty") from None
+        if m < M_MIN or m % 8:
+            raise ParamError(f"{self.name}: parameter qjl_m={m} must be a multiple of 8, at least {M_MIN}")
+        self.cfg["qjl_m"] = m
+        if int(self.cfg["qjl_outliers"]) >= self.info.head_dim:
+            raise ParamError(f"{self.name}: parameter qjl_outliers={self.cfg['qjl_outliers']} must be < head_dim")
+
+    @property
+    def n_out(self) -> int:
+        return int(self.cfg["qjl_outliers"])
+
+    @property
+    def m_out(self) -> int:
+        """The outlier sketch's size: half of m, as in the reference (128 / 256); 0 without outliers."""
+        return max(M_MIN, int(self.cfg["qjl_m"]) // 16 * 8) if self.n_out else 0
+
+    def key_bytes(self) -> int:
+        """One key: m sign bits + fp16 norm (+ the outlier sketch's bits, its norm and the channel indices)."""
+        m = int(self.cfg["qjl_m"])
+        return m // 8 + 2 + (self.m_out // 8 + 2 + self.n_out if self.n_out else 0)
+
+    def kv_bytes(self) -> int:
+        c = self.cfg
+        return self.key_bytes() + quantized_token_bytes(self.info.head_dim, int(c["value_bits"]), int(c["value_group"]))
+
+    def sketch_bytes(self) -> float:
+        """The sketches' bytes per layer and KV head when counted (``count_sketch``), else 0."""
+        if not self.cfg["count_sketch"]:
+            return 0.0
+        return (int(self.cfg["qjl_m"]) + self.m_out) * self.info.head_dim * 4 / self.info.n_kv_heads
+
+    def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
+        """As the inner method's, with the counted sketch bytes taken off the byte target first."""
+        fixed = self.sketch_bytes() if self.composing() and self.budget.tokens is None else 0.0
+        if not fixed:
+            return super().tokens_for_budget(n_prompt, with_logw)
+        target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+        return max(1, min(n_prompt, int((target - fixed) // self.per_token_bytes(with_logw))))
+
+    def prepare_store(self, state: PrefillState) -> None:
+        """One sketch (and outlier sketch) per layer, orthogonalized as in ``qjl``, from the seed's own stream."""
+        n_layers, d = state.keys.shape[0], state.keys.shape[-1]
+        gen = torch.Generator(device="cpu").manual_seed(self.seed + SKETCH_STREAM)
+        dev = state.keys.device
+        self.sketches = make_sketch(n_layers, int(self.cfg["qjl_m"]), d, gen).to(dev)
+        self.out_sketches = make_sketch(n_layers, self.m_out, d, gen).to(dev) if self.n_out else self.sketches[:, :0]
+
+    def store_args(self, layer: int) -> dict:
+        c = self.cfg
+        return {"s": self.sketches[layer], "s_out": self.out_sketches[layer], "n_out": self.n_out,
+                "split": bool(c["split_query"]), "value_bits": int(c["value_bits"]),
+                "value_group": int(c["value_group"])}
+
+    def store_knobs(self) -> dict:
+        c, d = self.cfg, self.info.head_dim
+        return {"qjl_m": int(c["qjl_m"]), "qjl_outliers": self.n_out, "qjl_m_out": self.m_out,
+                "split_query": bool(c["split_query"]) and self.n_out > 0,
+                "value_bits": int(c["value_bits"]), "value_group": int(c["value_group"]),
+                "key_bits_per_coord": round(8 * self.key_bytes() / d, 3),
+                "value_bits_per_coord": round(8 * (self.kv_bytes() - self.key_bytes()) / d, 3)}
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        yield from super().tensors()
+        if self.composing() and self.cfg["count_sketch"]:
+            for layer in self.layers:
+                yield "sketch", layer.s
+                if self.n_out:
+                    yield "sketch", layer.s_out
+
+
+QJL_PARAMS = (
+    Param("qjl_m", None, "sign bits per kept key (sketch rows), a multiple of 8; 2 x head_dim when not given "
+          "(the reference's size on most layers)"),
+    Param("qjl_outliers", 0, "channels of each key sketched separately as outliers (chosen per token; paper Sec. 4.1 "
+          "uses head_dim / 16 per group of 32 tokens), 0 for none", minimum=0),
+    Param("split_query", False, "with qjl_outliers: each sketch's estimate uses only its own channels of the query "
+          "(as qjl's split_query: same storage, lower variance; not in the paper)"),
+    Param("value_bits", 2, "bits per value coordinate (reference: 2)", choices=(1, 2, 3, 4, 8)),
+    Param("value_group", 32, "coordinates per value quantization group along head_dim (reference: 32)", minimum=1),
+    Param("count_sketch", False, "count the sketch matrices as held bytes (they are regenerated from the seed, so by "
+          "default they are not, as in qjl)"),
+)
+
+
+def qjl_keyed(inner: type[DenseCompressor]) -> type[DenseCompressor]:
+    """The class ``INNER+qjl``: ``inner``'s selection with QJL keys and quantized values (made once)."""
+    return compose(
+        inner, QJLStore, QJL_SUFFIX, "QJL",
+        title=f"{inner.title} + QJL",
+        summary=f"{inner.title}'s token selection; kept keys stored as QJL 1-bit sketches (sign bits + norm), "
+                "values as per-token codes (2-bit by default).",
+        params=QJL_PARAMS,
+    )
+
+
+def resolve_qjl(name: str) -> type | None:
+    """``METHOD+qjl`` -> its composed class; None for any other name."""
+    base, sep, rest = name.rpartition(QJL_SUFFIX)
+    if not sep or rest:
         return None
-    if not issubclass(inner, DenseCompressor) or inner.name == "exact":
-        return None
-    return quantized(inner, int(bits))
+    inner = composable(base)
+    return None if inner is None else qjl_keyed(inner)
 
 
 add_resolver(resolve)
+add_resolver(resolve_qjl)
 
-# Listed with the methods: the Scissorhands paper's own combination (Table 4) and a prefill one.
+# Listed with the methods: the Scissorhands paper's own combination (Table 4), a prefill one, and
+# QJL keys under a prefill and a streaming eviction method.
+from kvlab.compressors.h2o import H2O  # noqa: E402
 from kvlab.compressors.scissorhands import Scissorhands  # noqa: E402
 from kvlab.compressors.snapkv import SnapKV  # noqa: E402
 
 register(quantized(Scissorhands, 4))
 register(quantized(SnapKV, 2))
+register(qjl_keyed(SnapKV))
+register(qjl_keyed(H2O))

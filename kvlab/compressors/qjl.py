@@ -129,6 +129,25 @@ def outlier_mask(idx: Tensor, d: int, group: int) -> Tensor:
     return mask.repeat_interleave(group, dim=-2)
 
 
+def quantize_keys(k: Tensor, s: Tensor, s_out: Tensor, group: int, n_out: int) -> "QuantizedKeys":
+    """Algorithm 1's sketched keys with Sec. 4.1's outliers: k [L, H, n, d], S [L, m, d], S_out [L, m_out, d].
+
+    n is a multiple of ``group``; the ``n_out`` outlier channels of each group of ``group`` tokens are
+    sketched by S_out, the rest by S. With ``n_out`` = 0 every channel goes through S and the outlier
+    parts are empty (S_out unused). Used by ``QJL`` and by the ``METHOD+qjl`` compositions.
+    """
+    kf = k.float()
+    if not n_out:
+        bits, norms = sketch_keys(kf, s)
+        idx = torch.zeros(*k.shape[:-2], k.shape[-2] // group, 0, dtype=torch.uint8, device=k.device)
+        return QuantizedKeys(bits, norms, bits[..., :0], norms[..., :0], idx)
+    idx = outlier_channels(k, group, n_out)
+    mask = outlier_mask(idx, k.shape[-1], group)
+    bits, norms = sketch_keys(kf.masked_fill(mask, 0.0), s)
+    out_bits, out_norms = sketch_keys(kf.masked_fill(~mask, 0.0), s_out)
+    return QuantizedKeys(bits, norms, out_bits, out_norms, idx)
+
+
 # ----- the quantized store of one layer -------------------------------------------------------
 @dataclass
 class QuantizedKeys:
@@ -146,6 +165,20 @@ class QuantizedKeys:
         yield "outlier_bits", self.out_bits
         yield "outlier_norms", self.out_norms
         yield "outlier_indices", self.out_idx
+
+    def estimate(self, s: Tensor, s_out: Tensor, split_group: int = 0) -> Tensor:
+        """k_hat [Hkv, n, d] such that <q, k_hat> is the score estimate: inlier plus outlier ``dense_key_estimate``.
+
+        With ``split_group`` (the tokens per outlier group) each part keeps only its own channels, so
+        that <q, k_hat> is the ``split_query`` estimate (``estimate_scores_split``, inliers + outliers).
+        """
+        k = dense_key_estimate(s, self.bits, self.norms)
+        if not self.out_bits.shape[-1]:
+            return k
+        k_out = dense_key_estimate(s_out, self.out_bits, self.out_norms)
+        if split_group:
+            return torch.where(outlier_mask(self.out_idx, k.shape[-1], split_group), k_out, k)
+        return k + k_out
 
     def cat(self, other: "QuantizedKeys") -> "QuantizedKeys":
         return QuantizedKeys(
@@ -398,19 +431,7 @@ class QJL(Compressor):
 
     def _quantize_keys(self, k: Tensor, s: Tensor, s_out: Tensor) -> QuantizedKeys:
         """k [L, H, n, d] -> QuantizedKeys with a leading layer dim; S [L, m, d], S_out [L, m_out, d]."""
-        group, d = self.cfg["outlier_group"], k.shape[-1]
-        if self.n_out:
-            idx = outlier_channels(k, group, self.n_out)
-            mask = outlier_mask(idx, d, group)
-        else:
-            idx = torch.zeros(*k.shape[:-2], k.shape[-2] // group, 0, dtype=torch.uint8, device=k.device)
-            mask = torch.zeros_like(k, dtype=torch.bool)
-        kf = k.float()
-        bits, norms = sketch_keys(kf.masked_fill(mask, 0.0), s)
-        out_bits, out_norms = sketch_keys(kf.masked_fill(~mask, 0.0), s_out)
-        if not self.n_out:
-            out_bits, out_norms = out_bits[..., :0], out_norms[..., :0]
-        return QuantizedKeys(bits, norms, out_bits, out_norms, idx)
+        return quantize_keys(k, s, s_out, self.cfg["outlier_group"], self.n_out)
 
     # ----- decoding ------------------------------------------------------------------------------
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
@@ -511,4 +532,14 @@ def _index_groups(q: QuantizedGroups, j: int) -> QuantizedGroups:
     return QuantizedGroups(q.codes[j], q.scale[j], q.minimum[j], q.bits, q.group, q.dim - 1, q.length)
 
 
-__all__ = ["QJL", "dense_key_estimate", "estimate_scores", "estimate_scores_split", "make_sketch", "outlier_channels", "sketch_keys"]
+__all__ = [
+    "QJL",
+    "QuantizedKeys",
+    "dense_key_estimate",
+    "estimate_scores",
+    "estimate_scores_split",
+    "make_sketch",
+    "outlier_channels",
+    "quantize_keys",
+    "sketch_keys",
+]
