@@ -12,7 +12,7 @@ from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
 from kvlab.ops import dense_attention
 
-COMPOSED = ["streaming+kivi4", "h2o+kivi2", "streaming+qjl"]  # built on demand by the registry's resolvers
+COMPOSED = ["streaming+kivi4", "h2o+kivi2", "streaming+qjl", "scissorhands+qjl"]  # built on demand by the registry's resolvers
 METHODS = [m for m in names() if m != "exact"] + COMPOSED
 BUDGETS = ["0.5", "0.25", "0.125"]
 STEPS = 3

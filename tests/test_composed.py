@@ -48,7 +48,7 @@ def test_bad_qjl_params_rejected(lm):
                    {"value_bits": 5}):
         with pytest.raises(ParamError):
             cls(lm.info, Budget.parse("0.25"), params)
-    assert cls(lm.info, Budget.parse("0.25"), {}).cfg["qjl_m"] == 2 * lm.info.head_dim
+    assert cls(lm.info, Budget.parse("0.25"), {}).sketch_rows == 2 * lm.info.head_dim  # before plan() fits it
 
 
 def test_streaming_qjl_keeps_streamings_positions(lm, prefill_state):
@@ -69,12 +69,15 @@ def test_streaming_qjl_keeps_streamings_positions(lm, prefill_state):
         assert st.keys.bits.shape[-2] == st.keys.out_idx.shape[-2] == st.v.codes.shape[-3] == 100
 
 
-def test_h2o_qjl_evicts_as_h2o_on_the_key_estimates(lm, prefill_state):
-    """The prefill choice is H2O's own (exact prompt attention); while decoding, H2O+QJL evicts exactly as an
-    H2O cache holding k_hat and the dequantized values would: same positions, scores and outputs."""
+@pytest.mark.parametrize("inner,budget", [("h2o", "120t"), ("scissorhands", "100t")])
+def test_scored_eviction_runs_on_the_key_estimates(lm, prefill_state, inner, budget):
+    """The prefill choice is the inner method's own (exact prompt attention); while decoding, METHOD+qjl evicts
+    exactly as METHOD would holding k_hat and the dequantized values: same positions, scores and outputs."""
     state, n = prefill_state, prefill_state.n_tokens
-    comp, _ = _build(lm, state, "h2o+qjl", "120t")
-    ref, _ = _build(lm, state, "h2o", "120t")
+    comp, knobs = _build(lm, state, f"{inner}+qjl", budget)
+    ref, ref_knobs = _build(lm, state, inner, budget)
+    assert knobs == {**ref_knobs, **{k: v for k, v in knobs.items() if k not in ref_knobs}}  # the inner's plan
+    assert knobs["qjl_m"] == 2 * lm.info.head_dim
     layers = (2, lm.info.n_layers - 1)
     for layer in layers:
         assert torch.equal(comp.kept_positions(layer), ref.kept_positions(layer))
@@ -168,6 +171,29 @@ def test_bytes_are_the_tensors_held_and_fit_the_budget(lm, prefill_state, name, 
     assert counted.nbytes_by_kind()["sketch"] == sketch
     assert counted.nbytes() <= 1.05 * 0.06 * exact_bytes(info, n) and counted.layers[0].n < comp.layers[0].n < n
     assert lh * (comp.layers[0].n - counted.layers[0].n) * comp.per_token_bytes() == pytest.approx(sketch, rel=0.05)
+
+
+def test_sketch_size_from_the_budget(lm, prefill_state):
+    """Without qjl_m: 2 x head_dim while tokens are evicted; once every token fits, the budget buys bits."""
+    state, info = prefill_state, lm.info
+    n, d, exact = state.n_tokens, info.head_dim, exact_bytes(info, prefill_state.n_tokens)
+    ms = {}
+    for budget in ("0.03", "0.125", "0.25", "0.5"):
+        comp, knobs = _build(lm, state, "h2o+qjl", budget)
+        ms[budget] = knobs["qjl_m"]
+        assert ms[budget] % 8 == 0 and 2 * d <= ms[budget] <= 16 * d
+        frac = comp.nbytes() / exact
+        if budget == "0.03":
+            assert ms[budget] == 2 * d and comp.layers[0].n < n
+        else:
+            assert comp.layers[0].n == n
+            # all tokens kept; the sketch grows until one more byte of it per token would not fit (or 16 x head_dim)
+            assert frac <= float(budget) and (ms[budget] == 16 * d or frac > float(budget) - 0.01), (budget, frac)
+    assert ms["0.125"] < ms["0.25"] <= ms["0.5"]
+    fixed, knobs = _build(lm, state, "h2o+qjl", "0.25", qjl_m=96)
+    assert knobs["qjl_m"] == 96 and fixed.layers[0].keys.bits.shape[-1] == 12
+    counted, knobs = _build(lm, state, "h2o+qjl", "0.25", count_sketch=True)
+    assert knobs["qjl_m"] < ms["0.25"] and counted.nbytes() <= 0.25 * exact
 
 
 @pytest.mark.parametrize("name", ["snapkv+qjl", "h2o+qjl", "streaming+qjl"])

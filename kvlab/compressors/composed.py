@@ -31,6 +31,8 @@ per layer, drawn from the method's seed on a stream of its own (the inner method
 as they are alone); like ``qjl``, its bytes count only with ``count_sketch`` (it is regenerated from
 the seed). QJL's full-precision recent window and larger first-layer sketches are not used here: every
 kept token is sketched, and one token costs the same in every layer, as the token budget assumes.
+Without ``qjl_m`` the budget goes to tokens first (m = 2 x head_dim), and once every prompt token
+fits, what is left buys a larger sketch (``QJLStore.fit_store``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch import Tensor
 
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import DenseCompressor, DenseLayer, Param, ParamError, PrefillState, _Growable
-from kvlab.compressors.qjl import M_MIN, QuantizedKeys, _index_keys, make_sketch, quantize_keys
+from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, _index_keys, make_sketch, quantize_keys
 from kvlab.compressors.registry import add_resolver, get, register
 from kvlab.ops import gather_tokens
 from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, quantize_groups, storage_bits
@@ -158,8 +160,12 @@ class ComposedStore:
         return full - per_token_bytes(self.info) + self.kv_bytes() if self.composing() else full
 
     def plan(self, n_prompt: int) -> dict:
+        self.fit_store(n_prompt)
         knobs = super().plan(n_prompt)
         return {**knobs, **self.store_knobs()} if self.composing() else knobs
+
+    def fit_store(self, n_prompt: int) -> None:
+        """Hook run before the inner method plans: set the store's size knobs for the budget."""
 
     def compress(self, state: PrefillState) -> None:
         super().compress(state)
@@ -329,11 +335,14 @@ class QJLDenseLayer(TokenStore):
 class QJLStore(ComposedStore):
     """Mixin over a ``DenseCompressor``: same selection and eviction, QJL-sketched keys, quantized values.
 
-    ``qjl_m`` defaults to 2 x head_dim, the reference's sketch on most layers (256 bits for head_dim
-    128): 2 bits per key coordinate (+ the norm), as many as the 2-bit values, so that neither half of
-    a token dominates its bytes. The estimate's standard deviation is at most
-    sqrt(pi/2) ||q|| ||k|| / sqrt(m) (the second moment in Lemma 3.5's proof): 1/13 of ||q|| ||k||
-    at m = 256, small next to the spread of real attention logits.
+    The sketch size m (``qjl_m`` when given) is at least 2 x head_dim, the reference's sketch on most
+    layers (256 bits for head_dim 128): 2 bits per key coordinate (+ the norm), as many as the 2-bit
+    values, so that neither half of a token dominates its bytes. The estimate's standard deviation is
+    at most sqrt(pi/2) ||q|| ||k|| / sqrt(m) (the second moment in Lemma 3.5's proof). When every
+    prompt token fits the byte budget at that size, the rest of the budget buys a larger sketch
+    (tokens first, then bits), up to ``qjl.M_MAX_PER_D`` x head_dim as in ``qjl``: on the embedded
+    model 2 x head_dim alone leaves the greedy text visibly off, while a sketch that fills a 0.125
+    budget keeps it.
     """
 
     store = QJLDenseLayer
@@ -342,14 +351,16 @@ class QJLStore(ComposedStore):
         super().__init__(*args, **kwargs)
         m = self.cfg["qjl_m"]
         if m is None or str(m).strip().lower() in ("", "none", "auto"):
-            m = 2 * self.info.head_dim
-        try:
-            m = int(float(m))
-        except (TypeError, ValueError):
-            raise ParamError(f"{self.name}: parameter qjl_m={m!r} must be an integer or empty") from None
-        if m < M_MIN or m % 8:
-            raise ParamError(f"{self.name}: parameter qjl_m={m} must be a multiple of 8, at least {M_MIN}")
+            m = None
+        else:
+            try:
+                m = int(float(m))
+            except (TypeError, ValueError):
+                raise ParamError(f"{self.name}: parameter qjl_m={m!r} must be an integer or empty") from None
+            if m < M_MIN or m % 8:
+                raise ParamError(f"{self.name}: parameter qjl_m={m} must be a multiple of 8, at least {M_MIN}")
         self.cfg["qjl_m"] = m
+        self.sketch_rows = m or 2 * self.info.head_dim  # fitted to the budget in plan() when not given
         if int(self.cfg["qjl_outliers"]) >= self.info.head_dim:
             raise ParamError(f"{self.name}: parameter qjl_outliers={self.cfg['qjl_outliers']} must be < head_dim")
 
@@ -360,12 +371,11 @@ class QJLStore(ComposedStore):
     @property
     def m_out(self) -> int:
         """The outlier sketch's size: half of m, as in the reference (128 / 256); 0 without outliers."""
-        return max(M_MIN, int(self.cfg["qjl_m"]) // 16 * 8) if self.n_out else 0
+        return max(M_MIN, self.sketch_rows // 16 * 8) if self.n_out else 0
 
     def key_bytes(self) -> int:
         """One key: m sign bits + fp16 norm (+ the outlier sketch's bits, its norm and the channel indices)."""
-        m = int(self.cfg["qjl_m"])
-        return m // 8 + 2 + (self.m_out // 8 + 2 + self.n_out if self.n_out else 0)
+        return self.sketch_rows // 8 + 2 + (self.m_out // 8 + 2 + self.n_out if self.n_out else 0)
 
     def kv_bytes(self) -> int:
         c = self.cfg
@@ -375,7 +385,25 @@ class QJLStore(ComposedStore):
         """The sketches' bytes per layer and KV head when counted (``count_sketch``), else 0."""
         if not self.cfg["count_sketch"]:
             return 0.0
-        return (int(self.cfg["qjl_m"]) + self.m_out) * self.info.head_dim * 4 / self.info.n_kv_heads
+        return (self.sketch_rows + self.m_out) * self.info.head_dim * 4 / self.info.n_kv_heads
+
+    def fit_store(self, n_prompt: int) -> None:
+        """Without ``qjl_m``: the largest sketch (multiple of 8, 2 to 16 x head_dim) that still lets every
+        prompt token fit the byte budget (counted with a log-weight, so any inner method keeps them all);
+        2 x head_dim when they do not all fit even then, or with a token-count budget."""
+        d = self.info.head_dim
+        self.sketch_rows = self.cfg["qjl_m"] or 2 * d
+        if self.cfg["qjl_m"] or not self.composing() or self.budget.tokens is not None:
+            return
+        target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+        fits = lambda: n_prompt * self.per_token_bytes(with_logw=True) + self.sketch_bytes() <= target  # noqa: E731
+        lo, hi = 2 * d, M_MAX_PER_D * d
+        if not fits():
+            return
+        while lo < hi:  # bytes grow with m: bisect over multiples of 8
+            self.sketch_rows = (lo + hi + 8) // 16 * 8
+            lo, hi = (self.sketch_rows, hi) if fits() else (lo, self.sketch_rows - 8)
+        self.sketch_rows = lo
 
     def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
         """As the inner method's, with the counted sketch bytes taken off the byte target first."""
@@ -390,7 +418,7 @@ class QJLStore(ComposedStore):
         n_layers, d = state.keys.shape[0], state.keys.shape[-1]
         gen = torch.Generator(device="cpu").manual_seed(self.seed + SKETCH_STREAM)
         dev = state.keys.device
-        self.sketches = make_sketch(n_layers, int(self.cfg["qjl_m"]), d, gen).to(dev)
+        self.sketches = make_sketch(n_layers, self.sketch_rows, d, gen).to(dev)
         self.out_sketches = make_sketch(n_layers, self.m_out, d, gen).to(dev) if self.n_out else self.sketches[:, :0]
 
     def store_args(self, layer: int) -> dict:
@@ -401,7 +429,7 @@ class QJLStore(ComposedStore):
 
     def store_knobs(self) -> dict:
         c, d = self.cfg, self.info.head_dim
-        return {"qjl_m": int(c["qjl_m"]), "qjl_outliers": self.n_out, "qjl_m_out": self.m_out,
+        return {"qjl_m": self.sketch_rows, "qjl_outliers": self.n_out, "qjl_m_out": self.m_out,
                 "split_query": bool(c["split_query"]) and self.n_out > 0,
                 "value_bits": int(c["value_bits"]), "value_group": int(c["value_group"]),
                 "key_bits_per_coord": round(8 * self.key_bytes() / d, 3),
@@ -417,8 +445,8 @@ class QJLStore(ComposedStore):
 
 
 QJL_PARAMS = (
-    Param("qjl_m", None, "sign bits per kept key (sketch rows), a multiple of 8; 2 x head_dim when not given "
-          "(the reference's size on most layers)"),
+    Param("qjl_m", None, "sign bits per kept key (sketch rows), a multiple of 8; when not given 2 x head_dim (the "
+          "reference's size on most layers), grown up to 16 x head_dim while every prompt token still fits the budget"),
     Param("qjl_outliers", 0, "channels of each key sketched separately as outliers (chosen per token; paper Sec. 4.1 "
           "uses head_dim / 16 per group of 32 tokens), 0 for none", minimum=0),
     Param("split_query", False, "with qjl_outliers: each sketch's estimate uses only its own channels of the query "
