@@ -23,7 +23,9 @@ kernels/_runtime.py).
 
 from __future__ import annotations
 
+import functools
 import math
+
 import torch
 from torch import Tensor
 
@@ -102,6 +104,12 @@ def qjl_quantize_torch(
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _lut_offsets(hkv: int, nb: int, device: str) -> Tensor:
+    """int32 [Hkv, 1, nb]: where each (KV head, byte slot)'s 256-row block starts in the lookup table."""
+    return (torch.arange(hkv * nb, dtype=torch.int32) * 256).view(hkv, 1, nb).to(device)
+
+
 def _estimate_torch(sq: Tensor, bits: Tensor, norms: Tensor, m: int) -> Tensor:
     """sqrt(pi/2)/m * norm * <S q, signs>: sq [Hkv, R, m], bits [Hkv, n, m/8], norms [Hkv, n] -> [Hkv, R, n].
 
@@ -117,11 +125,10 @@ def _estimate_torch(sq: Tensor, bits: Tensor, norms: Tensor, m: int) -> Tensor:
         return dots * (norms.float().unsqueeze(-2) * _estimate_coef(m))
     nb = m // 8
     table = sign_table(torch.float32, str(bits.device))  # [256, 8]
-    lut = torch.matmul(sq.reshape(hkv, r, nb, 8), table.T).permute(0, 2, 3, 1).reshape(-1, r)  # [Hkv*nb*256, R]
-    rows = bits + (torch.arange(hkv * nb, dtype=torch.int32, device=bits.device) * 256).view(hkv, 1, nb)
-    starts = torch.arange(0, hkv * n * nb, nb, dtype=torch.int32, device=bits.device)
-    dots = torch.nn.functional.embedding_bag(rows.view(-1), lut, starts, mode="sum").view(hkv, n, r)
-    return (dots * (norms.float().unsqueeze(-1) * _estimate_coef(m))).transpose(1, 2)
+    lut = torch.matmul(sq.reshape(hkv, r, nb, 8) * _estimate_coef(m), table.T).permute(0, 2, 3, 1).reshape(-1, r)
+    rows = (bits + _lut_offsets(hkv, nb, str(bits.device))).view(hkv * n, nb)  # [Hkv*n, nb] table rows
+    dots = torch.nn.functional.embedding_bag(rows, lut, mode="sum").view(hkv, n, r)
+    return (dots * norms.unsqueeze(-1)).transpose(1, 2)
 
 
 def qjl_scores_torch(q: Tensor, keys: QJLKeys) -> Tensor:
@@ -292,3 +299,12 @@ def qjl_estimate(q: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tens
     """``qjl_scores`` for one sketch passed as tensors: q [Hq, t, d], S [m, d], bits [Hkv, n, m/8],
     norms [Hkv, n] -> float32 [Hq, t, n] (the signature of kvlab.compressors.qjl.estimate_scores)."""
     return qjl_scores(q, QJLKeys(sketch, bits, norms))
+
+
+def qjl_estimate_grouped(qg: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
+    """``qjl_estimate`` with the queries already grouped per KV head (kvlab.ops.group_queries):
+    qg [Hkv, R, d] -> float32 [Hkv, R, n]. Saves the regrouping on the per-step decode path."""
+    hkv, r, d = qg.shape
+    if _runtime.use_triton(qg.device):
+        return group_queries(qjl_estimate(qg.reshape(hkv * r, 1, d), sketch, bits, norms), hkv)
+    return _estimate_torch(torch.matmul(qg.float(), sketch.T), bits, norms, sketch.shape[0])

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from kernels import qjl_estimate
+from kernels import qjl_estimate_grouped
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
 from kvlab.compressors.registry import register
@@ -455,32 +455,35 @@ class QJL(Compressor):
     def attend(self, layer: int, q: Tensor) -> Tensor:
         """One softmax over estimated scores (quantized tokens) and exact scores (window). q [Hq, t, d].
 
-        The quantized values are never dequantized as a whole: their probability-weighted sum is
-        read from the codes (``weighted_token_sum``).
+        Computed per KV group (the group's query heads as rows). The quantized values are never
+        dequantized as a whole: their probability-weighted sum is read from the codes
+        (``weighted_token_sum``).
         """
         st = self.layers[layer]
         hq, hkv = q.shape[0], st.res_k.shape[0]
-        qf = q.float()
-        logits = ungroup(torch.matmul(group_queries(qf, hkv), st.res_k.float().transpose(-1, -2)), hq)
+        qg = group_queries(q.float(), hkv)  # [Hkv, g*t, d]
+        logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
         nq = st.n_quantized
         if nq:
-            logits = torch.cat([self._key_scores(st, qf), logits], -1)
-        probs = group_queries(torch.softmax(logits * self.scaling, dim=-1), hkv)  # [Hkv, g*t, n]
+            logits = torch.cat([self._key_scores(st, qg), logits], -1)
+        probs = torch.softmax(logits * self.scaling, dim=-1)  # [Hkv, g*t, n]
         out = torch.matmul(probs[..., nq:], st.res_v.float())
         if nq:
             out = out + weighted_token_sum(probs[..., :nq], st.values)
         return ungroup(out, hq).to(q.dtype)
 
-    def _key_scores(self, st: QJLLayer, qf: Tensor) -> Tensor:
-        """Estimated scores of the quantized keys, inliers plus outliers: [Hq, t, n_quantized]."""
+    def _key_scores(self, st: QJLLayer, qg: Tensor) -> Tensor:
+        """Estimated scores of the quantized keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, n_quantized]."""
         kq, has_out = st.keys, st.keys.out_bits.shape[-1] > 0
         if self.cfg["split_query"] and has_out:
-            g = self.cfg["outlier_group"]
-            est = estimate_scores_split(qf, st.s, kq.bits, kq.norms, kq.out_idx, g, outliers=False)
-            return est + estimate_scores_split(qf, st.s_out, kq.out_bits, kq.out_norms, kq.out_idx, g, outliers=True)
-        est = qjl_estimate(qf, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
+            g, hkv = self.cfg["outlier_group"], qg.shape[0]
+            q = qg.reshape(-1, 1, qg.shape[-1])  # the R rows of each group as heads of one query
+            est = estimate_scores_split(q, st.s, kq.bits, kq.norms, kq.out_idx, g, outliers=False)
+            est = est + estimate_scores_split(q, st.s_out, kq.out_bits, kq.out_norms, kq.out_idx, g, outliers=True)
+            return group_queries(est, hkv)
+        est = qjl_estimate_grouped(qg, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
         if has_out:
-            est = est + qjl_estimate(qf, st.s_out, kq.out_bits, kq.out_norms)
+            est = est + qjl_estimate_grouped(qg, st.s_out, kq.out_bits, kq.out_norms)
         return est
 
     # ----- bytes ----------------------------------------------------------------------------------
