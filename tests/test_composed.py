@@ -1,5 +1,6 @@
-"""Compositions (kvlab/compressors/composed.py), mainly ``METHOD+qjl``: an eviction method's selection
-with QJL-sketched keys and quantized values. Real prefill of the embedded model (``prefill_state``)."""
+"""Compositions (kvlab/compressors/composed.py, with_kivi.py, with_qjl.py), mainly ``METHOD+qjl``: an eviction
+method's selection with QJL-sketched keys and quantized values. Real prefill of the embedded model
+(``prefill_state``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import torch
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
 from kvlab.compressors.base import DenseLayer, ParamError
-from kvlab.compressors.composed import QJLDenseLayer, QJLStore
 from kvlab.compressors.h2o import H2O
 from kvlab.compressors.qjl import dense_key_estimate, estimate_scores, estimate_scores_split
 from kvlab.compressors.registry import UnknownMethodError
 from kvlab.compressors.streaming import StreamingLLM
+from kvlab.compressors.with_qjl import QJLDenseLayer, QJLStore
 from kvlab.ops import dense_attention, group_queries, tensor_bytes
 from kvlab.quant import dequantize_groups
 
