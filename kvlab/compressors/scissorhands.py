@@ -36,7 +36,7 @@ from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.registry import register
 from kvlab.ops import causal_window_probs, pool_heads
 
-_PROBS_CHUNK_BYTES = 16 * 2**20  # one chunk of prefill window attention: small enough to stay in cache (3x faster than 256 MB)
+_PROBS_CHUNK_BYTES = 4 * 2**20  # one chunk of prefill window attention, small enough to stay in cache
 
 
 @register
@@ -87,10 +87,11 @@ class Scissorhands(ScoredEvictionCompressor):
         return self._drop(n)
 
     # ----- importance records -------------------------------------------------------------
-    def low_score_flags(self, probs: Tensor, first_pos: int) -> Tensor:
+    def low_score_flags(self, probs: Tensor, first_pos: int, n_kv_heads: int | None = None) -> Tensor:
         """Which visible tokens each query scored below 1/t: probs [.., Hq, w, n] of queries at
-        positions first_pos .. first_pos + w - 1 (causal) -> bool [.., Hkv, w, n]."""
-        pooled = pool_heads(probs, self.info.n_kv_heads, head_dim=-3, reduce="mean")
+        positions first_pos .. first_pos + w - 1 (causal) -> bool [.., Hkv, w, n] (Hkv defaults to
+        the model's; pass 1 for the query heads of a single KV group)."""
+        pooled = pool_heads(probs, n_kv_heads or self.info.n_kv_heads, head_dim=-3, reduce="mean")
         w, n = pooled.shape[-2:]
         qpos = torch.arange(first_pos, first_pos + w, device=probs.device).unsqueeze(-1)
         visible = torch.arange(n, device=probs.device).unsqueeze(0) <= qpos
@@ -98,18 +99,24 @@ class Scissorhands(ScoredEvictionCompressor):
 
     def initial_scores(self, state: PrefillState) -> tuple[Tensor, Tensor]:
         """Records over the last ``prompt_window`` prompt queries (rank) and over the last
-        ``carry_window`` of them (carried into decoding), each [L, Hkv, n] int32."""
+        ``carry_window`` of them (carried into decoding), each [L, Hkv, n] int32.
+
+        Computed per (layer, KV head) stream, in chunks of streams whose [g, w, n] attention fits
+        ``_PROBS_CHUNK_BYTES``: small enough to stay in cache.
+        """
         w, n, carry = self.prompt_window, state.n_tokens, self.carry_window
-        n_layers = state.keys.shape[0]
-        per_layer = self.info.n_heads * w * n * 4
-        step = max(1, _PROBS_CHUNK_BYTES // max(1, per_layer))
+        n_layers, hkv, _, d = state.keys.shape
+        g = self.info.n_heads // hkv
+        queries = state.queries[:, :, state.queries.shape[-2] - w :].reshape(n_layers * hkv, g, w, d)
+        keys = state.keys.reshape(n_layers * hkv, 1, n, d)
+        step = max(1, _PROBS_CHUNK_BYTES // max(1, g * w * n * 4))
         rank, kept = [], []
-        for a in range(0, n_layers, step):  # chunks of layers bound the [L, Hq, w, n] attention's memory
-            probs = causal_window_probs(state.queries[a : a + step, :, state.queries.shape[-2] - w :], state.keys[a : a + step], state.scaling)
-            flags = self.low_score_flags(probs, n - w)
+        for a in range(0, n_layers * hkv, step):
+            probs = causal_window_probs(queries[a : a + step], keys[a : a + step], state.scaling)  # [S, g, w, n]
+            flags = self.low_score_flags(probs, n - w, n_kv_heads=1)[:, 0]  # [S, w, n]
             rank.append(flags.sum(-2, dtype=torch.int32))
             kept.append(rank[-1] if carry == w else flags[..., w - carry :, :].sum(-2, dtype=torch.int32))
-        return torch.cat(rank), torch.cat(kept)
+        return torch.cat(rank).view(n_layers, hkv, n), torch.cat(kept).view(n_layers, hkv, n)
 
     def observe(self, layer: int, attn: Tensor) -> None:
         """Count this step's low scores if the query is within the window of the next compression."""
