@@ -11,6 +11,7 @@ import torch
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
 from kvlab.ops import dense_attention
+from kv_samples import new_token
 
 COMPOSED = ["streaming+kivi4", "h2o+kivi2", "streaming+qjl", "scissorhands+qjl"]  # built on demand by the registry's resolvers
 METHODS = [m for m in names() if m != "exact"] + COMPOSED
@@ -36,11 +37,6 @@ def _build(lm, state, name, budget):
     return comp, knobs
 
 
-def _new_token(state, layer, step):
-    """A plausible new key/value [Hkv, 1, d]: a prompt token's, scaled (real statistics, new content)."""
-    j = state.n_tokens - 1 - 7 * step
-    return state.keys[layer, :, j : j + 1] * 0.9, state.values[layer, :, j : j + 1] * 1.1
-
 
 def test_matrix_covers_every_registered_method():
     assert {"streaming", "uniform", "snapkv", "pyramidkv", "kivi"} <= set(METHODS)
@@ -58,7 +54,7 @@ def test_budgets_shapes_and_bytes(lm, matrix_state, name):
         assert 0 < got <= 1.05 * target, f"{name}@{budget}: {got / exact_bytes(info, n):.3f} of exact, knobs {knobs}"
         for step in range(STEPS):
             for layer in (0, info.n_layers - 1):
-                k, v = _new_token(state, layer, step)
+                k, v = new_token(state, layer, step)
                 comp.append(layer, k, v, n + step)
                 q = state.queries[layer, :, -1 - step :][:, :1]
                 out = comp.attend(layer, q)
@@ -71,7 +67,7 @@ def test_full_budget_is_exact(lm, matrix_state, name):
     comp, _ = _build(lm, state, name, "1.0")
     n = state.n_tokens
     for layer in (0, 14, info.n_layers - 1):
-        k, v = _new_token(state, layer, 0)
+        k, v = new_token(state, layer, 0)
         comp.append(layer, k, v, n)
         q = state.queries[layer, :, -1:]
         ref = dense_attention(q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2), state.scaling)

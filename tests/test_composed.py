@@ -17,6 +17,7 @@ from kvlab.compressors.streaming import StreamingLLM
 from kvlab.compressors.with_qjl import QJLDenseLayer, QJLStore
 from kvlab.ops import dense_attention, group_queries, tensor_bytes
 from kvlab.quant import dequantize_groups
+from kv_samples import new_token
 
 
 def _build(lm, state, name, budget, **params):
@@ -24,12 +25,6 @@ def _build(lm, state, name, budget, **params):
     knobs = comp.plan(state.n_tokens)
     comp.compress(state)
     return comp, knobs
-
-
-def _new_token(state, layer, step):
-    """A plausible new key/value [Hkv, 1, d]: a prompt token's, scaled (real statistics, new content)."""
-    j = state.n_tokens - 1 - 7 * step
-    return state.keys[layer, :, j : j + 1] * 0.9, state.values[layer, :, j : j + 1] * 1.1
 
 
 def test_qjl_compositions_resolve_on_demand_and_are_listed():
@@ -60,7 +55,7 @@ def test_streaming_qjl_keeps_streamings_positions(lm, prefill_state):
     assert knobs["window"] == 96 and isinstance(comp.layers[0], QJLDenseLayer)
     for step in range(3):
         for layer in range(lm.info.n_layers):
-            k, v = _new_token(state, layer, step)
+            k, v = new_token(state, layer, step)
             for c in (alone, comp):
                 c.append(layer, k, v, n + step)
     for layer in range(lm.info.n_layers):
@@ -87,7 +82,7 @@ def test_scored_eviction_runs_on_the_key_estimates(lm, prefill_state, inner, bud
     dropped = 0
     for step in range(6):
         for layer in layers:
-            k, v = _new_token(state, layer, step)
+            k, v = new_token(state, layer, step)
             before = comp.kept_positions(layer).clone()
             comp.append(layer, k, v, n + step)
             k_new, v_new, _, _ = comp.layers[layer].views()  # the new token is the most recent: never evicted
@@ -202,7 +197,7 @@ def test_full_budget_is_the_exact_cache(lm, prefill_state, name):
     state, n, layer = prefill_state, prefill_state.n_tokens, 9
     comp, knobs = _build(lm, state, name, "1.0")
     assert "qjl_m" not in knobs and all(isinstance(st, DenseLayer) for st in comp.layers)
-    k, v = _new_token(state, layer, 0)
+    k, v = new_token(state, layer, 0)
     comp.append(layer, k, v, n)
     q = state.queries[layer, :, -1:]
     ref = dense_attention(q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2),
