@@ -32,7 +32,7 @@ from torch import Tensor
 from kernels import _runtime
 from kernels.formats import QJLKeys
 from kvlab.ops import group_queries, ungroup
-from kvlab.quant import sign_table, pack_signs, unpack_signs
+from kvlab.quant import pack_signs, sign_table, unpack_signs
 
 if _runtime.HAVE_TRITON:
     import triton
