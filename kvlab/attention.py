@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvlab.few_rows import torch_functions_plain
 from kvlab.ops import attention_logits, pool_heads
 
 NAME = "kvlab"
@@ -77,7 +78,10 @@ class LockstepDecode:
         self.layer_observers = layer_observers or []
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
-        layer = module.layer_idx
+        with torch_functions_plain():  # the model's torch-function modes (few_rows) are not for us
+            return self._attend(module.layer_idx, query, key, value)
+
+    def _attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
         outs = []
         for row, comp in enumerate(self.compressors):
             q = query[row]  # [Hq, 1, d]

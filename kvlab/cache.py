@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvlab.few_rows import torch_functions_plain
+
 
 class _RoutedLayer(CacheLayerMixin):
     """A layer that reports the true number of tokens seen (for positions and mask sizes)."""
@@ -63,6 +65,7 @@ class LockstepCache(Cache):
         self.pos = seen
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        for row, comp in enumerate(self.compressors):
-            comp.append(layer_idx, key_states[row], value_states[row], self.pos)
+        with torch_functions_plain():
+            for row, comp in enumerate(self.compressors):
+                comp.append(layer_idx, key_states[row], value_states[row], self.pos)
         return key_states, value_states

@@ -22,6 +22,7 @@ from kvlab import attention as attn
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.cache import LockstepCache, PrefillCache
 from kvlab.compressors import Compressor, PrefillState, get
+from kvlab.few_rows import few_row_linears
 from kvlab.models import LoadedModel
 from kvlab.results import CompareResult, RunResult, RunTimings
 
@@ -265,7 +266,7 @@ class Engine:
             observers = [_RowObserver(p, active) for p in probes if _defines(p, "on_attend")]
             layer_obs = [_LayerObserver(p, active, seen) for p in probes if _defines(p, "on_layer")]
             handler = attn.LockstepDecode(row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs])
-            with attn.active(model, handler):
+            with attn.active(model, handler), few_row_linears(len(inputs), dev):
                 out = model(
                     input_ids=torch.tensor([[t] for t in inputs], device=dev),
                     position_ids=torch.full((len(inputs), 1), seen, device=dev),
