@@ -15,8 +15,7 @@ import argparse
 import statistics
 import time
 
-from bench.compare_lockstep import add_setup_args, emit, setup
-from kvlab.engine import GenerationSettings, RunSpec
+from bench.compare_lockstep import add_setup_args, emit, setup, warm_up
 from kvlab.metrics import MetricsProbe, add_text_metrics
 
 
@@ -34,7 +33,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     lm, engine, specs, ids, gen = setup(args)
-    engine.compare(lm.encode("warm up"), [RunSpec("exact")], GenerationSettings(max_new_tokens=2), probes=[MetricsProbe()])
+    warm_up(engine, ids, specs, probes=[MetricsProbe()])
 
     off, on, res = [], [], None
     for _ in range(args.repeats):
