@@ -6,7 +6,7 @@ times the embedded model's one-token forward (no cache, so only the linears and 
 count) at each row count, plain and under ``few_row_linears``, alternating ``--repeats`` times,
 and reports each one's median in ms.
 
-    python -m bench.linear_rows [--rows 1,2,5,8] [--threads 2] [--json out.json]
+    python -m bench.linear_rows [--rows 1,2,5,8,10] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def forward_ms(model, ids: torch.Tensor, rerouted: bool, n: int = 10) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,2,5,8")
+    ap.add_argument("--rows", default="1,2,5,8,10")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")

@@ -5,14 +5,16 @@ of rows by its weight. On the CPU, ``F.linear`` hands that to BLAS as x @ W^T, a
 kernel for a few rows against a transposed weight is slow: on this project's 2-core CPU the
 embedded model's forward took 57-74 ms at 5 rows against 44-47 ms at 1 row, though reading the
 weights (the real cost) is the same. The same product computed as W @ x^T (weight untouched,
-x transposed) brings the 5-row forward to 40-43 ms (``bench/linear_rows.py`` measures both). Only
-for 2..6 rows: from 7 rows on the two kernels cost about the same (the 30 layers' linears alone at
-7 / 8 / 12 rows: 35 / 36 / 39 ms as x @ W^T, 34 / 38 / 49 ms as W @ x^T). The result is the
-same matrix product (the dot products' summation order may differ at the last bit, as between any
-two BLAS kernels).
+x transposed) brings the 5-row forward to 40-43 ms (``bench/linear_rows.py`` measures both).
+That kernel is fast up to ~6 rows and loses its edge beyond (the 30 layers' linears alone at
+7 / 8 / 12 rows: 35 / 36 / 39 ms as x @ W^T, 34 / 38 / 49 ms as W @ x^T), so 7..10 rows (the probes'
+forked teacher-forcing rows give 8-10) go in two equal chunks (8 rows: 55 vs 60 ms; 10 rows: about
+equal), and from there on MKL's own kernel is left alone (16 rows in three chunks: 106 vs 74 ms).
+The result is the same matrix product (the dot products' summation order may differ at the last
+bit, as between any two BLAS kernels).
 
 ``few_row_linears(rows, device)`` is a context manager: a ``TorchFunctionMode`` that reroutes
-``F.linear`` while it is active, only on the CPU and only for 2..6 rows. The model's code is not
+``F.linear`` while it is active, only on the CPU and only for 2..10 rows. The model's code is not
 touched; everything else passes through unchanged. A mode sees every torch call (~15k per lockstep
 step, most of them in the compressors' attention), so kvlab's own code inside the forward (the
 cache's append, the attention handler) runs under ``torch_functions_plain()``, which switches
@@ -22,18 +24,25 @@ cache's append, the attention handler) runs under ``torch_functions_plain()``, w
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-MAX_ROWS = 6
+MAX_ROWS = 10  # rerouted up to this many rows
+CHUNK_ROWS = 6  # rows per W @ x^T product
 
 
 def linear_transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed as (weight @ x^T)^T. x: [..., k]; weight: [n, k] -> [..., n]."""
+    """``F.linear(x, weight, bias)`` computed as (weight @ x^T)^T, at most CHUNK_ROWS rows per product.
+
+    x: [..., k]; weight: [n, k] -> [..., n].
+    """
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(weight, rows.t()).t().contiguous()
+    chunk = math.ceil(len(rows) / math.ceil(len(rows) / CHUNK_ROWS))  # the fewest equal chunks
+    parts = [torch.mm(weight, part.t()).t() for part in rows.split(chunk)]  # [c, n] each
+    out = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -12,7 +12,7 @@ from kvlab import few_rows
 from kvlab.few_rows import few_row_linears, linear_transposed, torch_functions_plain
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 8, 13])
 def test_linear_transposed_equals_linear(lm, rows):
     layer = lm.model.model.layers[3]
     g = torch.Generator().manual_seed(rows)
@@ -39,7 +39,7 @@ def test_mode_reroutes_linear_and_plain_blocks_it(lm, monkeypatch):
     with few_row_linears(5, "cpu"):
         F.linear(x, w)
         F.linear(x[:1], w)  # one row: MKL's own kernel is fine
-        F.linear(torch.randn(7, w.shape[1]), w)  # from 7 rows MKL's kernel is as fast
+        F.linear(torch.randn(few_rows.MAX_ROWS + 1, w.shape[1]), w)  # many rows: MKL's kernel
         with torch_functions_plain():  # kvlab's own code inside the forward is not rerouted
             F.linear(x, w)
     assert calls == [(5, 1, w.shape[1])]
