@@ -414,19 +414,16 @@ class QJL(Compressor):
         return [out[i] for i in range(len(p.m))]
 
     def _quantize_all(self, k: Tensor, v: Tensor, sketches) -> list[tuple[QuantizedKeys, QuantizedGroups]]:
-        """Quantize k, v [L, Hkv, n, d] (n a multiple of the outlier group), batched over layers of one m."""
-        out: list = [None] * k.shape[0]
-        by_size: dict[tuple[int, int], list[int]] = {}
-        for i, (s, so) in enumerate(sketches):
-            by_size.setdefault((s.shape[0], so.shape[0]), []).append(i)
-        for layers in by_size.values():
-            ix = torch.tensor(layers, device=k.device)
-            s = torch.stack([sketches[i][0] for i in layers])
-            s_out = torch.stack([sketches[i][1] for i in layers])
-            kq = self._quantize_keys(k[ix], s, s_out)
-            vq = quantize_groups(v[ix], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
-            for j, layer in enumerate(layers):
-                out[layer] = (_index_keys(kq, j), _index_groups(vq, j))
+        """Quantize k, v [L, Hkv, n, d] (n a multiple of the outlier group), one layer at a time.
+
+        Per layer the projections stay cache-sized (~12 MB at 1.9k tokens, m = 560) instead of one
+        ~360 MB tensor for all layers: half the time at 1.9k tokens, the same bits.
+        """
+        out = []
+        for layer, (s, s_out) in enumerate(sketches):
+            kq = self._quantize_keys(k[layer : layer + 1], s[None], s_out[None])
+            vq = quantize_groups(v[layer : layer + 1], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
+            out.append((_index_keys(kq, 0), _index_groups(vq, 0)))
         return out
 
     def _quantize_keys(self, k: Tensor, s: Tensor, s_out: Tensor) -> QuantizedKeys:
