@@ -159,6 +159,10 @@ class QuantizedKeys:
     out_norms: Tensor  # fp16 [Hkv, n]
     out_idx: Tensor  # uint8 [Hkv, n_groups, n_outliers]
 
+    def layer(self, j: int) -> "QuantizedKeys":
+        """Slice j of keys quantized with a leading (layer) dim, without that dim."""
+        return QuantizedKeys(*(t[j] for t in (self.bits, self.norms, self.out_bits, self.out_norms, self.out_idx)))
+
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         yield "key_bits", self.bits
         yield "key_norms", self.norms
@@ -423,7 +427,7 @@ class QJL(Compressor):
         for layer, (s, s_out) in enumerate(sketches):
             kq = self._quantize_keys(k[layer : layer + 1], s[None], s_out[None])
             vq = quantize_groups(v[layer : layer + 1], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
-            out.append((_index_keys(kq, 0), _index_groups(vq, 0)))
+            out.append((kq.layer(0), _index_groups(vq, 0)))
         return out
 
     def _quantize_keys(self, k: Tensor, s: Tensor, s_out: Tensor) -> QuantizedKeys:
@@ -444,7 +448,7 @@ class QJL(Compressor):
         g = self.cfg["outlier_group"]
         kq = self._quantize_keys(st.res_k[None, :, :g], st.s[None], st.s_out[None])
         vq = quantize_groups(st.res_v[None, :, :g], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
-        kq, vq = _index_keys(kq, 0), _index_groups(vq, 0)
+        kq, vq = kq.layer(0), _index_groups(vq, 0)
         st.keys = kq if st.keys is None else st.keys.cat(kq)
         st.values = vq if st.values is None else cat_groups([st.values, vq], dim=-2)
         st.res_k, st.res_v = st.res_k[:, g:].clone(), st.res_v[:, g:].clone()
@@ -521,10 +525,6 @@ class QJL(Compressor):
 
 def _round8(x: float) -> int:
     return max(M_MIN, int(x) // 8 * 8)
-
-
-def _index_keys(kq: QuantizedKeys, j: int) -> QuantizedKeys:
-    return QuantizedKeys(*(t[j] for t in (kq.bits, kq.norms, kq.out_bits, kq.out_norms, kq.out_idx)))
 
 
 def _index_groups(q: QuantizedGroups, j: int) -> QuantizedGroups:

@@ -31,7 +31,7 @@ from kvlab.compressors.composed import (
     ComposedStore, TokenStore, composable, compose, gather_quantized, quantize_tokens, quantized_token_bytes,
 )
 from kvlab.compressors.h2o import H2O
-from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, _index_keys, make_sketch, quantize_keys
+from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, make_sketch, quantize_keys
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.snapkv import SnapKV
 from kvlab.ops import gather_tokens
@@ -43,7 +43,7 @@ SKETCH_STREAM = 0x514A4C  # "QJL": the sketch's seed is the method's seed plus t
 
 def sketch_tokens(k: Tensor, s: Tensor, s_out: Tensor, n_out: int) -> QuantizedKeys:
     """k [Hkv, n, d] -> QJL keys of one layer, outlier channels chosen per token (groups of one token)."""
-    return _index_keys(quantize_keys(k[None], s[None], s_out[None], 1, n_out), 0)
+    return quantize_keys(k[None], s[None], s_out[None], 1, n_out).layer(0)
 
 
 def _gather_keys(kq: QuantizedKeys, idx: Tensor) -> QuantizedKeys:
