@@ -51,16 +51,18 @@ class PrefillCapture:
 def accumulated_attention(q: Tensor, k: Tensor, scaling: float, chunk: int = 256) -> Tensor:
     """Causal attention each key receives, summed over all queries: q [Hq, n, d], k [Hkv, n, d] -> [Hq, n].
 
-    Computed in query chunks so memory stays O(chunk x n).
+    Computed in query chunks so memory stays O(chunk x n); a chunk of queries [s, e) only scores
+    the keys [0, e) it can see (half the work of scoring every key and masking).
     """
     n = q.shape[-2]
     acc = torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
     kpos = torch.arange(n, device=q.device)
+    q, k = q.float(), k.float()
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        logits = attention_logits(q[:, s:e].float(), k.float(), scaling)
-        logits = logits.masked_fill(kpos[None, None, :] > torch.arange(s, e, device=q.device)[None, :, None], float("-inf"))
-        acc += torch.softmax(logits, dim=-1).sum(-2)
+        logits = attention_logits(q[:, s:e], k[:, :e], scaling)  # [Hq, e - s, e]
+        logits = logits.masked_fill(kpos[None, None, :e] > kpos[None, s:e, None], float("-inf"))
+        acc[:, :e] += torch.softmax(logits, dim=-1).sum(-2)
     return acc
 
 
