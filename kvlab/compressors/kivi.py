@@ -26,8 +26,8 @@ from kvlab.budgets import exact_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState, _Growable
 from kvlab.compressors.registry import register
 from kvlab.models import ModelInfo
-from kvlab.ops import dense_attention
-from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, quantize_groups, storage_bits
+from kvlab.ops import attention_logits, dense_attention, group_queries, ungroup
+from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, quantize_groups, storage_bits, weighted_token_sum
 
 KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
 
@@ -186,8 +186,17 @@ class KIVI(Compressor):
             cache.flush(self.bits, self.group_size)
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
-        k, v = self.layers[layer].dequantized()
-        return dense_attention(q, k, v, self.scaling)
+        """Softmax attention over the dequantized keys; the quantized values' probability-weighted
+        sum is read from their codes (``weighted_token_sum``), never dequantized whole. q [Hq, t, d]."""
+        st = self.layers[layer]
+        rk, rv = st.rk.view(), st.rv.view()
+        if st.kq is None:
+            return dense_attention(q, rk, rv, self.scaling)
+        k = torch.cat([dequantize_groups(st.kq, rk.dtype), rk], -2)
+        probs = torch.softmax(attention_logits(q.float(), k.float(), self.scaling), dim=-1)  # [Hq, t, n]
+        pg, nq = group_queries(probs, rk.shape[0]), k.shape[-2] - rk.shape[-2]
+        out = weighted_token_sum(pg[..., :nq], st.vq) + torch.matmul(pg[..., nq:], rv.float())
+        return ungroup(out, q.shape[0]).to(q.dtype)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:
