@@ -92,7 +92,9 @@ def timed_pair(engine, ids, specs, gen) -> tuple[float, object, dict[str, float]
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_setup_args(ap)
-    ap.add_argument("--repeats", type=int, default=3, help="lockstep / one-by-one pairs (median pair and best times reported)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="lockstep / one-by-one pairs (median pair and best times reported)"
+    )
     args = ap.parse_args()
     lm, engine, specs, ids, gen = setup(args)
     warm_up(engine, ids, specs)
@@ -115,8 +117,11 @@ def main() -> None:
         "ratios": [round(r, 3) for r in ratios],
         "lockstep_s": [round(x, 2) for x in lockstep],
         "one_by_one_s": [round(x, 2) for x in one_by_one],
-        "best": {"lockstep_s": round(min(lockstep), 2), "one_by_one_s": round(sum(best_alone.values()), 2),
-                 "per_method_alone_s": {k: round(v, 2) for k, v in best_alone.items()}},
+        "best": {
+            "lockstep_s": round(min(lockstep), 2),
+            "one_by_one_s": round(sum(best_alone.values()), 2),
+            "per_method_alone_s": {k: round(v, 2) for k, v in best_alone.items()},
+        },
         "median_pair": {
             "lockstep_s": round(lockstep_s, 2),
             "prefill_s": round(together.timings["prefill_s"], 2),

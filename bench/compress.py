@@ -48,12 +48,17 @@ def main() -> None:
         t0 = time.perf_counter()
         comp.compress(state)
         dt = time.perf_counter() - t0
-        rows[name] = {"compress_s": round(dt, 3), "of_prefill": round(dt / prefill_s, 3),
-                      "bytes_fraction": round(comp.nbytes() / (state.keys.numel() * 2 * state.keys.element_size()), 4)}
+        rows[name] = {
+            "compress_s": round(dt, 3),
+            "of_prefill": round(dt / prefill_s, 3),
+            "bytes_fraction": round(comp.nbytes() / (state.keys.numel() * 2 * state.keys.element_size()), 4),
+        }
     out = {"prompt_tokens": len(ids), "query_window": window, "prefill_s": round(prefill_s, 2), "methods": rows}
     print(f"prompt {len(ids)} tokens, prefill {prefill_s:.2f} s (query window {window})")
     for name, r in rows.items():
-        print(f"  {name:16s} {r['compress_s']:7.3f} s  {100 * r['of_prefill']:5.1f}% of prefill  bytes {r['bytes_fraction']:.3f} of exact")
+        print(
+            f"  {name:16s} {r['compress_s']:7.3f} s  {100 * r['of_prefill']:5.1f}% of prefill  bytes {r['bytes_fraction']:.3f} of exact"
+        )
     if args.json:
         emit(out, args.json)
 

@@ -21,8 +21,9 @@ def run_once(dash, prompt: str, papers: list[str], budget: str, new: int, measur
     first = None
     yields = 0
     status, data = "", None
-    for out in dash.compare("embedded", prompt, papers, [], budget, new, 0, None, measure, None, 0,
-                            progress=lambda *a, **k: None):
+    for out in dash.compare(
+        "embedded", prompt, papers, [], budget, new, 0, None, measure, None, 0, progress=lambda *a, **k: None
+    ):
         yields += 1
         status = out[0]
         if isinstance(out[2], dict):
@@ -30,10 +31,15 @@ def run_once(dash, prompt: str, papers: list[str], budget: str, new: int, measur
         if first is None and "kv-card" in str(out[1]):
             first = time.perf_counter() - t0
     total = time.perf_counter() - t0
-    return {"measure": measure, "first_results_s": round(first or total, 2), "complete_s": round(total, 2),
-            "yields": yields, "status": status.split("kv-progress-msg'>")[-1].removesuffix("</div>"),
-            "prefill_s": round((data or {}).get("timings", {}).get("prefill_s", 0.0), 2),
-            "compress_s": {r["method"]: round(r["timings"]["compress_s"], 2) for r in (data or {}).get("runs", [])}}
+    return {
+        "measure": measure,
+        "first_results_s": round(first or total, 2),
+        "complete_s": round(total, 2),
+        "yields": yields,
+        "status": status.split("kv-progress-msg'>")[-1].removesuffix("</div>"),
+        "prefill_s": round((data or {}).get("timings", {}).get("prefill_s", 0.0), 2),
+        "compress_s": {r["method"]: round(r["timings"]["compress_s"], 2) for r in (data or {}).get("runs", [])},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,16 +66,28 @@ def main(argv: list[str] | None = None) -> int:
     papers, _ = default_methods()
     n_prompt = len(lm.encode(prompt))
     rows = []
-    for measure in ([False] if args.no_measure else [False, True]):
+    for measure in [False] if args.no_measure else [False, True]:
         rows.append(run_once(dash, prompt, papers, args.budget, args.new, measure))
-    info = {"threads": args.threads, "prompt_tokens": n_prompt, "methods": ["exact", *papers], "budget": args.budget,
-            "new_tokens": args.new, "load_s": round(load_s, 2), "loadavg_1m": round(os.getloadavg()[0], 2),
-            "cpus": os.cpu_count(), "runs": rows}
-    print(f"default comparison: exact + {', '.join(papers)} @ {args.budget}, {n_prompt} prompt tokens, "
-          f"{args.new} new tokens, {args.threads} threads, load average {info['loadavg_1m']} on {info['cpus']} CPUs")
+    info = {
+        "threads": args.threads,
+        "prompt_tokens": n_prompt,
+        "methods": ["exact", *papers],
+        "budget": args.budget,
+        "new_tokens": args.new,
+        "load_s": round(load_s, 2),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+        "runs": rows,
+    }
+    print(
+        f"default comparison: exact + {', '.join(papers)} @ {args.budget}, {n_prompt} prompt tokens, "
+        f"{args.new} new tokens, {args.threads} threads, load average {info['loadavg_1m']} on {info['cpus']} CPUs"
+    )
     for r in rows:
-        print(f"  measurements {'on ' if r['measure'] else 'off'}: first results {r['first_results_s']:6.1f} s · "
-              f"complete {r['complete_s']:6.1f} s · prefill {r['prefill_s']} s · {r['status']}")
+        print(
+            f"  measurements {'on ' if r['measure'] else 'off'}: first results {r['first_results_s']:6.1f} s · "
+            f"complete {r['complete_s']:6.1f} s · prefill {r['prefill_s']} s · {r['status']}"
+        )
         print(f"    compression s: {r['compress_s']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -155,7 +155,19 @@ def bench_length(n: int, device, dtype, timer, check: bool) -> list[Row]:
 
         err = (qjl_scores(q, qk) - qjl_scores_torch(q, qk)).abs().max().item()
     us = timer(lambda: qjl_scores(q, qk))
-    rows.append(_row(n, "QJL scores only (m=256+128, fp32 out)", 8 * score_bytes / (HKV * n * D), us, score_bytes, device, timer, sdpa_us, err))
+    rows.append(
+        _row(
+            n,
+            "QJL scores only (m=256+128, fp32 out)",
+            8 * score_bytes / (HKV * n * D),
+            us,
+            score_bytes,
+            device,
+            timer,
+            sdpa_us,
+            err,
+        )
+    )
     return rows
 
 
@@ -189,9 +201,19 @@ def main() -> None:
     import torch
 
     if args.dry_run:
-        device, dtype, lengths, name = torch.device("cpu"), torch.float32, args.lengths or [200], "CPU (Triton interpreter, dry run)"
+        device, dtype, lengths, name = (
+            torch.device("cpu"),
+            torch.float32,
+            args.lengths or [200],
+            "CPU (Triton interpreter, dry run)",
+        )
     elif torch.cuda.is_available():
-        device, dtype, lengths, name = torch.device("cuda"), torch.bfloat16, args.lengths or list(LENGTHS), torch.cuda.get_device_name()
+        device, dtype, lengths, name = (
+            torch.device("cuda"),
+            torch.bfloat16,
+            args.lengths or list(LENGTHS),
+            torch.cuda.get_device_name(),
+        )
     else:
         sys.exit(
             "bench/kernels.py: no CUDA GPU here. It measures the Triton kernels on a GPU; run it on one "

@@ -49,8 +49,10 @@ def main() -> None:
         for _ in range(args.repeats):
             plain.append(forward_ms(model, ids, False))
             rerouted.append(forward_ms(model, ids, True))
-        out["forward_ms"][rows] = {"plain": round(statistics.median(plain), 1),
-                                   "rerouted": round(statistics.median(rerouted), 1)}
+        out["forward_ms"][rows] = {
+            "plain": round(statistics.median(plain), 1),
+            "rerouted": round(statistics.median(rerouted), 1),
+        }
     emit(out, args.json)
 
 

@@ -48,9 +48,20 @@ def main() -> None:
         "probes_off_s": [round(x, 2) for x in off],
         "probes_on_s": [round(x, 2) for x in on],
         "ratio": round(statistics.median(on) / statistics.median(off), 3),
-        "metrics": {r.label: {k: r.metrics.get(k) for k in ("attn_rel_error_mean", "kl_mean", "top1_agreement",
-                                                            "perplexity", "first_divergence", "text_similarity")}
-                    for r in res.runs},
+        "metrics": {
+            r.label: {
+                k: r.metrics.get(k)
+                for k in (
+                    "attn_rel_error_mean",
+                    "kl_mean",
+                    "top1_agreement",
+                    "perplexity",
+                    "first_divergence",
+                    "text_similarity",
+                )
+            }
+            for r in res.runs
+        },
         "result_json_bytes": len(res.dumps(indent=None)),
     }
     emit(out, args.json)

@@ -8,7 +8,15 @@ Triton kernel on CUDA tensors and the torch reference elsewhere; ``triton`` forc
 from kernels._runtime import BACKENDS, HAVE_TRITON, backend, set_backend, use_triton, using
 from kernels.formats import QJLKeys, Segment
 from kernels import decode_attention  # the module; its entry point is decode_attention.decode_attention
-from kernels.qjl import make_sketch, outlier_channels, qjl_estimate, qjl_estimate_grouped, qjl_quantize, qjl_scores, sketch_queries
+from kernels.qjl import (
+    make_sketch,
+    outlier_channels,
+    qjl_estimate,
+    qjl_estimate_grouped,
+    qjl_quantize,
+    qjl_scores,
+    sketch_queries,
+)
 
 __all__ = [
     "BACKENDS",

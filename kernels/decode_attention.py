@@ -57,7 +57,9 @@ def _select_qjl(keys: QJLKeys, index: Tensor | None) -> QJLKeys:
     if index is None:
         return keys
     pick = lambda t: None if t is None else _rows(t, index)  # noqa: E731
-    return QJLKeys(keys.sketch, pick(keys.bits), pick(keys.norms), keys.out_sketch, pick(keys.out_bits), pick(keys.out_norms))
+    return QJLKeys(
+        keys.sketch, pick(keys.bits), pick(keys.norms), keys.out_sketch, pick(keys.out_bits), pick(keys.out_norms)
+    )
 
 
 def segment_logits_torch(q: Tensor, seg: Segment, scaling: float) -> Tensor:
@@ -119,12 +121,18 @@ if _runtime.HAVE_TRITON:
         mask = mask_n[:, None] & mask_d[None, :]
         if VG * SB % 8 == 0:  # groups end on byte boundaries: channel c is in byte c // per; load each byte once
             b = tl.arange(0, D_PAD // per)
-            byte = tl.load(v_ptr + rows[:, None] * (NG * VBPG) + b[None, :], mask=mask_n[:, None] & (b < NG * VBPG)[None, :], other=0)
+            byte = tl.load(
+                v_ptr + rows[:, None] * (NG * VBPG) + b[None, :],
+                mask=mask_n[:, None] & (b < NG * VBPG)[None, :],
+                other=0,
+            )
             code = (byte.to(tl.int32)[:, :, None] >> (tl.arange(0, per) * SB)[None, None, :]) & ((1 << SB) - 1)
             code = tl.reshape(code, (BLOCK_N, D_PAD))
         else:  # groups padded to whole bytes: gather per channel
             within = offs_d % VG
-            byte = tl.load(v_ptr + rows[:, None] * (NG * VBPG) + (grp * VBPG + within // per)[None, :], mask=mask, other=0)
+            byte = tl.load(
+                v_ptr + rows[:, None] * (NG * VBPG) + (grp * VBPG + within // per)[None, :], mask=mask, other=0
+            )
             code = (byte.to(tl.int32) >> ((within % per) * SB)[None, :]) & ((1 << SB) - 1)
         sm = rows[:, None] * NG + grp[None, :]
         scale = tl.load(vs_ptr + sm, mask=mask, other=0.0).to(tl.float32)
@@ -153,7 +161,11 @@ if _runtime.HAVE_TRITON:
         offs_d = tl.arange(0, D_PAD)
         mask_r, mask_d = offs_r < R, offs_d < D
         if not KEY_QJL:
-            q = tl.load(q_ptr + (h * R + offs_r)[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+            q = tl.load(
+                q_ptr + (h * R + offs_r)[:, None] * D + offs_d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :],
+                other=0.0,
+            )
             q = q.to(tl.float32)
         m_i = tl.full((R_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((R_PAD,), tl.float32)
@@ -170,13 +182,20 @@ if _runtime.HAVE_TRITON:
             rows = h * N + rows
             if KEY_QJL:
                 norm = tl.load(kn_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-                logits = sign_dot(q_ptr + h * R * M, k_ptr, rows, mask_n, offs_r, mask_r, M, R_PAD, BLOCK_N, BLOCK_M) * (norm * coef)[None, :]
+                logits = (
+                    sign_dot(q_ptr + h * R * M, k_ptr, rows, mask_n, offs_r, mask_r, M, R_PAD, BLOCK_N, BLOCK_M)
+                    * (norm * coef)[None, :]
+                )
                 if HAS_OUT:
                     onorm = tl.load(kon_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-                    oest = sign_dot(qo_ptr + h * R * M_OUT, kob_ptr, rows, mask_n, offs_r, mask_r, M_OUT, R_PAD, BLOCK_N, BLOCK_M)
+                    oest = sign_dot(
+                        qo_ptr + h * R * M_OUT, kob_ptr, rows, mask_n, offs_r, mask_r, M_OUT, R_PAD, BLOCK_N, BLOCK_M
+                    )
                     logits += oest * (onorm * coef_out)[None, :]
             else:
-                k = tl.load(k_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                k = tl.load(
+                    k_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+                )
                 logits = tl.dot(q, tl.trans(k.to(tl.float32)))
             logits = logits * scaling
             if HAS_LW:
@@ -189,7 +208,9 @@ if _runtime.HAVE_TRITON:
             if VAL_Q:
                 v = _dequant_tile(v_ptr, vs_ptr, vm_ptr, rows, mask_n, offs_d, mask_d, NG, VG, SB, VBPG, BLOCK_N, D_PAD)
             else:
-                v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                v = tl.load(
+                    v_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+                )
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new

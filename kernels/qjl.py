@@ -145,7 +145,18 @@ def qjl_scores_torch(q: Tensor, keys: QJLKeys) -> Tensor:
 if _runtime.HAVE_TRITON:
 
     @triton.jit
-    def sign_dot(sq_ptr, bits_ptr, rows, mask_n, offs_r, mask_r, M: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    def sign_dot(
+        sq_ptr,
+        bits_ptr,
+        rows,
+        mask_n,
+        offs_r,
+        mask_r,
+        M: tl.constexpr,
+        R_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
         """<sq[r], sign[row]> for a tile: sq_ptr -> [R, M] f32 (one KV head), rows [BLOCK_N] -> [R_PAD, BLOCK_N]."""
         acc = tl.zeros((R_PAD, BLOCK_N), dtype=tl.float32)
         for j0 in range(0, M, BLOCK_M):
@@ -153,7 +164,9 @@ if _runtime.HAVE_TRITON:
             mask_j = j < M
             sq = tl.load(sq_ptr + offs_r[:, None] * M + j[None, :], mask=mask_r[:, None] & mask_j[None, :], other=0.0)
             b = j0 // 8 + tl.arange(0, BLOCK_M // 8)  # each byte loaded once, then spread to 8 lanes
-            byte = tl.load(bits_ptr + rows[:, None] * (M // 8) + b[None, :], mask=mask_n[:, None] & (b < M // 8)[None, :], other=0)
+            byte = tl.load(
+                bits_ptr + rows[:, None] * (M // 8) + b[None, :], mask=mask_n[:, None] & (b < M // 8)[None, :], other=0
+            )
             bit = (byte.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
             bit = tl.reshape(bit, (BLOCK_N, BLOCK_M))
             sign = tl.where(mask_j[None, :], bit.to(tl.float32) * 2.0 - 1.0, 0.0)
@@ -161,7 +174,20 @@ if _runtime.HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _sketch_sign_store(x, s_ptr, bits_ptr, norms_ptr, offs_n, mask_n, offs_d, mask_d, D, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _sketch_sign_store(
+        x,
+        s_ptr,
+        bits_ptr,
+        norms_ptr,
+        offs_n,
+        mask_n,
+        offs_d,
+        mask_d,
+        D,
+        M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
         """Store sign(S x) packed LSB first and ||x|| (f16) for a tile x [BLOCK_N, D_PAD] of one KV head."""
         tl.store(norms_ptr + offs_n, tl.sqrt(tl.sum(x * x, axis=1)).to(tl.float16), mask=mask_n)
         weights = 1 << tl.arange(0, 8)
@@ -172,7 +198,11 @@ if _runtime.HAVE_TRITON:
             bit = (proj >= 0).to(tl.int32)
             packed = tl.sum(tl.reshape(bit, (BLOCK_N, BLOCK_M // 8, 8)) * weights[None, None, :], axis=2)
             b = j0 // 8 + tl.arange(0, BLOCK_M // 8)
-            tl.store(bits_ptr + offs_n[:, None] * (M // 8) + b[None, :], packed.to(tl.uint8), mask=mask_n[:, None] & (b < M // 8)[None, :])
+            tl.store(
+                bits_ptr + offs_n[:, None] * (M // 8) + b[None, :],
+                packed.to(tl.uint8),
+                mask=mask_n[:, None] & (b < M // 8)[None, :],
+            )
 
     @triton.jit
     def _qjl_quantize_kernel(
@@ -186,7 +216,9 @@ if _runtime.HAVE_TRITON:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D_PAD)
         mask_n, mask_d = offs_n < n, offs_d < D
-        x = tl.load(k_ptr + (h * n + offs_n)[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        x = tl.load(
+            k_ptr + (h * n + offs_n)[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+        )
         x = x.to(tl.float32)
         rows = h * n + offs_n
         if HAS_OUT:
@@ -195,7 +227,20 @@ if _runtime.HAVE_TRITON:
             for j in tl.static_range(N_OUT):
                 ch = tl.load(base + j, mask=mask_n, other=0).to(tl.int32)
                 is_out = is_out | (offs_d[None, :] == ch[:, None])
-            _sketch_sign_store(tl.where(is_out, x, 0.0), so_ptr, obits_ptr, onorms_ptr, rows, mask_n, offs_d, mask_d, D, M_OUT, BLOCK_N, BLOCK_M)
+            _sketch_sign_store(
+                tl.where(is_out, x, 0.0),
+                so_ptr,
+                obits_ptr,
+                onorms_ptr,
+                rows,
+                mask_n,
+                offs_d,
+                mask_d,
+                D,
+                M_OUT,
+                BLOCK_N,
+                BLOCK_M,
+            )
             x = tl.where(is_out, 0.0, x)
         _sketch_sign_store(x, s_ptr, bits_ptr, norms_ptr, rows, mask_n, offs_d, mask_d, D, M, BLOCK_N, BLOCK_M)
 
@@ -213,10 +258,15 @@ if _runtime.HAVE_TRITON:
         mask_n, mask_r = offs_n < n, offs_r < R
         rows = h * n + offs_n
         norm = tl.load(norms_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-        est = sign_dot(sq_ptr + h * R * M, bits_ptr, rows, mask_n, offs_r, mask_r, M, R_PAD, BLOCK_N, BLOCK_M) * (norm * coef)[None, :]
+        est = (
+            sign_dot(sq_ptr + h * R * M, bits_ptr, rows, mask_n, offs_r, mask_r, M, R_PAD, BLOCK_N, BLOCK_M)
+            * (norm * coef)[None, :]
+        )
         if HAS_OUT:
             onorm = tl.load(onorms_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-            oest = sign_dot(sqo_ptr + h * R * M_OUT, obits_ptr, rows, mask_n, offs_r, mask_r, M_OUT, R_PAD, BLOCK_N, BLOCK_M)
+            oest = sign_dot(
+                sqo_ptr + h * R * M_OUT, obits_ptr, rows, mask_n, offs_r, mask_r, M_OUT, R_PAD, BLOCK_N, BLOCK_M
+            )
             est += oest * (onorm * coef_out)[None, :]
         tl.store(out_ptr + (h * R + offs_r)[:, None] * n + offs_n[None, :], est, mask=mask_r[:, None] & mask_n[None, :])
 

@@ -73,8 +73,9 @@ class LockstepDecode:
     [B, Hkv, 1, d] the new token's key/value, out [B, Hq, 1, d]).
     """
 
-    def __init__(self, compressors: list, observers: list[Callable] | None = None,
-                 layer_observers: list[Callable] | None = None):
+    def __init__(
+        self, compressors: list, observers: list[Callable] | None = None, layer_observers: list[Callable] | None = None
+    ):
         self.compressors = compressors
         self.observers = observers or []
         self.layer_observers = layer_observers or []
@@ -102,7 +103,9 @@ def kvlab_attention(module, query, key, value, attention_mask, dropout: float = 
     if scaling is None:
         scaling = module.head_dim**-0.5
     if handler is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     return handler(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 

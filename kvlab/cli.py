@@ -43,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="read the prompt from this file")
     src.add_argument("--task", help="a built-in task instead of a prompt: passkey, lines or document")
     c.add_argument("--length", default="1k", help="task prompt length in tokens (e.g. 1500, 2k)")
-    c.add_argument("--probes", action=argparse.BooleanOptionalAction, default=False,
-                   help="measure attention error, teacher-forced KL/agreement/perplexity and attention maps")
+    c.add_argument(
+        "--probes",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="measure attention error, teacher-forced KL/agreement/perplexity and attention maps",
+    )
     c.add_argument("--methods", default="exact,streaming", help="comma-separated method names (see `methods`)")
     c.add_argument("--budget", default="0.25", help="fractions in (0,1] or token counts like 512t, comma-separated")
     c.add_argument("--max-new-tokens", type=int, default=32)
@@ -81,7 +85,9 @@ def _read_prompt(args) -> str:
         try:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}; give a readable UTF-8 text file") from None
+            raise CliError(
+                f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}; give a readable UTF-8 text file"
+            ) from None
     else:
         text = args.prompt if args.prompt is not None else ""
     if not text.strip():
@@ -175,8 +181,10 @@ def cmd_compare(args) -> int:
         from kvlab.tasks import score_result
 
         score_result(task, result)
-    print(f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}); "
-          f"prompt {result.prompt_tokens} tokens; load {load_s:.1f} s, compare {result.timings['compare_s']:.1f} s")
+    print(
+        f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}); "
+        f"prompt {result.prompt_tokens} tokens; load {load_s:.1f} s, compare {result.timings['compare_s']:.1f} s"
+    )
     print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
@@ -203,8 +211,18 @@ def cmd_sweep(args) -> int:
         raise CliError(str(exc)) from None
     if args.seeds < 1 or not lengths:
         raise CliError("--seeds must be >= 1 and --lengths must name at least one length")
-    cfg = SweepConfig(args.task, lengths, methods, budgets, args.seeds, args.max_new_tokens, args.probes,
-                      args.depth, args.model, args.out)
+    cfg = SweepConfig(
+        args.task,
+        lengths,
+        methods,
+        budgets,
+        args.seeds,
+        args.max_new_tokens,
+        args.probes,
+        args.depth,
+        args.model,
+        args.out,
+    )
 
     def engine_factory():
         import os

@@ -228,7 +228,12 @@ class Engine:
             r.kv_bytes_per_step.append(r.kv_bytes)
             r.exact_kv_bytes_per_step.append(exact_bytes(info, n))
             results.append(r)
-            yield Event("compress", f"{spec.label}: compressed in {comp_s:.2f} s", 0.1 + 0.1 * (i + 1) / len(runs), run=spec.label)
+            yield Event(
+                "compress",
+                f"{spec.label}: compressed in {comp_s:.2f} s",
+                0.1 + 0.1 * (i + 1) / len(runs),
+                run=spec.label,
+            )
         for p in probes:
             p.on_prefill(state, last_logits, comps)
         del state
@@ -291,7 +296,9 @@ class Engine:
                 else:
                     still.append(i)
             forcing.report(step, tokens, active, all_logits)
-            yield Event("step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total)
+            yield Event(
+                "step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total
+            )
             for i in active:
                 if i not in still:
                     yield from self._finish(results[i], tokens[i], runs[i].label)
@@ -318,7 +325,9 @@ class Engine:
         r.timings.tokens_per_s = decoded / r.timings.decode_s if r.timings.decode_s > 0 else 0.0
         yield Event("run_done", f"{label}: {len(toks)} tokens ({r.finish_reason})", -1, run=label)
 
-    def compare(self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw) -> CompareResult:
+    def compare(
+        self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw
+    ) -> CompareResult:
         result = None
         for ev in self.stream(prompt_ids, runs, gen, **kw):
             if ev.kind == "done":

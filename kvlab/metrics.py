@@ -116,7 +116,9 @@ def relative_error(z: Tensor, a: Tensor) -> Tensor:
     return err.mean(dim=(-1, -2))
 
 
-def shadow_attention(q: Tensor, kp: Tensor, vp: Tensor, kg: Tensor, vg: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+def shadow_attention(
+    q: Tensor, kp: Tensor, vp: Tensor, kg: Tensor, vg: Tensor, scaling: float
+) -> tuple[Tensor, Tensor]:
     """Exact attention over a shared prompt cache plus per-row generated tokens.
 
     q: [R, Hq, 1, d]; kp, vp: [Hkv, n, d] (shared by every row); kg, vg: [R, Hkv, s, d].
@@ -210,7 +212,11 @@ class MetricsProbe:
         self.prefill_logp = torch.log_softmax(logits.float(), -1)
         runs = len(compressors)
         self.errors: list[list[list[float]]] = [[] for _ in range(runs)]  # [run][step][layer]
-        self.kg = [_Growing(runs, state.keys[0]) for _ in range(self.n_layers)] if self.cfg.attn_error or self.cfg.maps else []
+        self.kg = (
+            [_Growing(runs, state.keys[0]) for _ in range(self.n_layers)]
+            if self.cfg.attn_error or self.cfg.maps
+            else []
+        )
         self.vg = [_Growing(runs, state.values[0]) for _ in range(self.n_layers)] if self.kg else []
         self.kl: list[list[float]] = [[] for _ in range(runs)]
         self.agree: list[list[bool]] = [[] for _ in range(runs)]
@@ -227,8 +233,14 @@ class MetricsProbe:
         s = pos - self.n
         self.kg[layer].put(rows, s, k)
         self.vg[layer].put(rows, s, v)
-        exact, probs = shadow_attention(q, self.keys[layer], self.values[layer], self.kg[layer].get(rows, s),
-                                        self.vg[layer].get(rows, s), self.scaling)
+        exact, probs = shadow_attention(
+            q,
+            self.keys[layer],
+            self.values[layer],
+            self.kg[layer].get(rows, s),
+            self.vg[layer].get(rows, s),
+            self.scaling,
+        )
         if self.cfg.attn_error:
             err = relative_error(out, exact).tolist()
             for r, i in enumerate(rows):

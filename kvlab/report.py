@@ -30,8 +30,15 @@ def _by_label(recs: list[dict]) -> dict[str, list[dict]]:
 
 
 def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, template="plotly_white", height=420,
-                      margin=dict(l=60, r=20, t=50, b=50), legend=dict(font=dict(size=10)))
+    fig.update_layout(
+        title=title,
+        xaxis_title=x,
+        yaxis_title=y,
+        template="plotly_white",
+        height=420,
+        margin=dict(l=60, r=20, t=50, b=50),
+        legend=dict(font=dict(size=10)),
+    )
     return fig
 
 
@@ -50,8 +57,15 @@ def quality_vs_memory(recs: list[dict]) -> go.Figure:
     fig = go.Figure()
     for method, pts in sorted(points.items()):
         pts.sort()
-        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], text=[p[2] for p in pts],
-                                 mode="lines+markers", name=method))
+        fig.add_trace(
+            go.Scatter(
+                x=[p[0] for p in pts],
+                y=[p[1] for p in pts],
+                text=[p[2] for p in pts],
+                mode="lines+markers",
+                name=method,
+            )
+        )
     return _layout(fig, "Quality vs memory", "fraction of exact cache bytes held", "mean score")
 
 
@@ -80,12 +94,24 @@ def bytes_per_step(recs: list[dict]) -> go.Figure:
 def summary_rows(recs: list[dict]) -> list[tuple]:
     out = []
     for label, runs in _by_label(recs).items():
+
         def avg(key):
             v = _mean(r["metrics"].get(key) for r in runs)
             return "—" if v is None else f"{v:.3f}"
+
         frac = _mean(r["kv_bytes"] / r["exact_kv_bytes_per_step"][0] for r in runs)
-        out.append((label, len(runs), f"{frac:.3f}", avg("task_score"), avg("text_similarity"), avg("kl_mean"),
-                    avg("top1_agreement"), avg("attn_rel_error_mean")))
+        out.append(
+            (
+                label,
+                len(runs),
+                f"{frac:.3f}",
+                avg("task_score"),
+                avg("text_similarity"),
+                avg("kl_mean"),
+                avg("top1_agreement"),
+                avg("attn_rel_error_mean"),
+            )
+        )
     return out
 
 
@@ -98,18 +124,27 @@ def write_report(cfg, recs: list[dict], path: str | Path) -> Path:
     figs = figures(recs)
     parts = []
     for i, (name, fig) in enumerate(figs.items()):
-        parts.append(f"<section class='fig' id='fig-{name}'>"
-                     + fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, div_id=f"plot-{name}")
-                     + "</section>")
+        parts.append(
+            f"<section class='fig' id='fig-{name}'>"
+            + fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, div_id=f"plot-{name}")
+            + "</section>"
+        )
     head = ("label", "cells", "bytes fraction", "task score", "text similarity", "KL", "top-1", "attn error")
-    table = "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in summary_rows(recs)) + "</table>"
+    table = (
+        "<table><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in summary_rows(recs)
+        )
+        + "</table>"
+    )
     cfg_txt = html.escape(", ".join(f"{k}={v}" for k, v in vars(cfg).items()))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>kvlab sweep: {html.escape(cfg.task)}</title>
 <style>body{{font-family:sans-serif;margin:24px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:3px 8px}}</style>
 </head><body><h1>kvlab sweep — {html.escape(cfg.task)}</h1><p>{cfg_txt}</p><p>{len(recs)} cells</p>
 {table}
-{''.join(parts)}
+{"".join(parts)}
 </body></html>"""
     path = Path(path)
     path.write_text(doc, encoding="utf-8")

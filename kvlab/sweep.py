@@ -20,9 +20,26 @@ from typing import Callable, Iterator
 
 
 CSV_FIELDS = (
-    "task", "length", "seed", "prompt_tokens", "label", "method", "budget", "kv_bytes", "exact_bytes",
-    "bytes_fraction", "task_score", "text_similarity", "first_divergence", "kl_mean", "top1_agreement",
-    "perplexity", "attn_rel_error_mean", "prefill_s", "compress_s", "decode_s",
+    "task",
+    "length",
+    "seed",
+    "prompt_tokens",
+    "label",
+    "method",
+    "budget",
+    "kv_bytes",
+    "exact_bytes",
+    "bytes_fraction",
+    "task_score",
+    "text_similarity",
+    "first_divergence",
+    "kl_mean",
+    "top1_agreement",
+    "perplexity",
+    "attn_rel_error_mean",
+    "prefill_s",
+    "compress_s",
+    "decode_s",
 )
 
 
@@ -88,11 +105,19 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     ids = lm.encode(task.prompt)
     specs = expand_runs(cfg.methods, parse_budgets(",".join(cfg.budgets)))
     probes = [MetricsProbe()] if cfg.probes else []
-    result = engine.compare(ids, specs, GenerationSettings(max_new_tokens=cfg.max_new_tokens), prompt_text=task.prompt, probes=probes)
+    result = engine.compare(
+        ids, specs, GenerationSettings(max_new_tokens=cfg.max_new_tokens), prompt_text=task.prompt, probes=probes
+    )
     add_text_metrics(result)
     score_result(task, result)
-    return {"cell": asdict(cell), "answer": task.answer, "meta": task.meta, "prompt_tokens": len(ids),
-            "timings": result.timings, "runs": [_compact(r) for r in result.runs]}
+    return {
+        "cell": asdict(cell),
+        "answer": task.answer,
+        "meta": task.meta,
+        "prompt_tokens": len(ids),
+        "timings": result.timings,
+        "runs": [_compact(r) for r in result.runs],
+    }
 
 
 def _compact(r) -> dict:
@@ -101,9 +126,18 @@ def _compact(r) -> dict:
     err = r.metrics.get("attn_rel_error")
     if err:
         m["attn_rel_error_per_layer"] = [_finite_mean(col) for col in zip(*err)]
-    return {"label": r.label, "method": r.method, "budget": r.budget, "text": r.text, "token_ids": r.token_ids,
-            "kv_bytes": r.kv_bytes, "kv_bytes_per_step": r.kv_bytes_per_step,
-            "exact_kv_bytes_per_step": r.exact_kv_bytes_per_step, "timings": asdict(r.timings), "metrics": m}
+    return {
+        "label": r.label,
+        "method": r.method,
+        "budget": r.budget,
+        "text": r.text,
+        "token_ids": r.token_ids,
+        "kv_bytes": r.kv_bytes,
+        "kv_bytes_per_step": r.kv_bytes_per_step,
+        "exact_kv_bytes_per_step": r.exact_kv_bytes_per_step,
+        "timings": asdict(r.timings),
+        "metrics": m,
+    }
 
 
 def _finite_mean(xs) -> float | None:
@@ -112,7 +146,9 @@ def _finite_mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def run_sweep(cfg: SweepConfig, engine_factory: Callable[[], object], log: Callable[[str], None] = print) -> Path | None:
+def run_sweep(
+    cfg: SweepConfig, engine_factory: Callable[[], object], log: Callable[[str], None] = print
+) -> Path | None:
     """Run this process's share of the grid, then (process 0) merge. Returns the report path on process 0."""
     rank, world, barrier = distributed()
     todo = [c for i, c in enumerate(cells(cfg)) if i % world == rank]
@@ -151,11 +187,28 @@ def rows(recs: list[dict]) -> Iterator[dict]:
         for r in rec["runs"]:
             m, exact = r["metrics"], r["exact_kv_bytes_per_step"][0]
             yield {
-                "task": c["task"], "length": c["length"], "seed": c["seed"], "prompt_tokens": rec["prompt_tokens"],
-                "label": r["label"], "method": r["method"], "budget": r["budget"], "kv_bytes": r["kv_bytes"],
-                "exact_bytes": exact, "bytes_fraction": r["kv_bytes"] / exact,
-                **{k: m.get(k) for k in ("task_score", "text_similarity", "first_divergence", "kl_mean",
-                                         "top1_agreement", "perplexity", "attn_rel_error_mean")},
+                "task": c["task"],
+                "length": c["length"],
+                "seed": c["seed"],
+                "prompt_tokens": rec["prompt_tokens"],
+                "label": r["label"],
+                "method": r["method"],
+                "budget": r["budget"],
+                "kv_bytes": r["kv_bytes"],
+                "exact_bytes": exact,
+                "bytes_fraction": r["kv_bytes"] / exact,
+                **{
+                    k: m.get(k)
+                    for k in (
+                        "task_score",
+                        "text_similarity",
+                        "first_divergence",
+                        "kl_mean",
+                        "top1_agreement",
+                        "perplexity",
+                        "attn_rel_error_mean",
+                    )
+                },
                 **{k: r["timings"][k] for k in ("prefill_s", "compress_s", "decode_s")},
             }
 

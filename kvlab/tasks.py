@@ -23,10 +23,35 @@ from typing import Callable
 
 TASKS = ("passkey", "lines", "document")
 
-_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
-_WORDS = ("amber", "birch", "cedar", "delta", "ember", "fable", "gale", "harbor", "iris", "jade", "kite",
-          "lumen", "maple", "nova", "onyx", "pearl", "quartz", "raven", "sable", "tide", "umber", "vale",
-          "willow", "xenon", "yarrow", "zephyr")
+_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+_WORDS = (
+    "amber",
+    "birch",
+    "cedar",
+    "delta",
+    "ember",
+    "fable",
+    "gale",
+    "harbor",
+    "iris",
+    "jade",
+    "kite",
+    "lumen",
+    "maple",
+    "nova",
+    "onyx",
+    "pearl",
+    "quartz",
+    "raven",
+    "sable",
+    "tide",
+    "umber",
+    "vale",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
+)
 
 
 class TaskError(ValueError):
@@ -96,12 +121,21 @@ def lines(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
         k = max(1, min(k, len(pool)))
         body = "".join(f"line {pool[i]}: REGISTER_CONTENT is <{values[i]}>\n" for i in range(k))
         target = pool[pick if pick is not None else k // 2]
-        return head + body + f"\nNow the record is over. Tell me what is the REGISTER_CONTENT in line {target}? I need the number."
+        return (
+            head
+            + body
+            + f"\nNow the record is over. Tell me what is the REGISTER_CONTENT in line {target}? I need the number."
+        )
 
     k = max(1, len(re.findall("\n", _fit(lambda k: len(encode(build(k))), build, n_tokens))) - 3)
     k = min(k, len(pool))
     pick = rng.randrange(k)
-    return Task("lines", build(k, pick), str(values[pick]), {"seed": seed, "lines": k, "line": pool[pick], "target_tokens": n_tokens})
+    return Task(
+        "lines",
+        build(k, pick),
+        str(values[pick]),
+        {"seed": seed, "lines": k, "line": pool[pick], "target_tokens": n_tokens},
+    )
 
 
 def document(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
@@ -111,18 +145,26 @@ def document(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Ta
     keys = sorted(topics)
     rng.shuffle(keys)
     text = "\n\n".join(topics[k] for k in keys)
-    ask = rng.choice(["Summarize the text above in two sentences.",
-                      "What is the main topic of the text above? Answer in one sentence.",
-                      "List three keywords that the text above explains."])
+    ask = rng.choice(
+        [
+            "Summarize the text above in two sentences.",
+            "What is the main topic of the text above? Answer in one sentence.",
+            "List three keywords that the text above explains.",
+        ]
+    )
 
     def build(chars: int) -> str:
         return text[: 200 * chars] + "\n\n" + ask
 
     prompt = _fit(lambda c: len(encode(build(c))), build, n_tokens)
-    return Task("document", prompt, None, {"seed": seed, "topics": keys[:3], "question": ask, "target_tokens": n_tokens})
+    return Task(
+        "document", prompt, None, {"seed": seed, "topics": keys[:3], "question": ask, "target_tokens": n_tokens}
+    )
 
 
-def make_task(name: str, n_tokens: int | str, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5) -> Task:
+def make_task(
+    name: str, n_tokens: int | str, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5
+) -> Task:
     n = parse_length(n_tokens)
     if name == "passkey":
         return passkey(n, seed, encode, depth)

@@ -79,16 +79,18 @@ def builtin_presets() -> dict[str, str]:
     """Prompts for the preset picker (~1k tokens each, except free chat)."""
     doc = _reference_text(3800)
     half = _filler(24)
-    lines = "\n".join(f"line {w}-{i}: REGISTER_CONTENT is <{(7919 * i) % 50000}>"
-                      for i, w in enumerate(("amber", "brisk", "cedar", "delta", "ember", "fjord") * 10))
+    lines = "\n".join(
+        f"line {w}-{i}: REGISTER_CONTENT is <{(7919 * i) % 50000}>"
+        for i, w in enumerate(("amber", "brisk", "cedar", "delta", "ember", "fjord") * 10)
+    )
     return {
         "Document question": f"{doc}\n\nQuestion: according to the text above, what does an augmented assignment "
-                             "statement do? Answer in one sentence.",
+        "statement do? Answer in one sentence.",
         "Pass-key retrieval": "There is an important pass key hidden in a lot of irrelevant text. Find it.\n"
-                              f"{half}The pass key is 71432. Remember it. 71432 is the pass key.\n{half}"
-                              "What is the pass key?",
+        f"{half}The pass key is 71432. Remember it. 71432 is the pass key.\n{half}"
+        "What is the pass key?",
         "Line retrieval": f"Below is a record of lines. Memorize them.\n{lines}\n\n"
-                          "What is the REGISTER_CONTENT in line cedar-26?",
+        "What is the REGISTER_CONTENT in line cedar-26?",
         "Free chat": "Explain in three sentences why the sky is blue.",
     }
 
@@ -128,7 +130,12 @@ def method_groups() -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-CORE_PAPER_METHODS = ("qjl", "subgen-kcenter", "balancekv", "scissorhands")  # one per paper (SubGen as run in its experiments): the default comparison
+CORE_PAPER_METHODS = (
+    "qjl",
+    "subgen-kcenter",
+    "balancekv",
+    "scissorhands",
+)  # one per paper (SubGen as run in its experiments): the default comparison
 
 
 def default_methods() -> tuple[list[str], list[str]]:
@@ -222,9 +229,11 @@ def add_text_metrics(result: CompareResult, task=None) -> None:
 # ----- HTML pieces (every user or model text goes through html.escape) ---------------------------
 def progress_html(frac: float, message: str) -> str:
     pct = max(0.0, min(1.0, frac)) * 100
-    return (f"<div class='kv-progress' role='progressbar' aria-valuenow='{pct:.0f}'>"
-            f"<div class='kv-progress-bar' style='width:{pct:.1f}%'></div></div>"
-            f"<div class='kv-progress-msg'>{html.escape(message)}</div>")
+    return (
+        f"<div class='kv-progress' role='progressbar' aria-valuenow='{pct:.0f}'>"
+        f"<div class='kv-progress-bar' style='width:{pct:.1f}%'></div></div>"
+        f"<div class='kv-progress-msg'>{html.escape(message)}</div>"
+    )
 
 
 def _pieces(ids: list[int], lm: LoadedModel | None) -> list[str]:
@@ -272,8 +281,9 @@ def diff_text_html(run: RunResult, exact: RunResult | None, lm: LoadedModel | No
     return "".join(out)
 
 
-def _card(run: RunResult, exact: RunResult | None, lm: LoadedModel | None, group: str, color: str,
-          live: bool = False) -> str:
+def _card(
+    run: RunResult, exact: RunResult | None, lm: LoadedModel | None, group: str, color: str, live: bool = False
+) -> str:
     ex_bytes = plots.exact_bytes_at_prefill(run)
     held = 100 * run.kv_bytes / ex_bytes if ex_bytes else 0.0
     if run is exact or exact is None:
@@ -302,14 +312,21 @@ def _card(run: RunResult, exact: RunResult | None, lm: LoadedModel | None, group
 
 def cards_html(result: CompareResult | None, lm: LoadedModel | None, live: bool = False) -> str:
     if result is None or not result.runs:
-        return ("<div class='kv-empty'>Run a comparison (or load a JSON export) to see one card per "
-                "method × budget.</div>")
+        return (
+            "<div class='kv-empty'>Run a comparison (or load a JSON export) to see one card per method × budget.</div>"
+        )
     exact = next((r for r in result.runs if r.method == "exact"), None)
     groups = {n: c.group for n, c in methods().items()}
-    return "<div class='kv-cards'>" + "".join(
-        _card(r, exact, lm, groups.get(r.method, "baseline"), plots.color_of(result, r.label), live and r is not exact)
-        for r in result.runs
-    ) + "</div>"
+    return (
+        "<div class='kv-cards'>"
+        + "".join(
+            _card(
+                r, exact, lm, groups.get(r.method, "baseline"), plots.color_of(result, r.label), live and r is not exact
+            )
+            for r in result.runs
+        )
+        + "</div>"
+    )
 
 
 def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedModel | None) -> str:
@@ -326,13 +343,17 @@ def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedM
     run = next((r for r in runs if r.label == label), runs[0] if runs else None)
     kept = plots.kept_of(run) if run is not None else None
     if run is not None and kept is None and plots.attn_map(run) is not None:
-        parts_note = (f"<div class='kv-strip-title'>{html.escape(run.label)} keeps every prompt position "
-                      "(compressed), so no token is evicted</div>")
+        parts_note = (
+            f"<div class='kv-strip-title'>{html.escape(run.label)} keeps every prompt position "
+            "(compressed), so no token is evicted</div>"
+        )
     else:
         parts_note = ""
     if run is None or (kept is None and not bars):
-        return ("<div class='kv-empty'>no kept positions in this result (turn the measurements on; sketched or "
-                "clustered caches keep no token positions)</div>")
+        return (
+            "<div class='kv-empty'>no kept positions in this result (turn the measurements on; sketched or "
+            "clustered caches keep no token positions)</div>"
+        )
     parts = [parts_note] if parts_note else []
     if kept is not None:
         keep = set(kept)
@@ -343,9 +364,11 @@ def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedM
         )
         site = plots.map_site(result)
         where = f" (layer {site[0]}, KV head of query head {site[1]})" if site else ""
-        parts.append(f"<div class='kv-strip-title'>{html.escape(run.label)}: {len(keep)} of "
-                     f"{result.prompt_tokens} prompt tokens kept{html.escape(where)}</div>"
-                     f"<div class='kv-strip-text'>{toks}</div>")
+        parts.append(
+            f"<div class='kv-strip-title'>{html.escape(run.label)}: {len(keep)} of "
+            f"{result.prompt_tokens} prompt tokens kept{html.escape(where)}</div>"
+            f"<div class='kv-strip-text'>{toks}</div>"
+        )
     if bars:
         parts.append("<div class='kv-strip-title'>Kept density over all layers and KV heads</div>" + "".join(bars))
     return "<div class='kv-strip'>" + "".join(parts) + "</div>"
@@ -355,10 +378,14 @@ def _density_bar(run: RunResult, n: int) -> str:
     dens = (run.extras or {}).get("kept_density")
     if not dens:
         return ""
-    grad = ",".join(f"rgba(31,119,180,{0.08 + 0.92 * float(d):.2f}) {100 * i / len(dens):.2f}% "
-                    f"{100 * (i + 1) / len(dens):.2f}%" for i, d in enumerate(dens))
-    return (f"<div class='kv-bar-row'><span class='kv-bar-label'>{html.escape(run.label)}</span>"
-            f"<span class='kv-bar' style='background:linear-gradient(90deg,{grad})'></span></div>")
+    grad = ",".join(
+        f"rgba(31,119,180,{0.08 + 0.92 * float(d):.2f}) {100 * i / len(dens):.2f}% {100 * (i + 1) / len(dens):.2f}%"
+        for i, d in enumerate(dens)
+    )
+    return (
+        f"<div class='kv-bar-row'><span class='kv-bar-label'>{html.escape(run.label)}</span>"
+        f"<span class='kv-bar' style='background:linear-gradient(90deg,{grad})'></span></div>"
+    )
 
 
 # ----- about ------------------------------------------------------------------------------------
@@ -395,22 +422,55 @@ def _md(text: str) -> str:
 
 
 # ----- export -----------------------------------------------------------------------------------
-SUMMARY_METRICS = ("attn_rel_error_mean", "kl_mean", "top1_agreement", "perplexity", "first_divergence",
-                   "text_similarity", "task_score")
+SUMMARY_METRICS = (
+    "attn_rel_error_mean",
+    "kl_mean",
+    "top1_agreement",
+    "perplexity",
+    "first_divergence",
+    "text_similarity",
+    "task_score",
+)
 
 
 def metrics_csv(result: CompareResult) -> str:
     """One row per run: bytes, saving, timings and the scalar metrics."""
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["run", "method", "budget", "kv_bytes", "exact_bytes", "fraction_held", "tokens_per_s",
-                "prefill_s", "compress_s", "decode_s", *SUMMARY_METRICS, "text"])
+    w.writerow(
+        [
+            "run",
+            "method",
+            "budget",
+            "kv_bytes",
+            "exact_bytes",
+            "fraction_held",
+            "tokens_per_s",
+            "prefill_s",
+            "compress_s",
+            "decode_s",
+            *SUMMARY_METRICS,
+            "text",
+        ]
+    )
     for r in result.runs:
         ex = plots.exact_bytes_at_prefill(r)
-        w.writerow([r.label, r.method, r.budget or "", r.kv_bytes, ex, f"{r.kv_bytes / ex:.4f}" if ex else "",
-                    f"{r.timings.tokens_per_s:.2f}", f"{r.timings.prefill_s:.3f}", f"{r.timings.compress_s:.3f}",
-                    f"{r.timings.decode_s:.3f}", *["" if plots.metric(r, k) is None else plots.metric(r, k)
-                                                    for k in SUMMARY_METRICS], r.text])
+        w.writerow(
+            [
+                r.label,
+                r.method,
+                r.budget or "",
+                r.kv_bytes,
+                ex,
+                f"{r.kv_bytes / ex:.4f}" if ex else "",
+                f"{r.timings.tokens_per_s:.2f}",
+                f"{r.timings.prefill_s:.3f}",
+                f"{r.timings.compress_s:.3f}",
+                f"{r.timings.decode_s:.3f}",
+                *["" if plots.metric(r, k) is None else plots.metric(r, k) for k in SUMMARY_METRICS],
+                r.text,
+            ]
+        )
     return buf.getvalue()
 
 
@@ -420,8 +480,11 @@ def report_html(result: CompareResult, lm: LoadedModel | None = None) -> str:
     figs["attention"] = plots.attention_heatmaps(result)
     body = []
     for i, (name, fig) in enumerate(figs.items()):
-        body.append(fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False,
-                                default_height=fig.layout.height))
+        body.append(
+            fig.to_html(
+                full_html=False, include_plotlyjs="inline" if i == 0 else False, default_height=fig.layout.height
+            )
+        )
     settings = html.escape(json.dumps(result.settings))
     prompt = html.escape(result.prompt[:4000] + ("…" if len(result.prompt) > 4000 else ""))
     return (
@@ -464,8 +527,9 @@ class Dashboard:
         model = (model or EMBEDDED).strip() or EMBEDDED
         if model not in self.engines:
             if not self.limits.allow_model_choice:
-                raise InputError("this page runs the embedded model only "
-                                 "(set KVLAB_ALLOW_MODEL_CHOICE=1 to allow others)")
+                raise InputError(
+                    "this page runs the embedded model only (set KVLAB_ALLOW_MODEL_CHOICE=1 to allow others)"
+                )
             try:
                 self.engines[model] = Engine(load_model(model))
             except ModelLoadError as exc:
@@ -488,12 +552,27 @@ class Dashboard:
         engine = self.engine_for(model)
         ids = engine.lm.encode(prompt)
         if len(ids) > self.limits.max_prompt_tokens:
-            raise InputError(f"the prompt has {len(ids)} tokens; this page allows at most "
-                             f"{self.limits.max_prompt_tokens} (set KVLAB_MAX_PROMPT_TOKENS to change it)")
+            raise InputError(
+                f"the prompt has {len(ids)} tokens; this page allows at most "
+                f"{self.limits.max_prompt_tokens} (set KVLAB_MAX_PROMPT_TOKENS to change it)"
+            )
         return engine, ids, chosen, bl, max_new
 
-    def compare(self, model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps,
-                map_layer=None, map_head=0, progress=gr.Progress()):
+    def compare(
+        self,
+        model,
+        prompt,
+        papers,
+        baselines,
+        budgets,
+        max_new,
+        seed,
+        param_table,
+        record_maps,
+        map_layer=None,
+        map_head=0,
+        progress=gr.Progress(),
+    ):
         """Generator: yields (status, cards, state, *figures) as the comparison runs."""
         n_out = len(FIGURE_OUTPUTS) + 3
         try:
@@ -514,8 +593,11 @@ class Dashboard:
                 if live.bytes_now and (ev.kind != "step" or now - last_yield > 0.5):
                     last_yield = now
                     partial = self._partial(engine, ids, specs, live)
-                    yield (progress_html(ev.progress, ev.message), cards_html(partial, engine.lm, live=True),
-                           *[gr.skip()] * (n_out - 2))
+                    yield (
+                        progress_html(ev.progress, ev.message),
+                        cards_html(partial, engine.lm, live=True),
+                        *[gr.skip()] * (n_out - 2),
+                    )
                 elif ev.kind in ("prefill", "compress"):
                     yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
         except InputError as exc:
@@ -526,8 +608,10 @@ class Dashboard:
             raise gr.Error("out of GPU memory: try a shorter prompt, fewer methods or fewer new tokens") from None
         add_text_metrics(result, next((t for t in self.tasks.values() if t.prompt == prompt), None))
         data = result.to_json()
-        msg = (f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
-               f"{result.timings.get('compare_s', 0):.1f} s")
+        msg = (
+            f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
+            f"{result.timings.get('compare_s', 0):.1f} s"
+        )
         yield (progress_html(1.0, msg), *self.render(data, "mean", None))
 
     @staticmethod
@@ -544,12 +628,24 @@ class Dashboard:
 
         runs = []
         for spec, b, toks in zip(specs, live.bytes_now, live.tokens or [[] for _ in specs]):
-            r = RunResult(method=spec.method, budget=None if spec.budget is None else spec.budget.label, params={},
-                          kv_bytes=b, exact_kv_bytes_per_step=[exact_bytes(engine.info, len(ids))],
-                          text=engine.lm.decode(toks) if toks else "…")
+            r = RunResult(
+                method=spec.method,
+                budget=None if spec.budget is None else spec.budget.label,
+                params={},
+                kv_bytes=b,
+                exact_kv_bytes_per_step=[exact_bytes(engine.info, len(ids))],
+                text=engine.lm.decode(toks) if toks else "…",
+            )
             runs.append(r)
-        return CompareResult(model=engine.info.to_json(), prompt="", prompt_tokens=len(ids), prompt_token_ids=[],
-                             settings={}, timings={}, runs=runs)
+        return CompareResult(
+            model=engine.info.to_json(),
+            prompt="",
+            prompt_tokens=len(ids),
+            prompt_token_ids=[],
+            settings={},
+            timings={},
+            runs=runs,
+        )
 
     # ----- views (no recomputation) --------------------------------------------------------
     def _lm_for(self, result: CompareResult) -> LoadedModel | None:
@@ -558,8 +654,14 @@ class Dashboard:
     def render(self, data: dict | None, layer_choice, strip_label):
         """Everything below the progress bar, from the stored result JSON."""
         if not data:
-            return (cards_html(None, None), None, *[plots.no_data(t, "no result yet") for t in FIGURE_TITLES],
-                    kept_strip_html(None, None, None), gr.update(), gr.update())
+            return (
+                cards_html(None, None),
+                None,
+                *[plots.no_data(t, "no result yet") for t in FIGURE_TITLES],
+                kept_strip_html(None, None, None),
+                gr.update(),
+                gr.update(),
+            )
         result = CompareResult.from_json(data)
         lm = self._lm_for(result)
         labels = [r.label for r in plots.compressed_runs(result)]
@@ -589,8 +691,10 @@ class Dashboard:
         if not data:
             return plots.no_data(FIGURE_TITLES[5], "no result yet"), kept_strip_html(None, None, None)
         result = CompareResult.from_json(data)
-        return (plots.attention_heatmaps(result, shown or None),
-                kept_strip_html(result, strip_label, self._lm_for(result)))
+        return (
+            plots.attention_heatmaps(result, shown or None),
+            kept_strip_html(result, strip_label, self._lm_for(result)),
+        )
 
     # ----- files ---------------------------------------------------------------------------
     def export(self, data):
@@ -611,9 +715,15 @@ class Dashboard:
         return (progress_html(1.0, msg), *self.render(result.to_json(), layer_choice, strip_label))
 
 
-FIGURE_TITLES = ("Cache size", "Bytes per decode step", "Attention relative error per decode step",
-                 "Attention relative error per layer", "Teacher-forced fidelity", "Attention over the prompt",
-                 "Quality vs memory")
+FIGURE_TITLES = (
+    "Cache size",
+    "Bytes per decode step",
+    "Attention relative error per decode step",
+    "Attention relative error per layer",
+    "Teacher-forced fidelity",
+    "Attention over the prompt",
+    "Quality vs memory",
+)
 FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
 
 
@@ -633,41 +743,76 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
         )
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
-                preset = gr.Dropdown(list(preset_texts), value=DEFAULT_PRESET, label="Preset",
-                                     info="document question, pass-key, line retrieval or free chat")
-                prompt = gr.Textbox(value=preset_texts[DEFAULT_PRESET], label="Prompt", lines=9, max_lines=16,
-                                    elem_id="kv-prompt")
-                model = gr.Textbox(value=EMBEDDED, label="Model", interactive=lim.allow_model_choice,
-                                   info="'embedded' (SmolLM2-135M-Instruct)" +
-                                        (", a Hugging Face id or a local folder" if lim.allow_model_choice else
-                                         "; other models: set KVLAB_ALLOW_MODEL_CHOICE=1"))
+                preset = gr.Dropdown(
+                    list(preset_texts),
+                    value=DEFAULT_PRESET,
+                    label="Preset",
+                    info="document question, pass-key, line retrieval or free chat",
+                )
+                prompt = gr.Textbox(
+                    value=preset_texts[DEFAULT_PRESET], label="Prompt", lines=9, max_lines=16, elem_id="kv-prompt"
+                )
+                model = gr.Textbox(
+                    value=EMBEDDED,
+                    label="Model",
+                    interactive=lim.allow_model_choice,
+                    info="'embedded' (SmolLM2-135M-Instruct)"
+                    + (
+                        ", a Hugging Face id or a local folder"
+                        if lim.allow_model_choice
+                        else "; other models: set KVLAB_ALLOW_MODEL_CHOICE=1"
+                    ),
+                )
             with gr.Column(scale=2):
-                papers = gr.CheckboxGroup(groups.get("paper", []), value=papers0, label=GROUP_TITLES["paper"],
-                                          elem_id="kv-papers")
-                baselines = gr.CheckboxGroup(groups.get("baseline", []), value=baselines0,
-                                             label=GROUP_TITLES["baseline"] + " (exact always runs)",
-                                             elem_id="kv-baselines")
+                papers = gr.CheckboxGroup(
+                    groups.get("paper", []), value=papers0, label=GROUP_TITLES["paper"], elem_id="kv-papers"
+                )
+                baselines = gr.CheckboxGroup(
+                    groups.get("baseline", []),
+                    value=baselines0,
+                    label=GROUP_TITLES["baseline"] + " (exact always runs)",
+                    elem_id="kv-baselines",
+                )
                 with gr.Row():
-                    budgets = gr.Textbox(value="0.25", label="Budgets", elem_id="kv-budgets",
-                                         info="fractions of the exact bytes or token counts: 0.5, 0.25, 512t")
-                    max_new = gr.Slider(1, lim.max_new_tokens, value=min(32, lim.max_new_tokens), step=1,
-                                        label="Max new tokens")
+                    budgets = gr.Textbox(
+                        value="0.25",
+                        label="Budgets",
+                        elem_id="kv-budgets",
+                        info="fractions of the exact bytes or token counts: 0.5, 0.25, 512t",
+                    )
+                    max_new = gr.Slider(
+                        1, lim.max_new_tokens, value=min(32, lim.max_new_tokens), step=1, label="Max new tokens"
+                    )
                 with gr.Row():
                     seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
-                    record_maps = gr.Checkbox(value=True, label="Measure attention error, KL & maps",
-                                              info="the costly measurements (a shadow exact cache)")
+                    record_maps = gr.Checkbox(
+                        value=True,
+                        label="Measure attention error, KL & maps",
+                        info="the costly measurements (a shadow exact cache)",
+                    )
                 with gr.Row():
                     heads = lm.info.n_heads
-                    map_layer = gr.Number(value=lm.info.n_layers // 2, precision=0, minimum=0,
-                                          maximum=lm.info.n_layers - 1, label="Attention-map layer")
-                    map_head = gr.Number(value=0, precision=0, minimum=0, maximum=heads - 1,
-                                         label="Attention-map query head")
+                    map_layer = gr.Number(
+                        value=lm.info.n_layers // 2,
+                        precision=0,
+                        minimum=0,
+                        maximum=lm.info.n_layers - 1,
+                        label="Attention-map layer",
+                    )
+                    map_head = gr.Number(
+                        value=0, precision=0, minimum=0, maximum=heads - 1, label="Attention-map query head"
+                    )
                 run_btn = gr.Button("Run comparison", variant="primary", elem_id="kv-run")
         with gr.Accordion("Advanced parameters per method (papers' defaults; edit the value column)", open=False):
-            param_table = gr.Dataframe(value=param_rows(),
-                                       headers=["method", "parameter", "value", "default", "meaning"],
-                                       type="array", interactive=True, wrap=True, max_height=320,
-                                       static_columns=[0, 1, 3, 4])
+            param_table = gr.Dataframe(
+                value=param_rows(),
+                headers=["method", "parameter", "value", "default", "meaning"],
+                type="array",
+                interactive=True,
+                wrap=True,
+                max_height=320,
+                static_columns=[0, 1, 3, 4],
+            )
         status = gr.HTML(progress_html(0.0, "ready"), elem_id="kv-status")
         cards = gr.HTML(cards_html(None, None), elem_id="kv-cards")
         state = gr.State(None)
@@ -676,16 +821,18 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
                 gauges = gr.Plot(label="Cache size", elem_id="kv-gauges")
                 bytes_fig = gr.Plot(label="Bytes per step", elem_id="kv-bytes")
             with gr.Tab("Errors", id="errors"):
-                layer_pick = gr.Dropdown(["mean"], value="mean", label="Layer (for the per-step curve)",
-                                         elem_id="kv-layer")
+                layer_pick = gr.Dropdown(
+                    ["mean"], value="mean", label="Layer (for the per-step curve)", elem_id="kv-layer"
+                )
                 err_step = gr.Plot(label="Error per step", elem_id="kv-err-step")
                 err_layer = gr.Plot(label="Error per layer", elem_id="kv-err-layer")
                 kl_fig = gr.Plot(label="KL and agreement", elem_id="kv-kl")
             with gr.Tab("Attention", id="attention"):
                 shown = gr.CheckboxGroup([], label="Methods shown (empty: all)")
                 heat = gr.Plot(label="Attention heatmaps", elem_id="kv-heat")
-                strip_pick = gr.Dropdown([], label="Kept-token strip: method", elem_id="kv-strip-pick",
-                                         allow_custom_value=True)
+                strip_pick = gr.Dropdown(
+                    [], label="Kept-token strip: method", elem_id="kv-strip-pick", allow_custom_value=True
+                )
                 strip = gr.HTML(kept_strip_html(None, None, None), elem_id="kv-strip")
             with gr.Tab("Quality vs memory", id="quality"):
                 qvm = gr.Plot(label="Quality vs memory", elem_id="kv-qvm")
@@ -693,8 +840,9 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
                 with gr.Row():
                     export_btn = gr.Button("Export JSON + CSV + HTML report", elem_id="kv-export")
                     files = gr.File(label="Downloads", file_count="multiple", interactive=False)
-                upload = gr.File(label="Load a kvlab JSON export (viewed without recomputing)", file_types=[".json"],
-                                 type="filepath")
+                upload = gr.File(
+                    label="Load a kvlab JSON export (viewed without recomputing)", file_types=[".json"], type="filepath"
+                )
             with gr.Tab("About", id="about"):
                 gr.Markdown(about_markdown())
 
@@ -707,12 +855,27 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
             api_name="compare",
             concurrency_limit=1,
             concurrency_id="model",
-        ).then(lambda data: gr.update(choices=[r["method"] if not r.get("budget") else f"{r['method']}@{r['budget']}"
-                                               for r in (data or {}).get("runs", []) if r["method"] != "exact"],
-                                      value=[]), state, shown, api_name=False)
+        ).then(
+            lambda data: gr.update(
+                choices=[
+                    r["method"] if not r.get("budget") else f"{r['method']}@{r['budget']}"
+                    for r in (data or {}).get("runs", [])
+                    if r["method"] != "exact"
+                ],
+                value=[],
+            ),
+            state,
+            shown,
+            api_name=False,
+        )
         layer_pick.input(dash.view_errors, [state, layer_pick], err_step, api_name="view_errors")
-        gr.on([shown.input, strip_pick.input], dash.view_attention, [state, shown, strip_pick], [heat, strip],
-              api_name="view_attention")
+        gr.on(
+            [shown.input, strip_pick.input],
+            dash.view_attention,
+            [state, shown, strip_pick],
+            [heat, strip],
+            api_name="view_attention",
+        )
         export_btn.click(dash.export, state, files, api_name="export")
         upload.upload(dash.load_json, [upload, layer_pick, strip_pick], [status, *views], api_name="load_json")
     return demo

@@ -13,7 +13,12 @@ from kvlab.compressors import get, names
 from kvlab.ops import dense_attention
 from kv_samples import new_token
 
-COMPOSED = ["streaming+kivi4", "h2o+kivi2", "streaming+qjl", "scissorhands+qjl"]  # built on demand by the registry's resolvers
+COMPOSED = [
+    "streaming+kivi4",
+    "h2o+kivi2",
+    "streaming+qjl",
+    "scissorhands+qjl",
+]  # built on demand by the registry's resolvers
 METHODS = [m for m in names() if m != "exact"] + COMPOSED
 BUDGETS = ["0.5", "0.25", "0.125"]
 STEPS = 3
@@ -32,10 +37,11 @@ def _build(lm, state, name, budget):
     comp = get(name)(lm.info, Budget.parse(budget), {}, seed=0)
     knobs = comp.plan(state.n_tokens)  # the engine's order: plan, then query_window
     if comp.query_window() > state.queries.shape[-2]:
-        pytest.skip(f"{name} needs {comp.query_window()} prompt queries; the fixture captured {state.queries.shape[-2]}")
+        pytest.skip(
+            f"{name} needs {comp.query_window()} prompt queries; the fixture captured {state.queries.shape[-2]}"
+        )
     comp.compress(state)
     return comp, knobs
-
 
 
 def test_matrix_covers_every_registered_method():
@@ -70,6 +76,8 @@ def test_full_budget_is_exact(lm, matrix_state, name):
         k, v = new_token(state, layer, 0)
         comp.append(layer, k, v, n)
         q = state.queries[layer, :, -1:]
-        ref = dense_attention(q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2), state.scaling)
+        ref = dense_attention(
+            q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2), state.scaling
+        )
         torch.testing.assert_close(comp.attend(layer, q), ref, atol=1e-5, rtol=1e-4, msg=f"{name} layer {layer}")
     assert comp.nbytes() >= exact_bytes(info, n) * 0.999  # nothing dropped

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors.balancekv import (BalanceKV, WalkConfig, balance_kv, balance_signs, block_kernel,
-                                         fit_layout, halve)
+from kvlab.compressors.balancekv import (
+    BalanceKV,
+    WalkConfig,
+    balance_kv,
+    balance_signs,
+    block_kernel,
+    fit_layout,
+    halve,
+)
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import attention_logits, gather_tokens, group_queries, ungroup
 
@@ -187,7 +194,12 @@ def test_streaming_merge_and_reduce(prefill_state, lm):
         ours.append(((z - a).norm(dim=-1) / a.norm(dim=-1)).mean().item())
         m = int(sel.sum())
         ui = torch.rand(3, g, generator=rng).argsort(-1)[:, :m].sort(-1).values + n0
-        zu = dense_attention(q[layer], gather_tokens(st.keys[layer], ui), gather_tokens(st.values[layer], ui),
-                             st.scaling, torch.full((3, m), math.log(g / m)))
+        zu = dense_attention(
+            q[layer],
+            gather_tokens(st.keys[layer], ui),
+            gather_tokens(st.values[layer], ui),
+            st.scaling,
+            torch.full((3, m), math.log(g / m)),
+        )
         unif.append(((zu - a).norm(dim=-1) / a.norm(dim=-1)).mean().item())
     assert sum(ours) < sum(unif)

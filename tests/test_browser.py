@@ -53,8 +53,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
 def app_url():
     port = free_port()
     env = {**os.environ, "KVLAB_THREADS": os.environ.get("KVLAB_THREADS", "2"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/"
     try:
         wait_ready(url, proc)
@@ -70,8 +76,11 @@ def app_url():
 @pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
         yield b
         b.close()
 
@@ -94,8 +103,9 @@ def open_page(page, url: str) -> None:
 
 def run_and_wait(page, timeout_ms: int = 1_200_000) -> None:
     page.click("#kv-run")
-    page.wait_for_function("() => (document.querySelector('#kv-status')?.innerText || '').includes('done:')",
-                           timeout=timeout_ms)
+    page.wait_for_function(
+        "() => (document.querySelector('#kv-status')?.innerText || '').includes('done:')", timeout=timeout_ms
+    )
     page.wait_for_timeout(1500)  # plots draw after the values arrive
 
 

@@ -35,8 +35,22 @@ def test_bad_arguments_exit_2_with_one_line(args, needle, capsys):
 def test_compare_writes_json(tmp_path, capsys, lm):
     path = tmp_path / "r.json"
     code, out, err = _run(
-        ["compare", "--prompt", "Name a colour.", "--methods", "exact,streaming", "--budget", "0.5,0.25",
-         "--max-new-tokens", "6", "--json", str(path), "--quiet"], capsys)
+        [
+            "compare",
+            "--prompt",
+            "Name a colour.",
+            "--methods",
+            "exact,streaming",
+            "--budget",
+            "0.5,0.25",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            str(path),
+            "--quiet",
+        ],
+        capsys,
+    )
     assert code == 0, err
     data = json.loads(path.read_text())
     assert data["model"]["n_layers"] == 30 and data["model"]["head_dim"] == 64
@@ -45,8 +59,17 @@ def test_compare_writes_json(tmp_path, capsys, lm):
     assert set(data["timings"]) >= {"load_s", "compare_s"}
     assert [r["method"] for r in data["runs"]] == ["exact", "streaming", "streaming"]
     for r in data["runs"]:
-        assert set(r) >= {"method", "budget", "params", "text", "token_ids", "kv_bytes", "kv_bytes_per_step",
-                          "exact_kv_bytes_per_step", "timings"}
+        assert set(r) >= {
+            "method",
+            "budget",
+            "params",
+            "text",
+            "token_ids",
+            "kv_bytes",
+            "kv_bytes_per_step",
+            "exact_kv_bytes_per_step",
+            "timings",
+        }
         assert set(r["timings"]) >= {"prefill_s", "compress_s", "decode_s", "tokens_per_s"}
     assert "streaming@0.25" in out
 

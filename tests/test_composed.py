@@ -40,8 +40,13 @@ def test_qjl_compositions_resolve_on_demand_and_are_listed():
 
 def test_bad_qjl_params_rejected(lm):
     cls = get("streaming+qjl")
-    for params in ({"qjl_m": 100}, {"qjl_m": 4}, {"qjl_m": "many"}, {"qjl_outliers": lm.info.head_dim},
-                   {"value_bits": 5}):
+    for params in (
+        {"qjl_m": 100},
+        {"qjl_m": 4},
+        {"qjl_m": "many"},
+        {"qjl_outliers": lm.info.head_dim},
+        {"value_bits": 5},
+    ):
         with pytest.raises(ParamError):
             cls(lm.info, Budget.parse("0.25"), params)
     assert cls(lm.info, Budget.parse("0.25"), {}).sketch_rows == 2 * lm.info.head_dim  # before plan() fits it
@@ -116,8 +121,9 @@ def test_logits_are_qjl_estimates_from_the_stored_bits(lm, prefill_state, outlie
     logits = torch.matmul(group_queries(q.float(), k_hat.shape[0]), k_hat.transpose(-1, -2))
     torch.testing.assert_close(logits.reshape(est.shape), est, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(v_hat, dequantize_groups(st.v))
-    torch.testing.assert_close(comp.attend(layer, q), dense_attention(q, k_hat, v_hat, state.scaling), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        comp.attend(layer, q), dense_attention(q, k_hat, v_hat, state.scaling), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_key_estimates_track_exact_logits_and_improve_with_m(lm, prefill_state):
@@ -200,7 +206,8 @@ def test_full_budget_is_the_exact_cache(lm, prefill_state, name):
     k, v = new_token(state, layer, 0)
     comp.append(layer, k, v, n)
     q = state.queries[layer, :, -1:]
-    ref = dense_attention(q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2),
-                          state.scaling)
+    ref = dense_attention(
+        q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2), state.scaling
+    )
     torch.testing.assert_close(comp.attend(layer, q), ref, atol=1e-5, rtol=1e-4)
     assert comp.nbytes() >= exact_bytes(lm.info, n) * 0.999

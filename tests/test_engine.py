@@ -33,7 +33,7 @@ class LogitsProbe:
 
 def _generate(lm, ids, n):
     out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -47,8 +47,9 @@ def test_exact_equals_generate(engine, lm, prompt):
 def test_exact_equals_generate_long_prompt(engine, lm, long_text):
     ids = lm.encode(long_text[:7000])
     assert len(ids) > 1500
-    res = engine.compare(ids, [RunSpec("exact"), RunSpec("streaming", Budget.parse("0.25"))],
-                         GenerationSettings(max_new_tokens=12))
+    res = engine.compare(
+        ids, [RunSpec("exact"), RunSpec("streaming", Budget.parse("0.25"))], GenerationSettings(max_new_tokens=12)
+    )
     assert res.runs[0].token_ids == _generate(lm, ids, 12)
     stream = res.runs[1]
     target = 0.25 * exact_bytes(lm.info, len(ids))
@@ -58,8 +59,9 @@ def test_exact_equals_generate_long_prompt(engine, lm, long_text):
 
 def test_streaming_full_budget_equals_exact(engine, lm):
     ids = lm.encode(PROMPTS[1])
-    res = engine.compare(ids, [RunSpec("exact"), RunSpec("streaming", Budget.parse("1.0"))],
-                         GenerationSettings(max_new_tokens=16))
+    res = engine.compare(
+        ids, [RunSpec("exact"), RunSpec("streaming", Budget.parse("1.0"))], GenerationSettings(max_new_tokens=16)
+    )
     assert res.runs[0].token_ids == res.runs[1].token_ids
     assert res.runs[0].kv_bytes == res.runs[1].kv_bytes
 
@@ -71,7 +73,10 @@ def test_exact_bytes_reported(engine, lm):
     n = len(ids)
     assert r.kv_bytes == 30 * 3 * n * 64 * 2 * 4
     # one more token per decode step, for the method and for the exact reference
-    assert r.kv_bytes_per_step == [exact_bytes(lm.info, n + k) for k in range(len(r.token_ids))][: len(r.kv_bytes_per_step)]
+    assert (
+        r.kv_bytes_per_step
+        == [exact_bytes(lm.info, n + k) for k in range(len(r.token_ids))][: len(r.kv_bytes_per_step)]
+    )
     assert r.kv_bytes_per_step == r.exact_kv_bytes_per_step
 
 
@@ -88,7 +93,9 @@ def test_positions_after_eviction(engine, lm, long_text):
     ids = lm.encode(long_text[:1200])
     n = len(ids)
     probe = LogitsProbe()
-    res = engine.compare(ids, [RunSpec("streaming", Budget.parse("0.3"))], GenerationSettings(max_new_tokens=2), probes=[probe])
+    res = engine.compare(
+        ids, [RunSpec("streaming", Budget.parse("0.3"))], GenerationSettings(max_new_tokens=2), probes=[probe]
+    )
     sink, window = res.runs[0].params["n_sink"], res.runs[0].params["window"]
     # the cache holds sink + window tokens *including* the new one: it evicts on arrival
     keep = list(range(sink)) + list(range(n - window + 1, n))
@@ -98,9 +105,14 @@ def test_positions_after_eviction(engine, lm, long_text):
     cache = _kept_cache(state, keep, lm)
     first = res.runs[0].token_ids[0]
     with torch.inference_mode():
-        ref = lm.model(input_ids=torch.tensor([[first]]), position_ids=torch.tensor([[n]]), past_key_values=cache).logits[0, -1]
-        wrong = lm.model(input_ids=torch.tensor([[first]]), position_ids=torch.tensor([[len(keep)]]),
-                         past_key_values=_kept_cache(state, keep, lm)).logits[0, -1]
+        ref = lm.model(
+            input_ids=torch.tensor([[first]]), position_ids=torch.tensor([[n]]), past_key_values=cache
+        ).logits[0, -1]
+        wrong = lm.model(
+            input_ids=torch.tensor([[first]]),
+            position_ids=torch.tensor([[len(keep)]]),
+            past_key_values=_kept_cache(state, keep, lm),
+        ).logits[0, -1]
     got = probe.logits[0][0]
     assert torch.allclose(got, ref, atol=2e-3, rtol=1e-3), (got - ref).abs().max()
     assert not torch.allclose(got, wrong, atol=2e-3)  # positions from the cache length would differ
@@ -128,7 +140,11 @@ def test_seeded_sampling_is_reproducible(engine, lm):
     gen = GenerationSettings(max_new_tokens=12, do_sample=True, temperature=1.0, seed=7)
     a = engine.compare(ids, [RunSpec("exact")], gen).runs[0].token_ids
     b = engine.compare(ids, [RunSpec("exact")], gen).runs[0].token_ids
-    c = engine.compare(ids, [RunSpec("exact")], GenerationSettings(max_new_tokens=12, do_sample=True, seed=8)).runs[0].token_ids
+    c = (
+        engine.compare(ids, [RunSpec("exact")], GenerationSettings(max_new_tokens=12, do_sample=True, seed=8))
+        .runs[0]
+        .token_ids
+    )
     assert a == b and a != c
 
 

@@ -34,7 +34,13 @@ QUANT_CASES = [
 ]
 SCORE_CASES = [
     (f"scores_g{g}_d{d}{'_out' if out else ''}", dict(g=g, d=d, n=n, outliers=out, t=t))
-    for g, d, n, out, t in [(1, 64, 77, False, 1), (3, 64, 65, True, 1), (4, 128, 130, False, 1), (8, 128, 33, True, 1), (3, 64, 40, False, 2)]
+    for g, d, n, out, t in [
+        (1, 64, 77, False, 1),
+        (3, 64, 65, True, 1),
+        (4, 128, 130, False, 1),
+        (8, 128, 33, True, 1),
+        (3, 64, 40, False, 2),
+    ]
 ]
 ATTN_CASES = [
     ("attn_dense_g1_d64", dict(g=1, d=64, n=77, kind="dense")),
@@ -45,7 +51,10 @@ ATTN_CASES = [
     ("attn_qjl_out_4bit_g4_d128", dict(g=4, d=128, n=90, kind="qjl_out", bits=4)),
     ("attn_qjl_3bit_g8_d128", dict(g=8, d=128, n=70, kind="qjl", bits=3, splits=2)),
     ("attn_qjl_1bit_g1_d64_t2", dict(g=1, d=64, n=66, kind="qjl", bits=1, t=2)),
-    ("attn_qjl_2bit_group18_g3_d64", dict(g=3, d=64, n=50, kind="qjl", bits=2, value_group=18)),  # groups not byte-aligned
+    (
+        "attn_qjl_2bit_group18_g3_d64",
+        dict(g=3, d=64, n=50, kind="qjl", bits=2, value_group=18),
+    ),  # groups not byte-aligned
     ("attn_qjl_8bit_g4_d64", dict(g=4, d=64, n=40, kind="qjl", bits=8)),
 ]
 
@@ -107,7 +116,9 @@ def _segments(kind, hkv, d, n, bits, seed, value_group=32):
     if kind == "logw":
         return [Segment(keys=keys, values=values, log_weights=torch.rand(hkv, n) * 3)]
     if kind == "index":
-        idx = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(h))[: n // 2 + 1] for h in range(hkv)])
+        idx = torch.stack(
+            [torch.randperm(n, generator=torch.Generator().manual_seed(h))[: n // 2 + 1] for h in range(hkv)]
+        )
         return [Segment(keys=keys, values=values, index=idx, log_weights=torch.rand(hkv, n))]
     _, qk = _qjl_keys(hkv, n, d, 2 * d, kind == "qjl_out", seed)
     recent = Segment(keys=_rand(hkv, 5, d, seed=seed + 2), values=_rand(hkv, 5, d, seed=seed + 3))
@@ -144,7 +155,11 @@ def _case_dispatch():
             ref = kernels.qjl_scores(q, qk)
     finally:
         K._qjl_scores_triton = orig
-    return {"auto_triton_calls": auto_calls, "forced_triton_calls": len(calls) - auto_calls, "err": (forced - ref).abs().max().item()}
+    return {
+        "auto_triton_calls": auto_calls,
+        "forced_triton_calls": len(calls) - auto_calls,
+        "err": (forced - ref).abs().max().item(),
+    }
 
 
 def _case_qjl_compressor():
@@ -212,7 +227,12 @@ def interpreted():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "KVLAB_KERNELS": "auto"}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--cases"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, str(Path(__file__).resolve()), "--cases"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -316,7 +336,9 @@ def test_qjl_reference_estimate_is_unbiased():
     d, trials = 64, 200
     keys, q = _rand(1, 4, d, seed=11), _rand(1, 1, d, seed=12)
     exact = (q @ keys.transpose(-1, -2))[0, 0]
-    est = torch.stack([K.qjl_scores_torch(q, K.qjl_quantize_torch(keys, K.make_sketch(64, d, s)))[0, 0] for s in range(trials)])
+    est = torch.stack(
+        [K.qjl_scores_torch(q, K.qjl_quantize_torch(keys, K.make_sketch(64, d, s)))[0, 0] for s in range(trials)]
+    )
     # norms are float16; the spread of one estimate is ~ sqrt(pi/2 - 1) ||q|| ||k|| / sqrt(m)
     spread = math.sqrt(math.pi / 2 - 1) * q.norm() * keys[0].norm(dim=-1) / math.sqrt(64)
     assert ((est.mean(0) - exact).abs() < 4 * spread / math.sqrt(trials)).all()
@@ -343,7 +365,10 @@ def test_attention_reference_matches_exact_dense_attention():
     k, v, q = _rand(3, 50, 64, seed=1), _rand(3, 50, 64, seed=2), _rand(9, 1, 64, seed=3)
     lw = torch.rand(3, 50)
     want = dense_attention(q, k, v, 0.125, lw)
-    parts = [Segment(keys=k[:, :20], values=v[:, :20], log_weights=lw[:, :20]), Segment(keys=k[:, 20:], values=v[:, 20:], log_weights=lw[:, 20:])]
+    parts = [
+        Segment(keys=k[:, :20], values=v[:, :20], log_weights=lw[:, :20]),
+        Segment(keys=k[:, 20:], values=v[:, 20:], log_weights=lw[:, 20:]),
+    ]
     assert torch.allclose(decode_attention_torch(q, parts, 0.125), want, atol=1e-5)
     idx = torch.tensor([[3, 7, 9]] * 3)
     got = decode_attention_torch(q, [Segment(keys=k, values=v, index=idx)], 0.125)

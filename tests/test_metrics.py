@@ -75,7 +75,13 @@ def test_known_answers_on_the_model(engine, lm):
 
 def test_attention_maps_and_kept_positions(engine, lm):
     specs = [RunSpec("exact"), RunSpec("streaming", Budget.parse("12t"))]
-    ids, res = _compare(engine, lm, specs, new=4, settings=ProbeSettings(attn_error=False, fidelity=False, map_layer=3, map_head=4, map_queries=2))
+    ids, res = _compare(
+        engine,
+        lm,
+        specs,
+        new=4,
+        settings=ProbeSettings(attn_error=False, fidelity=False, map_layer=3, map_head=4, map_queries=2),
+    )
     n = len(ids)
     exact, stream = res.runs
     m = exact.extras["attn_map"]

@@ -9,7 +9,9 @@ from kvlab.compressors._scored import eviction_keep
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
 
-SYN = ModelInfo(id="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32", device="cpu", max_positions=4096)
+SYN = ModelInfo(
+    id="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32", device="cpu", max_positions=4096
+)
 
 
 class CacheWatch:
@@ -37,7 +39,10 @@ class CacheWatch:
 def decode_run(engine, lm, long_text):
     """Two scissorhands runs on a ~350-token prompt: a 40-token budget compressing every 4 steps, and 0.25."""
     ids = lm.encode(long_text[:1500])
-    runs = [RunSpec("scissorhands", Budget.parse("40t"), {"m_ratio": 0.1}), RunSpec("scissorhands", Budget.parse("0.25"))]
+    runs = [
+        RunSpec("scissorhands", Budget.parse("40t"), {"m_ratio": 0.1}),
+        RunSpec("scissorhands", Budget.parse("0.25")),
+    ]
     watch = CacheWatch(len(ids))
     res = engine.compare(ids, runs, GenerationSettings(max_new_tokens=10), probes=[watch])
     return ids, res, watch

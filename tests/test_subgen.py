@@ -95,7 +95,9 @@ def _clustered(seed, n_streams=4, n=512, d=16, n_clusters=8):
     g = torch.Generator().manual_seed(seed)
     centers = 1.5 * torch.randn(n_streams, n_clusters, d, generator=g)
     which = torch.randint(0, n_clusters, (n_streams, n), generator=g)
-    keys = torch.gather(centers, 1, which.unsqueeze(-1).expand(-1, -1, d)) + 0.1 * torch.randn(n_streams, n, d, generator=g)
+    keys = torch.gather(centers, 1, which.unsqueeze(-1).expand(-1, -1, d)) + 0.1 * torch.randn(
+        n_streams, n, d, generator=g
+    )
     values = torch.randn(n_streams, n, d, generator=g)
     q = torch.randn(n_streams, 1, d, generator=g)
     return keys.unsqueeze(0), values.unsqueeze(0), q

@@ -13,8 +13,20 @@ import pytest
 from kvlab.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--task", "passkey", "--lengths", "150,200", "--seeds", "2", "--methods", "exact,streaming",
-         "--budgets", "0.5,0.25", "--max-new-tokens", "3"]
+SMALL = [
+    "--task",
+    "passkey",
+    "--lengths",
+    "150,200",
+    "--seeds",
+    "2",
+    "--methods",
+    "exact,streaming",
+    "--budgets",
+    "0.5,0.25",
+    "--max-new-tokens",
+    "3",
+]
 
 
 def _csv(path):
@@ -55,12 +67,39 @@ def test_accelerate_two_processes_match_single(small_sweep, tmp_path):
     out = tmp_path / "acc"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     acc = shutil.which("accelerate", path=str(Path(sys.executable).parent))
-    cmd = [acc, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "-m", "kvlab", "sweep", *SMALL, "--out", str(out)]
+    cmd = [
+        acc,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "kvlab",
+        "sweep",
+        *SMALL,
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "[sweep 0]" in p.stderr and "[sweep 1]" in p.stderr  # both processes ran cells
-    keep = ("task", "length", "seed", "label", "kv_bytes", "task_score", "text_similarity", "first_divergence", "top1_agreement")
+    keep = (
+        "task",
+        "length",
+        "seed",
+        "label",
+        "kv_bytes",
+        "task_score",
+        "text_similarity",
+        "first_divergence",
+        "top1_agreement",
+    )
     one = [{k: r[k] for k in keep} for r in _csv(small_sweep / "results.csv")]
     two = [{k: r[k] for k in keep} for r in _csv(out / "results.csv")]
     assert one == two
@@ -73,15 +112,21 @@ def render(report: Path, shot: Path) -> int:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium",
-                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = pw.chromium.launch(
+            executable_path="/usr/bin/chromium",
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(report.as_uri())
         n = page.locator("section.fig").count()
-        page.wait_for_function(f"document.querySelectorAll('section.fig .main-svg .trace').length >= {n}", timeout=60000)
-        rendered = page.evaluate("[...document.querySelectorAll('section.fig')].filter(s => s.querySelector('.main-svg .trace')).length")
+        page.wait_for_function(
+            f"document.querySelectorAll('section.fig .main-svg .trace').length >= {n}", timeout=60000
+        )
+        rendered = page.evaluate(
+            "[...document.querySelectorAll('section.fig')].filter(s => s.querySelector('.main-svg .trace')).length"
+        )
         page.screenshot(path=str(shot), full_page=True)
         browser.close()
     assert not errors, errors
@@ -100,8 +145,24 @@ def test_report_renders_in_chromium(small_sweep, tmp_path):
 def test_full_passkey_sweep_all_methods(tmp_path):
     """The issue's acceptance sweep: lengths 1k and 2k, 8 seeds, budgets 0.5 and 0.25, every method."""
     out = tmp_path / "full"
-    args = ["sweep", "--task", "passkey", "--lengths", "1k,2k", "--seeds", "8", "--methods", "all",
-            "--budgets", "0.5,0.25", "--max-new-tokens", "8", "--out", str(out), "--quiet"]
+    args = [
+        "sweep",
+        "--task",
+        "passkey",
+        "--lengths",
+        "1k,2k",
+        "--seeds",
+        "8",
+        "--methods",
+        "all",
+        "--budgets",
+        "0.5,0.25",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     assert main(args) == 0
     rows = _csv(out / "results.csv")
     assert {r["length"] for r in rows} == {"1024", "2048"} and len({r["seed"] for r in rows}) == 8

@@ -37,8 +37,14 @@ def app(lm):
     demo = build_demo(lm)
     demo.queue(max_size=8)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, show_error=True,
-                **launch_kwargs())
+    demo.launch(
+        server_name="127.0.0.1",
+        server_port=port,
+        prevent_thread_lock=True,
+        quiet=True,
+        show_error=True,
+        **launch_kwargs(),
+    )
     url = f"http://127.0.0.1:{port}/"
     assert urllib.request.urlopen(url + "gradio_api/info", timeout=30).status == 200
     yield url
@@ -54,8 +60,17 @@ def client(app):
 def compared(client):
     """One real comparison: exact + streaming at 0.5 and 0.25, 6 new tokens, attention maps on."""
     out = client.predict(
-        "embedded", PROMPT + XSS, [], ["streaming"], "0.5, 0.25", 6, 0,
-        {"headers": ["method", "parameter", "value", "default", "meaning"], "data": param_rows()}, True, 3, 1,
+        "embedded",
+        PROMPT + XSS,
+        [],
+        ["streaming"],
+        "0.5, 0.25",
+        6,
+        0,
+        {"headers": ["method", "parameter", "value", "default", "meaning"], "data": param_rows()},
+        True,
+        3,
+        1,
         api_name="/compare",
     )
     return out
@@ -140,8 +155,9 @@ def test_export_and_load_round_trip(client, compared, tmp_path):
     assert len(csv_text.strip().splitlines()) >= 4
     report = by_ext[".html"].read_text()
     assert "plotly" in report.lower() and "&lt;img src=x" in report and "<img src=x" not in report
-    status, cards, *_ = client.predict(gradio_client.handle_file(str(by_ext[".json"])), "mean", None,
-                                       api_name="/load_json")
+    status, cards, *_ = client.predict(
+        gradio_client.handle_file(str(by_ext[".json"])), "mean", None, api_name="/load_json"
+    )
     assert "loaded 3 runs" in status and "<b>streaming@0.25</b>" in cards
 
 
@@ -161,14 +177,18 @@ def test_bad_input_gives_clear_messages(client):
 
 
 def test_params_from_rows_sends_only_changes():
-    rows = [["streaming", "n_sink", "8", "4", ""], ["streaming", "window", "auto", "auto", ""],
-            ["h2o", "heavy_ratio", "0.3", "0.5", ""]]
+    rows = [
+        ["streaming", "n_sink", "8", "4", ""],
+        ["streaming", "window", "auto", "auto", ""],
+        ["h2o", "heavy_ratio", "0.3", "0.5", ""],
+    ]
     assert params_from_rows(rows, ["exact", "streaming"]) == {"streaming": {"n_sink": "8"}}
 
 
 def test_figures_say_no_data_without_metrics(lm):
-    empty = CompareResult(model={"n_layers": 30}, prompt="", prompt_tokens=3, prompt_token_ids=[1, 2, 3],
-                          settings={}, timings={}, runs=[])
+    empty = CompareResult(
+        model={"n_layers": 30}, prompt="", prompt_tokens=3, prompt_token_ids=[1, 2, 3], settings={}, timings={}, runs=[]
+    )
     for fig in (plots.error_per_step(empty), plots.attention_heatmaps(empty), plots.quality_vs_memory(empty)):
         assert "no " in fig.layout.annotations[0].text
     assert Dashboard(lm).render(None, "mean", None)[0].count("kv-empty") == 1
@@ -183,8 +203,11 @@ def test_out_of_memory_becomes_a_message_and_the_page_keeps_serving(lm, client):
 
     dash.engines["embedded"].stream = oom
     with pytest.raises(gr.Error, match="out of GPU memory"):
-        list(dash.compare("embedded", "hello", [], ["streaming"], "0.5", 2, 0, None, False,
-                          progress=lambda *a, **k: None))
+        list(
+            dash.compare(
+                "embedded", "hello", [], ["streaming"], "0.5", 2, 0, None, False, progress=lambda *a, **k: None
+            )
+        )
     # the served page still answers
     text = client.predict("Pass-key retrieval", api_name="/preset")
     assert "pass key" in text.lower() and len(text) > 2000  # the ~1k-token task prompt from kvlab.tasks

@@ -93,8 +93,9 @@ def walk_step(kern: Tensor, log_scale: Tensor, cfg: WalkConfig) -> Tensor:
     return 1.0 / (2.0 * cfg.c * r2.clamp_min(1e-30))
 
 
-def balance_signs(kern: Tensor, log_scale: Tensor, cfg: WalkConfig, generator: torch.Generator,
-                  chunk: int = 16) -> Tensor:
+def balance_signs(
+    kern: Tensor, log_scale: Tensor, cfg: WalkConfig, generator: torch.Generator, chunk: int = 16
+) -> Tensor:
     """Self-balancing walk (Algorithm 2, lines 4-11) in every block at once.
 
     kern, log_scale: from ``block_kernel`` ([..., b, b], [..., 1]). Returns signs [..., b] in {-1, +1}.
@@ -144,8 +145,9 @@ def _halve_blocks(k: Tensor, v: Tensor, logw: Tensor, idx: Tensor, cfg: WalkConf
     return idx.gather(-1, order), logw.gather(-1, order) + mult.log()
 
 
-def balance_round(keys: Tensor, values: Tensor, idx: Tensor, logw: Tensor, block: int, cfg: WalkConfig,
-                  gen: torch.Generator) -> tuple[Tensor, Tensor]:
+def balance_round(
+    keys: Tensor, values: Tensor, idx: Tensor, logw: Tensor, block: int, cfg: WalkConfig, gen: torch.Generator
+) -> tuple[Tensor, Tensor]:
     """Halve the tokens ``idx`` [..., m] (weights ``logw`` [..., m] float64) of keys/values [..., n, d].
 
     The tokens, in position order, are cut into blocks of ``block`` plus one shorter last block (even
@@ -174,8 +176,9 @@ def balance_round(keys: Tensor, values: Tensor, idx: Tensor, logw: Tensor, block
     return torch.cat(out_i, -1), torch.cat(out_w, -1)
 
 
-def balance_kv(keys: Tensor, values: Tensor, rounds: int, block: int, cfg: WalkConfig,
-               gen: torch.Generator) -> tuple[Tensor, Tensor]:
+def balance_kv(
+    keys: Tensor, values: Tensor, rounds: int, block: int, cfg: WalkConfig, gen: torch.Generator
+) -> tuple[Tensor, Tensor]:
     """T rounds of blockwise SoftmaxBalance on keys/values [..., m, d].
 
     Returns the kept token indices [..., ceil(m / 2^T)] (increasing) and their log-weights (float32).
@@ -186,8 +189,10 @@ def balance_kv(keys: Tensor, values: Tensor, rounds: int, block: int, cfg: WalkC
     if keys.dim() > 2:
         step = max(1, WALK_BYTES // (keys[0].shape[:-1].numel() * block * 4))
         if step < keys.shape[0]:
-            parts = [balance_kv(keys[i : i + step], values[i : i + step], rounds, block, cfg, gen)
-                     for i in range(0, keys.shape[0], step)]
+            parts = [
+                balance_kv(keys[i : i + step], values[i : i + step], rounds, block, cfg, gen)
+                for i in range(0, keys.shape[0], step)
+            ]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     m = keys.shape[-2]
     idx = torch.arange(m, device=keys.device).expand(*keys.shape[:-2], m)
@@ -250,22 +255,39 @@ class BalanceKV(DenseCompressor):
     name = "balancekv"
     title = "BalanceKV"
     group = "paper"
-    paper = ("Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
-             "Theory, arXiv:2502.03771 (2025), https://arxiv.org/abs/2502.03771")
-    summary = ("Keeps first and recent tokens; halves the middle T times with a self-balancing walk under the "
-               "softmax kernel (SoftmaxBalance), kept tokens weighted ~2^T on their logits.")
+    paper = (
+        "Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
+        "Theory, arXiv:2502.03771 (2025), https://arxiv.org/abs/2502.03771"
+    )
+    summary = (
+        "Keeps first and recent tokens; halves the middle T times with a self-balancing walk under the "
+        "softmax kernel (SoftmaxBalance), kept tokens weighted ~2^T on their logits."
+    )
     params = (
-        Param("T", 0, "halving rounds (rate 2^-T on the middle tokens); 0: chosen from the budget",
-              minimum=0, maximum=MAX_ROUNDS),
-        Param("block_size", 256, "tokens per block of the parallel walk (paper Sec. 4.2: b = 256; reference code 128)",
-              minimum=2),
+        Param(
+            "T",
+            0,
+            "halving rounds (rate 2^-T on the middle tokens); 0: chosen from the budget",
+            minimum=0,
+            maximum=MAX_ROUNDS,
+        ),
+        Param(
+            "block_size",
+            256,
+            "tokens per block of the parallel walk (paper Sec. 4.2: b = 256; reference code 128)",
+            minimum=2,
+        ),
         Param("n_sink", 256, "first tokens kept exactly (paper Sec. 4.1); at most a quarter of the budget", minimum=0),
-        Param("n_recent", 256, "last prompt tokens kept exactly (paper Sec. 4.1); capped like n_sink, then widened "
-              "by capacity the halving leaves over", minimum=0),
+        Param(
+            "n_recent",
+            256,
+            "last prompt tokens kept exactly (paper Sec. 4.1); capped like n_sink, then widened "
+            "by capacity the halving leaves over",
+            minimum=0,
+        ),
         Param("gamma", 4.0, "walk step: p = 1/2 - gamma * y^T eta (reference code)", minimum=0.0),
         Param("c", 0.0, "if > 0, the paper's step p = 1/2 - y^T eta / (2 c R^2) replaces gamma (Alg. 2)", minimum=0.0),
-        Param("denom_weight", 0.025, "constant added to <v_i, v_j>: balances the softmax denominator too",
-              minimum=0.0),
+        Param("denom_weight", 0.025, "constant added to <v_i, v_j>: balances the softmax denominator too", minimum=0.0),
         Param("center", True, "centre keys per block before the kernel (reference code)"),
     )
 
@@ -282,8 +304,14 @@ class BalanceKV(DenseCompressor):
             self.layout = fit_layout(n_prompt, cap, c["n_sink"], c["n_recent"], c["T"])
         lay = self.layout
         self.block = max(2, min(c["block_size"], lay.n_middle >> 1 << 1) // 2 * 2)
-        return {"T": lay.rounds, "n_sink": lay.n_sink, "n_recent": lay.n_recent, "n_middle": lay.n_middle,
-                "block_size": self.block, "kept_tokens": lay.kept}
+        return {
+            "T": lay.rounds,
+            "n_sink": lay.n_sink,
+            "n_recent": lay.n_recent,
+            "n_middle": lay.n_middle,
+            "block_size": self.block,
+            "kept_tokens": lay.kept,
+        }
 
     def select(self, state: PrefillState):
         lay = self.layout
@@ -292,12 +320,19 @@ class BalanceKV(DenseCompressor):
             self._logw = None
             return [None] * n_layers
         a, e, n = lay.n_sink, lay.n_sink + lay.n_middle, state.n_tokens
-        mid, lw = balance_kv(state.keys[:, :, a:e], state.values[:, :, a:e], lay.rounds, self.block,
-                             self.walk_config(), self.generator)
+        mid, lw = balance_kv(
+            state.keys[:, :, a:e], state.values[:, :, a:e], lay.rounds, self.block, self.walk_config(), self.generator
+        )
         lead = mid.shape[:-1]
         dev = mid.device
-        idx = torch.cat([torch.arange(a, device=dev).expand(*lead, a), mid + a,
-                         torch.arange(e, n, device=dev).expand(*lead, n - e)], -1)
+        idx = torch.cat(
+            [
+                torch.arange(a, device=dev).expand(*lead, a),
+                mid + a,
+                torch.arange(e, n, device=dev).expand(*lead, n - e),
+            ],
+            -1,
+        )
         self._logw = torch.cat([lw.new_zeros(*lead, a), lw, lw.new_zeros(*lead, n - e)], -1)
         return idx
 
@@ -319,8 +354,10 @@ class BalanceKVStream(BalanceKV):
 
     name = "balancekv-stream"
     title = "BalanceKV (streaming)"
-    summary = ("BalanceKV on the prompt, then MergeAndReduce over generated tokens: every block_size new "
-               "tokens are halved by the balancing walk, level by level, up to T times.")
+    summary = (
+        "BalanceKV on the prompt, then MergeAndReduce over generated tokens: every block_size new "
+        "tokens are halved by the balancing walk, level by level, up to T times."
+    )
     streaming = True
 
     def plan(self, n_prompt: int) -> dict:
@@ -358,8 +395,9 @@ class BalanceKVStream(BalanceKV):
         h = k.shape[0]
         cfg = self.walk_config()
         tail_lw = lw[:, n - t :].double()
-        signs = balance_signs(*block_kernel(k[:, None, n - t :], v[:, None, n - t :], tail_lw[:, None], cfg), cfg,
-                              self.generator)
+        signs = balance_signs(
+            *block_kernel(k[:, None, n - t :], v[:, None, n - t :], tail_lw[:, None], cfg), cfg, self.generator
+        )
         keep, mult = halve(signs)
         keep, mult = keep[:, 0], mult[:, 0]
         head = torch.arange(n - t, device=k.device).expand(h, n - t)

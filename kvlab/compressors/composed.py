@@ -39,8 +39,14 @@ def quantize_tokens(x: Tensor, bits: int, group: int) -> QuantizedGroups:
 
 def gather_quantized(q: QuantizedGroups, idx: Tensor) -> QuantizedGroups:
     """Keep tokens ``idx`` [Hkv, m] of a per-token quantized [Hkv, n, d] tensor."""
-    pick = lambda t: gather_tokens(t, idx) if t.dim() == idx.dim() + 1 else torch.gather(  # noqa: E731
-        t, 1, idx[..., None, None].expand(*idx.shape, *t.shape[2:])
+    pick = (
+        lambda t: (
+            gather_tokens(t, idx)
+            if t.dim() == idx.dim() + 1
+            else torch.gather(  # noqa: E731
+                t, 1, idx[..., None, None].expand(*idx.shape, *t.shape[2:])
+            )
+        )
     )
     return QuantizedGroups(pick(q.codes), pick(q.scale), pick(q.minimum), q.bits, q.group, q.dim, q.length)
 
@@ -160,8 +166,16 @@ class ComposedStore:
 _MADE: dict[str, type] = {}
 
 
-def compose(inner: type[DenseCompressor], mixin: type[ComposedStore], tag: str, class_tag: str, title: str,
-            summary: str, params: tuple[Param, ...], **attrs) -> type[DenseCompressor]:
+def compose(
+    inner: type[DenseCompressor],
+    mixin: type[ComposedStore],
+    tag: str,
+    class_tag: str,
+    title: str,
+    summary: str,
+    params: tuple[Param, ...],
+    **attrs,
+) -> type[DenseCompressor]:
     """The class ``INNER + tag``: ``inner``'s selection with ``mixin``'s storage (made once per name)."""
     name = f"{inner.name}{tag}"
     if name not in _MADE:

@@ -31,7 +31,13 @@ class H2O(ScoredEvictionCompressor):
     summary = "Keeps the tokens with the most accumulated attention (heavy hitters) plus a recent window; evicts one per new token."
     needs_acc_attn = True
     params = (
-        Param("heavy_ratio", 0.5, "share of the token budget given to heavy hitters (the rest: recent window)", minimum=0.0, maximum=1.0),
+        Param(
+            "heavy_ratio",
+            0.5,
+            "share of the token budget given to heavy hitters (the rest: recent window)",
+            minimum=0.0,
+            maximum=1.0,
+        ),
     )
 
     def plan(self, n_prompt: int) -> dict:

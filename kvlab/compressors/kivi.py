@@ -27,7 +27,14 @@ from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState, 
 from kvlab.compressors.registry import register
 from kvlab.models import ModelInfo
 from kvlab.ops import attention_logits, dense_attention, group_queries, ungroup
-from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups, quantize_groups, storage_bits, weighted_token_sum
+from kvlab.quant import (
+    QuantizedGroups,
+    cat_groups,
+    dequantize_groups,
+    quantize_groups,
+    storage_bits,
+    weighted_token_sum,
+)
 
 KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
 
@@ -57,8 +64,7 @@ def quantize_kv(k: Tensor, v: Tensor, bits: int, group: int) -> tuple[QuantizedG
 def split_layers(q: QuantizedGroups) -> list[QuantizedGroups]:
     """A tensor quantized with a leading layer dim -> one ``QuantizedGroups`` per layer."""
     return [
-        QuantizedGroups(c, s, m, q.bits, q.group, q.dim - 1, q.length)
-        for c, s, m in zip(q.codes, q.scale, q.minimum)
+        QuantizedGroups(c, s, m, q.bits, q.group, q.dim - 1, q.length) for c, s, m in zip(q.codes, q.scale, q.minimum)
     ]
 
 
@@ -110,7 +116,9 @@ class KiviLayer:
         k, v = self.rk.view(), self.rv.view()
         if self.kq is None:
             return k, v
-        return torch.cat([dequantize_groups(self.kq, k.dtype), k], -2), torch.cat([dequantize_groups(self.vq, v.dtype), v], -2)
+        return torch.cat([dequantize_groups(self.kq, k.dtype), k], -2), torch.cat(
+            [dequantize_groups(self.vq, v.dtype), v], -2
+        )
 
     def flush(self, bits: int, group: int) -> None:
         """Quantize the residual's oldest ``group`` tokens."""
@@ -138,9 +146,20 @@ class KIVI(Compressor):
     summary = "Quantizes keys per channel and values per token to 2-4 bits; recent tokens stay full precision."
     streaming = True  # holds its bits-per-token while decoding (the residual is flushed in groups)
     params = (
-        Param("bits", None, "bits per code: 2, 3 or 4 (KIVI-2 / KIVI-4 in the paper; chosen from the budget when not given)"),
-        Param("group", 32, "group size: tokens per key group (per channel), channels per value group (per token)", minimum=1),
-        Param("residual", None, "recent tokens kept in full precision (paper: 128; chosen from the budget when not given)"),
+        Param(
+            "bits",
+            None,
+            "bits per code: 2, 3 or 4 (KIVI-2 / KIVI-4 in the paper; chosen from the budget when not given)",
+        ),
+        Param(
+            "group",
+            32,
+            "group size: tokens per key group (per channel), channels per value group (per token)",
+            minimum=1,
+        ),
+        Param(
+            "residual", None, "recent tokens kept in full precision (paper: 128; chosen from the budget when not given)"
+        ),
     )
 
     def plan(self, n_prompt: int) -> dict:
@@ -174,7 +193,9 @@ class KIVI(Compressor):
         else:
             kqs = vqs = [None] * keys.shape[0]
         self.layers = [
-            KiviLayer(kqs[i], vqs[i], _Growable(keys[i, :, nq:].contiguous()), _Growable(values[i, :, nq:].contiguous()))
+            KiviLayer(
+                kqs[i], vqs[i], _Growable(keys[i, :, nq:].contiguous()), _Growable(values[i, :, nq:].contiguous())
+            )
             for i in range(keys.shape[0])
         ]
 

@@ -256,30 +256,60 @@ class QJL(Compressor):
     )
     streaming = True
     params = (
-        Param("m", None, "sketch size (sign bits per key) on the later layers, a multiple of 8; from the budget "
-              "when not given (reference: 2 x head_dim)"),
+        Param(
+            "m",
+            None,
+            "sketch size (sign bits per key) on the later layers, a multiple of 8; from the budget "
+            "when not given (reference: 2 x head_dim)",
+        ),
         Param("initial_factor", 2, "the first layers use m x this (reference: 512 vs 256)", minimum=1),
-        Param("initial_layers", None, "how many first layers use the larger sketch (reference: 15 of 32 layers, "
-              "scaled to the model when not given)"),
+        Param(
+            "initial_layers",
+            None,
+            "how many first layers use the larger sketch (reference: 15 of 32 layers, "
+            "scaled to the model when not given)",
+        ),
         Param("m_out_ratio", 0.5, "outlier sketch size as a fraction of m (reference: 128 / 256)", minimum=0.0),
-        Param("n_outliers", None, "outlier channels per token group, 0 for none (reference: 8 for head_dim 128; "
-              "head_dim / 16 when not given)"),
+        Param(
+            "n_outliers",
+            None,
+            "outlier channels per token group, 0 for none (reference: 8 for head_dim 128; "
+            "head_dim / 16 when not given)",
+        ),
         Param("outlier_group", 32, "tokens per outlier group; also the flush unit of the window", minimum=1),
-        Param("value_bits", None, "bits per value coordinate: 1, 2, 3, 4 or 8 (reference: 2); from the budget "
-              "when not given"),
+        Param(
+            "value_bits",
+            None,
+            "bits per value coordinate: 1, 2, 3, 4 or 8 (reference: 2); from the budget when not given",
+        ),
         Param("value_group", 32, "coordinates per value quantization group (reference: 32)", minimum=1),
-        Param("residual", None, "recent tokens kept at full precision at most (reference: 128); from the "
-              "budget when not given"),
+        Param(
+            "residual",
+            None,
+            "recent tokens kept at full precision at most (reference: 128); from the budget when not given",
+        ),
         Param("orthogonalize", True, "orthogonalize the sketch rows by QR in blocks of head_dim (Sec. 4.1)"),
-        Param("split_query", False, "estimate each part's score with the query restricted to that part's channels "
-              "(same storage, lower variance; not in the paper, torch path only)"),
-        Param("count_sketch", False, "count the sketch matrices as held bytes (they are regenerated from the "
-              "seed, so by default they are not)"),
+        Param(
+            "split_query",
+            False,
+            "estimate each part's score with the query restricted to that part's channels "
+            "(same storage, lower variance; not in the paper, torch path only)",
+        ),
+        Param(
+            "count_sketch",
+            False,
+            "count the sketch matrices as held bytes (they are regenerated from the seed, so by default they are not)",
+        ),
     )
 
     # optional integer knobs (default None = chosen from the budget or scaled from the reference)
-    _OPTIONAL_INTS = {"m": (M_MIN, None), "initial_layers": (0, None), "n_outliers": (0, None),
-                      "value_bits": (1, 8), "residual": (1, None)}
+    _OPTIONAL_INTS = {
+        "m": (M_MIN, None),
+        "initial_layers": (0, None),
+        "n_outliers": (0, None),
+        "value_bits": (1, 8),
+        "residual": (1, None),
+    }
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

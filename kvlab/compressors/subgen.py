@@ -122,7 +122,9 @@ def _open_or_join(dmin: Tensor, j: Tensor, count: Tensor, delta: Tensor, m_cap: 
 def uniform_reservoirs(assign: Tensor, m_cap: int, t: int, gen: torch.Generator) -> Tensor:
     """t i.i.d. uniform members of each cluster: assign [B, n] -> token indices [B, m_cap, t] (-1: empty)."""
     b, n = assign.shape
-    sizes = torch.zeros(b, m_cap, dtype=torch.long, device=assign.device).scatter_add_(1, assign, torch.ones_like(assign))
+    sizes = torch.zeros(b, m_cap, dtype=torch.long, device=assign.device).scatter_add_(
+        1, assign, torch.ones_like(assign)
+    )
     order = torch.sort(assign, dim=1, stable=True).indices  # members of cluster 0, then 1, ... in arrival order
     start = sizes.cumsum(-1) - sizes
     rank = (torch.rand(b, m_cap, t, generator=gen).to(assign.device) * sizes.unsqueeze(-1)).long()
@@ -175,7 +177,9 @@ class SubGenState:
         return self.mk.shape[2]
 
     @classmethod
-    def build(cls, keys: Tensor, values: Tensor, delta: Tensor, t: int, s: int, m_cap: int, gen: torch.Generator) -> "SubGenState":
+    def build(
+        cls, keys: Tensor, values: Tensor, delta: Tensor, t: int, s: int, m_cap: int, gen: torch.Generator
+    ) -> "SubGenState":
         """Run Algorithm 1 over a prompt: keys, values [L, H, n, d]; delta [L, H]."""
         n_layers, h, n, d = keys.shape
         flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, d).float()
@@ -303,7 +307,9 @@ def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
         csq[rows, slot] = torch.where(has, xsq[rows, p], csq[rows, slot])
         p = p.masked_fill_(~has, c)  # streams without a new representative update nothing
         lo = int(p.min())  # no key before lo sees a new representative
-        d2 = _sqdist(x[:, lo:], xsq[:, lo:], opened.unsqueeze(1), xsq[rows, p.clamp_max(c - 1)].unsqueeze(1)).squeeze(-1)
+        d2 = _sqdist(x[:, lo:], xsq[:, lo:], opened.unsqueeze(1), xsq[rows, p.clamp_max(c - 1)].unsqueeze(1)).squeeze(
+            -1
+        )
         upd = (d2 < best[:, lo:]) & (tok[lo:] >= p.unsqueeze(-1))
         best[:, lo:] = torch.where(upd, d2, best[:, lo:])
         near[:, lo:] = torch.where(upd, slot.unsqueeze(-1), near[:, lo:])
@@ -350,10 +356,21 @@ class SubGen(Compressor):
     streaming = True
     DELTA_SAMPLE = 256  # keys per stream the automatic delta looks at
     params = (
-        Param("delta", None, "cluster radius delta (None: the greedy k-center radius of the prompt keys with m_cap centers, times delta_scale)", minimum=0.0),
+        Param(
+            "delta",
+            None,
+            "cluster radius delta (None: the greedy k-center radius of the prompt keys with m_cap centers, times delta_scale)",
+            minimum=0.0,
+        ),
         Param("t", 4, "uniform reservoir samples per cluster (softmax denominator)", minimum=1),
         Param("s", None, "(k, v) samples drawn proportional to ||v||^2 (numerator); None: from the budget", minimum=1),
-        Param("value_share", 0.5, "share of the budget given to the s (k, v) samples when s is not set", minimum=0.0, maximum=1.0),
+        Param(
+            "value_share",
+            0.5,
+            "share of the budget given to the s (k, v) samples when s is not set",
+            minimum=0.0,
+            maximum=1.0,
+        ),
         Param("delta_scale", 1.0, "multiplies the automatic delta", minimum=0.0),
     )
 
@@ -363,13 +380,18 @@ class SubGen(Compressor):
         if self.full:
             return {"compressed": False}
         per_stream = self.budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
-        self.sg_plan = plan_subgen(per_stream, info.head_dim, info.dtype_bytes, self.cfg["t"], self.cfg["s"], self.cfg["value_share"])
+        self.sg_plan = plan_subgen(
+            per_stream, info.head_dim, info.dtype_bytes, self.cfg["t"], self.cfg["s"], self.cfg["value_share"]
+        )
         p = self.sg_plan
         return {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
 
     def compress(self, state: PrefillState) -> None:
         if self.full:
-            self.dense = [DenseLayer.make(k, v, torch.arange(state.n_tokens).expand(k.shape[0], -1)) for k, v in zip(state.keys, state.values)]
+            self.dense = [
+                DenseLayer.make(k, v, torch.arange(state.n_tokens).expand(k.shape[0], -1))
+                for k, v in zip(state.keys, state.values)
+            ]
             return
         p = self.sg_plan
         delta = self._delta(state.keys, p.m_cap)
@@ -416,7 +438,13 @@ class SubGenKCenter(DenseCompressor):
         "weighted by its cluster size; generated tokens kept."
     )
     params = (
-        Param("recent_ratio", 0.5, "share of the budget's tokens kept as the recent window l (k = budget - l)", minimum=0.0, maximum=1.0),
+        Param(
+            "recent_ratio",
+            0.5,
+            "share of the budget's tokens kept as the recent window l (k = budget - l)",
+            minimum=0.0,
+            maximum=1.0,
+        ),
         Param("value", "mean", "a center's value: its cluster's mean value or its own", choices=("mean", "center")),
         Param("weighted", True, "add log(cluster size) to a center's logit"),
     )
@@ -431,14 +459,20 @@ class SubGenKCenter(DenseCompressor):
     def compress(self, state: PrefillState) -> None:
         n = state.n_tokens
         if self.full or self.recent + self.k >= n:
-            self.layers = [DenseLayer.make(k, v, torch.arange(n).expand(k.shape[0], -1)) for k, v in zip(state.keys, state.values)]
+            self.layers = [
+                DenseLayer.make(k, v, torch.arange(n).expand(k.shape[0], -1)) for k, v in zip(state.keys, state.values)
+            ]
             return
         keys, values, pos, logw = kcenter_compress(state.keys, state.values, self.recent, self.k, self.cfg["value"])
         lw = logw if self.cfg["weighted"] else None
-        self.layers = [DenseLayer.make(keys[i], values[i], pos[i], None if lw is None else lw[i]) for i in range(keys.shape[0])]
+        self.layers = [
+            DenseLayer.make(keys[i], values[i], pos[i], None if lw is None else lw[i]) for i in range(keys.shape[0])
+        ]
 
 
-def kcenter_compress(keys: Tensor, values: Tensor, recent: int, k: int, value: str = "mean") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def kcenter_compress(
+    keys: Tensor, values: Tensor, recent: int, k: int, value: str = "mean"
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Recent window + greedy k-center centers, all layers and heads at once.
 
     keys, values [L, H, n, d]. Returns keys, values [L, H, k + recent, d], positions [L, H, k + recent]

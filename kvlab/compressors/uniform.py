@@ -29,7 +29,9 @@ class Uniform(DenseCompressor):
     name = "uniform"
     title = "Uniform sampling"
     group = "baseline"
-    paper = "Han et al., BalanceKV: KV Cache Compression through Discrepancy Theory, Sec. 4.1 baseline (arXiv:2502.07861)"
+    paper = (
+        "Han et al., BalanceKV: KV Cache Compression through Discrepancy Theory, Sec. 4.1 baseline (arXiv:2502.07861)"
+    )
     summary = "Keeps the first and last tokens and a uniform random sample of the middle of the prompt."
     params = (
         Param("n_first", 256, "first prompt tokens always kept (capped at a quarter of the budget)", minimum=0),

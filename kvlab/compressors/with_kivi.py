@@ -18,7 +18,13 @@ from torch import Tensor
 
 from kvlab.compressors.base import DenseCompressor, DenseLayer, Param
 from kvlab.compressors.composed import (
-    ComposedStore, TokenStore, composable, compose, gather_quantized, quantize_tokens, quantized_token_bytes,
+    ComposedStore,
+    TokenStore,
+    composable,
+    compose,
+    gather_quantized,
+    quantize_tokens,
+    quantized_token_bytes,
 )
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.scissorhands import Scissorhands
@@ -78,7 +84,10 @@ class QuantizedStore(ComposedStore):
 def quantized(inner: type[DenseCompressor], bits: int) -> type[DenseCompressor]:
     """The class ``INNER+kiviBITS``: ``inner``'s selection with quantized storage (made once)."""
     return compose(
-        inner, QuantizedStore, f"{SUFFIX}{bits}", f"Kivi{bits}",
+        inner,
+        QuantizedStore,
+        f"{SUFFIX}{bits}",
+        f"Kivi{bits}",
         title=f"{inner.title} + KIVI {bits}-bit",
         summary=f"{inner.title}'s token selection; kept keys/values stored as {bits}-bit codes (per token).",
         params=(Param("quant_group", 32, "quantization group along head_dim", minimum=1),),

@@ -28,7 +28,13 @@ from torch import Tensor
 
 from kvlab.compressors.base import DenseCompressor, DenseLayer, Param, ParamError, PrefillState
 from kvlab.compressors.composed import (
-    ComposedStore, TokenStore, composable, compose, gather_quantized, quantize_tokens, quantized_token_bytes,
+    ComposedStore,
+    TokenStore,
+    composable,
+    compose,
+    gather_quantized,
+    quantize_tokens,
+    quantized_token_bytes,
 )
 from kvlab.compressors.h2o import H2O
 from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, make_sketch, quantize_keys
@@ -70,8 +76,9 @@ class QJLDenseLayer(TokenStore):
     value_group: int
 
     @classmethod
-    def from_dense(cls, layer: DenseLayer, s: Tensor, s_out: Tensor, n_out: int, split: bool, value_bits: int,
-                   value_group: int) -> "QJLDenseLayer":
+    def from_dense(
+        cls, layer: DenseLayer, s: Tensor, s_out: Tensor, n_out: int, split: bool, value_bits: int, value_group: int
+    ) -> "QJLDenseLayer":
         k, v, _, _ = layer.views()
         keys, values = sketch_tokens(k, s, s_out, n_out), quantize_tokens(v, value_bits, value_group)
         return cls(layer.pos, layer.logw, keys, values, s, s_out, n_out, split, value_bits, value_group)
@@ -185,17 +192,27 @@ class QJLStore(ComposedStore):
 
     def store_args(self, layer: int) -> dict:
         c = self.cfg
-        return {"s": self.sketches[layer], "s_out": self.out_sketches[layer], "n_out": self.n_out,
-                "split": bool(c["split_query"]), "value_bits": int(c["value_bits"]),
-                "value_group": int(c["value_group"])}
+        return {
+            "s": self.sketches[layer],
+            "s_out": self.out_sketches[layer],
+            "n_out": self.n_out,
+            "split": bool(c["split_query"]),
+            "value_bits": int(c["value_bits"]),
+            "value_group": int(c["value_group"]),
+        }
 
     def store_knobs(self) -> dict:
         c, d = self.cfg, self.info.head_dim
-        return {"qjl_m": self.sketch_rows, "qjl_outliers": self.n_out, "qjl_m_out": self.m_out,
-                "split_query": bool(c["split_query"]) and self.n_out > 0,
-                "value_bits": int(c["value_bits"]), "value_group": int(c["value_group"]),
-                "key_bits_per_coord": round(8 * self.key_bytes() / d, 3),
-                "value_bits_per_coord": round(8 * (self.kv_bytes() - self.key_bytes()) / d, 3)}
+        return {
+            "qjl_m": self.sketch_rows,
+            "qjl_outliers": self.n_out,
+            "qjl_m_out": self.m_out,
+            "split_query": bool(c["split_query"]) and self.n_out > 0,
+            "value_bits": int(c["value_bits"]),
+            "value_group": int(c["value_group"]),
+            "key_bits_per_coord": round(8 * self.key_bytes() / d, 3),
+            "value_bits_per_coord": round(8 * (self.kv_bytes() - self.key_bytes()) / d, 3),
+        }
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         yield from super().tensors()
@@ -207,26 +224,46 @@ class QJLStore(ComposedStore):
 
 
 QJL_PARAMS = (
-    Param("qjl_m", None, "sign bits per kept key (sketch rows), a multiple of 8; when not given 2 x head_dim (the "
-          "reference's size on most layers), grown up to 16 x head_dim while every prompt token still fits the budget"),
-    Param("qjl_outliers", 0, "channels of each key sketched separately as outliers (chosen per token; paper Sec. 4.1 "
-          "uses head_dim / 16 per group of 32 tokens), 0 for none", minimum=0),
-    Param("split_query", False, "with qjl_outliers: each sketch's estimate uses only its own channels of the query "
-          "(as qjl's split_query: same storage, lower variance; not in the paper)"),
+    Param(
+        "qjl_m",
+        None,
+        "sign bits per kept key (sketch rows), a multiple of 8; when not given 2 x head_dim (the "
+        "reference's size on most layers), grown up to 16 x head_dim while every prompt token still fits the budget",
+    ),
+    Param(
+        "qjl_outliers",
+        0,
+        "channels of each key sketched separately as outliers (chosen per token; paper Sec. 4.1 "
+        "uses head_dim / 16 per group of 32 tokens), 0 for none",
+        minimum=0,
+    ),
+    Param(
+        "split_query",
+        False,
+        "with qjl_outliers: each sketch's estimate uses only its own channels of the query "
+        "(as qjl's split_query: same storage, lower variance; not in the paper)",
+    ),
     Param("value_bits", 2, "bits per value coordinate (reference: 2)", choices=(1, 2, 3, 4, 8)),
     Param("value_group", 32, "coordinates per value quantization group along head_dim (reference: 32)", minimum=1),
-    Param("count_sketch", False, "count the sketch matrices as held bytes (they are regenerated from the seed, so by "
-          "default they are not, as in qjl)"),
+    Param(
+        "count_sketch",
+        False,
+        "count the sketch matrices as held bytes (they are regenerated from the seed, so by "
+        "default they are not, as in qjl)",
+    ),
 )
 
 
 def qjl_keyed(inner: type[DenseCompressor]) -> type[DenseCompressor]:
     """The class ``INNER+qjl``: ``inner``'s selection with QJL keys and quantized values (made once)."""
     return compose(
-        inner, QJLStore, QJL_SUFFIX, "QJL",
+        inner,
+        QJLStore,
+        QJL_SUFFIX,
+        "QJL",
         title=f"{inner.title} + QJL",
         summary=f"{inner.title}'s token selection; kept keys stored as QJL 1-bit sketches (sign bits + norm), "
-                "values as per-token codes (2-bit by default).",
+        "values as per-token codes (2-bit by default).",
         params=QJL_PARAMS,
     )
 
