@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 PORT   ?= 7860
 STAMP   = $(VENV)/.kvlab-installed
 
-.PHONY: install run test test-fast bench browser clean
+.PHONY: install run lint test test-all test-fast bench browser clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,14 @@ browser:
 run: install
 	PYTHONUNBUFFERED=1 $(PY) app.py --host 127.0.0.1 --port $(PORT)
 
-test: install browser
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint browser
+	$(PY) -m pytest -q -rs -m "not acceptance"
+
+test-all: lint browser
 	$(PY) -m pytest -q -rs
 
 test-fast: install

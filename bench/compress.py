@@ -57,7 +57,8 @@ def main() -> None:
     print(f"prompt {len(ids)} tokens, prefill {prefill_s:.2f} s (query window {window})")
     for name, r in rows.items():
         print(
-            f"  {name:16s} {r['compress_s']:7.3f} s  {100 * r['of_prefill']:5.1f}% of prefill  bytes {r['bytes_fraction']:.3f} of exact"
+            f"  {name:16s} {r['compress_s']:7.3f} s  {100 * r['of_prefill']:5.1f}% of prefill"
+            f"  bytes {r['bytes_fraction']:.3f} of exact"
         )
     if args.json:
         emit(out, args.json)

@@ -182,12 +182,16 @@ def _row(n, op, bits, us, moved, device, timer, sdpa_us, err) -> Row:
 
 def markdown(rows: list[Row], device_name: str, dtype: str) -> str:
     head = f"Device: {device_name}. Hq={HQ}, Hkv={HKV}, d={D}, one query token, dense caches in {dtype}.\n\n"
-    head += "| tokens | operation | bits/coord | µs | MB moved | GB/s | copy µs | copy GB/s | % of copy BW | × vs SDPA | max err |\n"
+    head += (
+        "| tokens | operation | bits/coord | µs | MB moved | GB/s | copy µs | copy GB/s "
+        "| % of copy BW | × vs SDPA | max err |\n"
+    )
     head += "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     for r in rows:
         err = "" if r.max_err is None else f"{r.max_err:.1e}"
         head += (
-            f"| {r.n} | {r.op} | {r.bits_per_coord} | {r.us} | {r.bytes_moved / 1e6:.1f} | {r.gbps} | {r.copy_us} | {r.copy_gbps} "
+            f"| {r.n} | {r.op} | {r.bits_per_coord} | {r.us} | {r.bytes_moved / 1e6:.1f} | {r.gbps} "
+            f"| {r.copy_us} | {r.copy_gbps} "
             f"| {100 * r.roofline_frac:.0f}% | {r.speedup_vs_sdpa} | {err} |\n"
         )
     return head

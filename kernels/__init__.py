@@ -5,9 +5,9 @@ Triton kernel on CUDA tensors and the torch reference elsewhere; ``triton`` forc
 (CPU tensors then need TRITON_INTERPRET=1 before triton is imported); ``torch`` forces the references. See _runtime.py.
 """
 
+from kernels import decode_attention  # the module; its entry point is decode_attention.decode_attention
 from kernels._runtime import BACKENDS, HAVE_TRITON, backend, set_backend, use_triton, using
 from kernels.formats import QJLKeys, Segment
-from kernels import decode_attention  # the module; its entry point is decode_attention.decode_attention
 from kernels.qjl import (
     make_sketch,
     outlier_channels,

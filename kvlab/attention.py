@@ -14,8 +14,8 @@ With no context active the function is plain SDPA, so the same model object also
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Callable
 
 import torch
 from torch import Tensor

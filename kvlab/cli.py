@@ -86,7 +86,8 @@ def _read_prompt(args) -> str:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise CliError(
-                f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}; give a readable UTF-8 text file"
+                f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}; "
+                "give a readable UTF-8 text file"
             ) from None
     else:
         text = args.prompt if args.prompt is not None else ""

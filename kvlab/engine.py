@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor

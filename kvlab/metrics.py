@@ -57,7 +57,6 @@ are already in ``run.timings`` and ``run.kv_bytes_per_step``.
 
 from __future__ import annotations
 
-
 import difflib
 import math
 from collections import deque

@@ -16,8 +16,8 @@ values) and the Triton kernels, which read the same layouts:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -50,7 +50,7 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return (c << shifts).sum(-1, dtype=torch.uint8) if per > 1 else c.squeeze(-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_table(bits: int, device: str) -> Tensor:
     """uint8 [256, 8 // sb]: the codes held by every byte value (a lookup is faster than shifting)."""
     sb = storage_bits(bits)
@@ -58,7 +58,7 @@ def code_table(bits: int, device: str) -> Tensor:
     return ((torch.arange(256).unsqueeze(-1) >> shifts) & ((1 << sb) - 1)).to(torch.uint8).to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sign_table(dtype: torch.dtype, device: str) -> Tensor:
     """[256, 8] of ±1: the signs held by every byte value."""
     return (code_table(1, "cpu").to(dtype) * 2 - 1).to(device)

@@ -95,7 +95,7 @@ def summary_rows(recs: list[dict]) -> list[tuple]:
     out = []
     for label, runs in _by_label(recs).items():
 
-        def avg(key):
+        def avg(key, runs=runs):
             v = _mean(r["metrics"].get(key) for r in runs)
             return "—" if v is None else f"{v:.3f}"
 
@@ -141,7 +141,8 @@ def write_report(cfg, recs: list[dict], path: str | Path) -> Path:
     )
     cfg_txt = html.escape(", ".join(f"{k}={v}" for k, v in vars(cfg).items()))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>kvlab sweep: {html.escape(cfg.task)}</title>
-<style>body{{font-family:sans-serif;margin:24px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:3px 8px}}</style>
+<style>body{{font-family:sans-serif;margin:24px}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px}}</style>
 </head><body><h1>kvlab sweep — {html.escape(cfg.task)}</h1><p>{cfg_txt}</p><p>{len(recs)} cells</p>
 {table}
 {"".join(parts)}

@@ -65,7 +65,7 @@ class CompareResult:
         Path(path).write_text(self.dumps())
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "CompareResult":
+    def from_json(cls, data: dict[str, Any]) -> CompareResult:
         runs = []
         known = {f.name for f in fields(RunResult)}
         for r in data["runs"]:
@@ -76,7 +76,7 @@ class CompareResult:
         return cls(**{k: v for k, v in data.items() if k in keep and k != "runs"}, runs=runs)
 
     @classmethod
-    def load(cls, path: str | Path) -> "CompareResult":
+    def load(cls, path: str | Path) -> CompareResult:
         return cls.from_json(json.loads(Path(path).read_text()))
 
     def run(self, label: str) -> RunResult:

@@ -4,8 +4,9 @@ Each grid cell is one generated prompt (task, length, seed); its methods and bud
 in one lockstep comparison. A cell's result is written to ``<out>/cells/<key>.json`` as soon as it
 is done, and a re-run skips cells whose file exists (the key includes a hash of everything that
 changes the result). Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
-sweep ...``, also on CPU-only machines where it runs N gloo processes; or torchrun) process r runs cells r, r + W, r + 2W, ...; after a barrier, process
-0 merges all cell files into ``results.json``, ``results.csv`` and ``report.html``.
+sweep ...``, also on CPU-only machines where it runs N gloo processes; or torchrun) process r
+runs cells r, r + W, r + 2W, ...; after a barrier, process 0 merges
+all cell files into ``results.json``, ``results.csv`` and ``report.html``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import csv
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
-
 
 CSV_FIELDS = (
     "task",

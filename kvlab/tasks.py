@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 TASKS = ("passkey", "lines", "document")
 
@@ -115,7 +115,10 @@ def lines(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
     pool = [f"{a}-{b}" for a in _WORDS for b in _WORDS if a != b]
     rng.shuffle(pool)
     values = [rng.randint(1000, 99999) for _ in pool]
-    head = "Below is a record of lines I want you to remember. Each line begins with 'line <name>' and contains a REGISTER_CONTENT. Remember the REGISTER_CONTENT of every line.\n\n"
+    head = (
+        "Below is a record of lines I want you to remember. Each line begins with 'line <name>' and contains "
+        "a REGISTER_CONTENT. Remember the REGISTER_CONTENT of every line.\n\n"
+    )
 
     def build(k: int, pick: int | None = None) -> str:
         k = max(1, min(k, len(pool)))

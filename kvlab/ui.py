@@ -23,9 +23,10 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gradio as gr
 import torch
@@ -479,7 +480,7 @@ def report_html(result: CompareResult, lm: LoadedModel | None = None) -> str:
     figs = plots.overview_figures(result)
     figs["attention"] = plots.attention_heatmaps(result)
     body = []
-    for i, (name, fig) in enumerate(figs.items()):
+    for i, fig in enumerate(figs.values()):
         body.append(
             fig.to_html(
                 full_html=False, include_plotlyjs="inline" if i == 0 else False, default_height=fig.layout.height
@@ -571,7 +572,7 @@ class Dashboard:
         record_maps,
         map_layer=None,
         map_head=0,
-        progress=gr.Progress(),
+        progress=gr.Progress(),  # noqa: B008 (gradio injects progress through this default)
     ):
         """Generator: yields (status, cards, state, *figures) as the comparison runs."""
         n_out = len(FIGURE_OUTPUTS) + 3

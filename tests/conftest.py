@@ -38,3 +38,13 @@ def prefill_state(engine, lm, long_text):
     ids = lm.encode(long_text[:3000])
     state, _ = engine.prefill(ids, window=64, acc_attn=True)
     return state
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA and the compiled Triton path; without a GPU they are skipped."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (compiled Triton path)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

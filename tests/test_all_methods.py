@@ -7,11 +7,11 @@ budget 1.0 every method is the exact cache: its attention output equals exact at
 
 import pytest
 import torch
+from kv_samples import new_token
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
 from kvlab.ops import dense_attention
-from kv_samples import new_token
 
 COMPOSED = [
     "streaming+kivi4",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_samples import new_token
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
@@ -17,7 +18,6 @@ from kvlab.compressors.streaming import StreamingLLM
 from kvlab.compressors.with_qjl import QJLDenseLayer, QJLStore
 from kvlab.ops import dense_attention, group_queries, tensor_bytes
 from kvlab.quant import dequantize_groups
-from kv_samples import new_token
 
 
 def _build(lm, state, name, budget, **params):

@@ -13,7 +13,7 @@ from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
 from kvlab.ops import dense_attention
-from kvlab.quant import dequantize_groups, group_error_bound, unpack_signs
+from kvlab.quant import dequantize_groups, group_error_bound
 
 
 def _pair(d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,5 @@
 """SubGen (Algorithm 1) and its k-center variant: clustering, reservoir statistics, estimator, engine runs."""
 
-import math
-
 import pytest
 import torch
 

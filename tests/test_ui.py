@@ -15,11 +15,11 @@ import pytest
 
 gradio_client = pytest.importorskip("gradio_client")
 
-from kvlab import plots  # noqa: E402
-from kvlab.results import CompareResult  # noqa: E402
 import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 
+from kvlab import plots  # noqa: E402
+from kvlab.results import CompareResult  # noqa: E402
 from kvlab.ui import Dashboard, build_demo, gpu, launch_kwargs, param_rows, params_from_rows  # noqa: E402
 
 PROMPT = "Summarize: the cat sat on the mat because the mat was warm and the sun was out. " * 6

@@ -18,7 +18,8 @@ more than ``capacity`` tokens, not even during attention.
 
 from __future__ import annotations
 
-from typing import ClassVar, Iterator
+from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 from torch import Tensor

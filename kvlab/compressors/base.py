@@ -13,8 +13,9 @@ A compressor is one method at one budget for one run. The engine calls, in order
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -198,7 +199,7 @@ class DenseLayer:
     logw: _Growable | None = None  # stored as [Hkv, n, 1]
 
     @classmethod
-    def make(cls, k: Tensor, v: Tensor, pos: Tensor, logw: Tensor | None = None) -> "DenseLayer":
+    def make(cls, k: Tensor, v: Tensor, pos: Tensor, logw: Tensor | None = None) -> DenseLayer:
         return cls(
             _Growable(k.contiguous()),
             _Growable(v.contiguous()),

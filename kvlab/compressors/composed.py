@@ -18,8 +18,9 @@ each registers a resolver (``registry.add_resolver``) and its named instances on
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Iterator
+from typing import ClassVar
 
 import torch
 from torch import Tensor

@@ -27,8 +27,14 @@ class H2O(ScoredEvictionCompressor):
     name = "h2o"
     title = "H2O"
     group = "baseline"
-    paper = "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, NeurIPS 2023 (arXiv:2306.14048)"
-    summary = "Keeps the tokens with the most accumulated attention (heavy hitters) plus a recent window; evicts one per new token."
+    paper = (
+        "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs, "
+        "NeurIPS 2023 (arXiv:2306.14048)"
+    )
+    summary = (
+        "Keeps the tokens with the most accumulated attention (heavy hitters) plus a recent window; "
+        "evicts one per new token."
+    )
     needs_acc_attn = True
     params = (
         Param(

@@ -16,8 +16,8 @@ highest bit-width whose quantized cache fits, then the longest residual that sti
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor

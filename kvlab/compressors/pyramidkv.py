@@ -12,6 +12,7 @@ layer keeps; the rounded per-layer budgets sum exactly to the total.
 from __future__ import annotations
 
 import torch
+
 from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.registry import register
 from kvlab.compressors.snapkv import SnapKV, with_window

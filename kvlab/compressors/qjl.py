@@ -25,8 +25,8 @@ indices uint8 [Hkv, n_groups, n_outliers], values packed by ``kvlab.quant.pack_c
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -129,7 +129,7 @@ def outlier_mask(idx: Tensor, d: int, group: int) -> Tensor:
     return mask.repeat_interleave(group, dim=-2)
 
 
-def quantize_keys(k: Tensor, s: Tensor, s_out: Tensor, group: int, n_out: int) -> "QuantizedKeys":
+def quantize_keys(k: Tensor, s: Tensor, s_out: Tensor, group: int, n_out: int) -> QuantizedKeys:
     """Algorithm 1's sketched keys with Sec. 4.1's outliers: k [L, H, n, d], S [L, m, d], S_out [L, m_out, d].
 
     n is a multiple of ``group``; the ``n_out`` outlier channels of each group of ``group`` tokens are
@@ -159,7 +159,7 @@ class QuantizedKeys:
     out_norms: Tensor  # fp16 [Hkv, n]
     out_idx: Tensor  # uint8 [Hkv, n_groups, n_outliers]
 
-    def layer(self, j: int) -> "QuantizedKeys":
+    def layer(self, j: int) -> QuantizedKeys:
         """Slice j of keys quantized with a leading (layer) dim, without that dim."""
         return QuantizedKeys(*(t[j] for t in (self.bits, self.norms, self.out_bits, self.out_norms, self.out_idx)))
 
@@ -184,7 +184,7 @@ class QuantizedKeys:
             return torch.where(outlier_mask(self.out_idx, k.shape[-1], split_group), k_out, k)
         return k + k_out
 
-    def cat(self, other: "QuantizedKeys") -> "QuantizedKeys":
+    def cat(self, other: QuantizedKeys) -> QuantizedKeys:
         return QuantizedKeys(
             torch.cat([self.bits, other.bits], -2),
             torch.cat([self.norms, other.norms], -1),

@@ -48,7 +48,10 @@ class Scissorhands(ScoredEvictionCompressor):
         "Liu et al., Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache "
         "Compression at Test Time, NeurIPS 2023 (arXiv:2305.17118)"
     )
-    summary = "Counts how often each token's attention falls below 1/t over a history window; drops the most often unimportant."
+    summary = (
+        "Counts how often each token's attention falls below 1/t over a history window; "
+        "drops the most often unimportant."
+    )
     score_dtype = torch.int16
     evict_highest = True
     reset_after_eviction = True

@@ -17,8 +17,9 @@ arXiv:2402.06082 (2024); later version "ClusterGen" (same authors, same Algorith
 The pass runs over the prompt at compress time and keeps running on every generated token. It is
 sequential only in the cluster assignment, which runs over all L x Hkv streams together, in chunks
 of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
-same result as the token-by-token rule). Over the prompt the reservoirs are drawn from the closed form of their coin
-flips (the same distribution); while decoding the coins are flipped token by token. To hold a byte budget, the cluster count is capped at ``m_cap``: once a
+same result as the token-by-token rule). Over the prompt the reservoirs are drawn from the closed
+form of their coin flips (the same distribution); while decoding the coins are flipped token by
+token. To hold a byte budget, the cluster count is capped at ``m_cap``: once a
 stream has ``m_cap`` clusters, a far key joins its nearest cluster anyway (the uniform reservoir still
 estimates that cluster's sum without bias; only the variance grows).
 
@@ -35,8 +36,8 @@ close to x. Generated tokens are kept uncompressed (prefill-only method).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -179,7 +180,7 @@ class SubGenState:
     @classmethod
     def build(
         cls, keys: Tensor, values: Tensor, delta: Tensor, t: int, s: int, m_cap: int, gen: torch.Generator
-    ) -> "SubGenState":
+    ) -> SubGenState:
         """Run Algorithm 1 over a prompt: keys, values [L, H, n, d]; delta [L, H]."""
         n_layers, h, n, d = keys.shape
         flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, d).float()
@@ -359,7 +360,8 @@ class SubGen(Compressor):
         Param(
             "delta",
             None,
-            "cluster radius delta (None: the greedy k-center radius of the prompt keys with m_cap centers, times delta_scale)",
+            "cluster radius delta (None: the greedy k-center radius of the prompt keys with m_cap centers, "
+            "times delta_scale)",
             minimum=0.0,
         ),
         Param("t", 4, "uniform reservoir samples per cluster (softmax denominator)", minimum=1),

@@ -11,8 +11,8 @@ The shared store and mixin are in ``composed.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from torch import Tensor
 
@@ -45,7 +45,7 @@ class QuantizedDenseLayer(TokenStore):
     group: int
 
     @classmethod
-    def from_dense(cls, layer: DenseLayer, bits: int, group: int) -> "QuantizedDenseLayer":
+    def from_dense(cls, layer: DenseLayer, bits: int, group: int) -> QuantizedDenseLayer:
         k, v, _, _ = layer.views()
         return cls(layer.pos, layer.logw, quantize_tokens(k, bits, group), quantize_tokens(v, bits, group), bits, group)
 

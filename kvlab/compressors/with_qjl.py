@@ -20,8 +20,8 @@ The shared store and mixin are in ``composed.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -78,7 +78,7 @@ class QJLDenseLayer(TokenStore):
     @classmethod
     def from_dense(
         cls, layer: DenseLayer, s: Tensor, s_out: Tensor, n_out: int, split: bool, value_bits: int, value_group: int
-    ) -> "QJLDenseLayer":
+    ) -> QJLDenseLayer:
         k, v, _, _ = layer.views()
         keys, values = sketch_tokens(k, s, s_out, n_out), quantize_tokens(v, value_bits, value_group)
         return cls(layer.pos, layer.logw, keys, values, s, s_out, n_out, split, value_bits, value_group)
