@@ -1,0 +1,106 @@
+"""The ZeroGPU path: a lease sized to the request, nothing device-resident handed back."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from kvlab import gpu
+
+
+def test_lease_grows_with_the_work_and_is_capped(monkeypatch):
+    monkeypatch.delenv("KVLAB_GPU_SECONDS_SCALE", raising=False)
+    monkeypatch.setenv("KVLAB_GPU_MAX_SECONDS", "100000")
+    small = gpu.WorkSize(prompt_tokens=500, runs=2, new_tokens=16)
+    for bigger in (
+        gpu.WorkSize(prompt_tokens=4000, runs=2, new_tokens=16),
+        gpu.WorkSize(prompt_tokens=500, runs=12, new_tokens=16),
+        gpu.WorkSize(prompt_tokens=500, runs=2, new_tokens=256),
+    ):
+        assert gpu.lease_seconds(bigger) > gpu.lease_seconds(small)
+    assert gpu.lease_seconds(gpu.WorkSize(500, 2, 16, probes=False)) < gpu.lease_seconds(small)
+    huge = gpu.WorkSize(prompt_tokens=8000, runs=200, new_tokens=4096)
+    monkeypatch.setenv("KVLAB_GPU_MAX_SECONDS", "300")
+    assert gpu.lease_seconds(huge) == 300
+    monkeypatch.setenv("KVLAB_GPU_SECONDS_SCALE", "2.0")
+    assert gpu.lease_seconds(small) > gpu.WorkSize(500, 2, 16).seconds() / 2 + gpu.BASE_S / 2
+
+
+def test_without_spaces_the_function_is_unchanged(monkeypatch):
+    monkeypatch.setitem(sys.modules, "spaces", None)  # import fails, as on a machine without it
+    fn = lambda x: x  # noqa: E731
+    assert gpu.gpu(fn, lambda x: gpu.WorkSize(1, 1, 1)) is fn
+
+
+@pytest.fixture
+def zero_gpu_spaces(monkeypatch):
+    """A stand-in for the ``spaces`` package on a ZeroGPU Space: records the durations asked for."""
+    asked: list[int] = []
+
+    def GPU(duration):
+        def deco(fn):
+            def run(*args, **kwargs):
+                asked.append(duration(*args, **kwargs))
+                return fn(*args, **kwargs)
+
+            return run
+
+        return deco
+
+    mod = types.ModuleType("spaces")
+    mod.GPU = GPU
+    cfg = types.ModuleType("spaces.config")
+    cfg.Config = types.SimpleNamespace(zero_gpu=True)
+    mod.config = cfg
+    monkeypatch.setitem(sys.modules, "spaces", mod)
+    monkeypatch.setitem(sys.modules, "spaces.config", cfg)
+    return asked
+
+
+def test_duration_comes_from_the_request(zero_gpu_spaces, monkeypatch):
+    monkeypatch.setenv("KVLAB_GPU_MAX_SECONDS", "100000")
+
+    def compare(prompt_tokens, runs):
+        yield {"keys": torch.ones(2)}
+        yield "done"
+
+    wrapped = gpu.gpu(compare, lambda p, r: gpu.WorkSize(p, r, 32))
+    outs = list(wrapped(1000, 3))
+    outs += list(wrapped(4000, 12))
+    assert zero_gpu_spaces == [
+        gpu.lease_seconds(gpu.WorkSize(1000, 3, 32)),
+        gpu.lease_seconds(gpu.WorkSize(4000, 12, 32)),
+    ]
+    assert zero_gpu_spaces[1] > zero_gpu_spaces[0]
+    assert outs[1] == "done" and outs[0]["keys"].device.type == "cpu"
+
+
+def test_a_bad_request_gets_the_smallest_lease(zero_gpu_spaces):
+    def work(prompt):
+        raise ValueError("bad budget")
+
+    assert gpu.gpu(lambda prompt: "refused", work)("x") == "refused"
+    assert zero_gpu_spaces == [int(gpu.BASE_S)]
+
+
+def test_host_only_and_tensor_paths():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Box:
+        t: torch.Tensor
+        note: str = ""
+
+    t = torch.arange(3.0)
+    obj = {"a": [t, (1, t)], "b": Box(t, "x")}
+    assert sorted(gpu.tensor_paths(obj)) == [
+        "a/0/<tensor on cpu>",
+        "a/1/1/<tensor on cpu>",
+        "b/t/<tensor on cpu>",
+    ]
+    moved = gpu.host_only(obj)
+    assert torch.equal(moved["b"].t, t) and moved["b"].note == "x"
+    assert gpu.tensor_paths({"text": "no tensors", "n": [1, 2.0]}) == []
