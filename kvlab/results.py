@@ -33,6 +33,7 @@ class RunResult:
     timings: RunTimings = field(default_factory=RunTimings)
     metrics: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)  # e.g. kept positions for heatmaps
+    health: list = field(default_factory=list)  # flags: [{"flag": name, "detail": text}] (kvlab.health)
 
     @property
     def label(self) -> str:
