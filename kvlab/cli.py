@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="measure attention error, teacher-forced KL/agreement/perplexity and attention maps",
     )
-    c.add_argument("--methods", default="exact,streaming", help="comma-separated method names (see `methods`)")
+    c.add_argument("--methods", default="exact,streaming", help="method names, or all, paper, baselines")
     c.add_argument("--budget", default="0.25", help="fractions in (0,1] or token counts like 512t, comma-separated")
     c.add_argument("--max-new-tokens", type=int, default=32)
     c.add_argument("--model", default="embedded", help="'embedded', a Hugging Face id, or a local folder")
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="run a task over lengths x seeds x methods x budgets; JSON, CSV, HTML report")
     s.add_argument("--task", default="passkey", help="passkey, lines or document")
     s.add_argument("--lengths", default="1k", help="comma-separated prompt lengths in tokens, e.g. 1k,2k")
-    s.add_argument("--methods", default="all", help="comma-separated method names, or 'all' (every registered method)")
+    s.add_argument("--methods", default="all", help="comma-separated method names, or all, paper, baselines")
     s.add_argument("--budgets", default="0.5,0.25", help="comma-separated budgets (fractions or 512t)")
     s.add_argument("--seeds", type=int, default=1, help="seeds per length (0..N-1)")
     s.add_argument("--max-new-tokens", type=int, default=16)
@@ -116,6 +116,17 @@ def format_table(result) -> str:
     return "\n".join(lines)
 
 
+def method_names(spec: str) -> list[str]:
+    """Comma-separated names; ``all``, ``paper`` and ``baselines`` stand for the registered groups."""
+    from kvlab.compressors import methods
+
+    groups = {"all": None, "paper": "paper", "baselines": "baseline"}
+    out: list[str] = []
+    for name in (m.strip() for m in spec.split(",") if m.strip()):
+        out += [n for n, c in methods().items() if groups[name] in (None, c.group)] if name in groups else [name]
+    return list(dict.fromkeys(out))
+
+
 def cmd_methods() -> int:
     from kvlab.compressors import methods
 
@@ -141,7 +152,7 @@ def cmd_compare(args) -> int:
     )
     try:
         gen.validate()
-        runs = expand_runs(args.methods.split(","), budgets, params)
+        runs = expand_runs(method_names(args.methods), budgets, params)
     except InputError as exc:
         raise CliError(str(exc)) from None
     t0 = time.perf_counter()
@@ -193,7 +204,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from kvlab.compressors import names
     from kvlab.engine import Engine, InputError, expand_runs
     from kvlab.sweep import SweepConfig, budget_labels, run_sweep
     from kvlab.tasks import TASKS, TaskError, parse_length
@@ -205,7 +215,7 @@ def cmd_sweep(args) -> int:
         budgets = budget_labels(args.budgets)
     except (TaskError, BudgetError) as exc:
         raise CliError(str(exc)) from None
-    methods = names() if args.methods.strip() == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = method_names(args.methods)
     try:
         expand_runs(methods, [])
     except InputError as exc:
