@@ -2,7 +2,7 @@
 
 Runs `compare` of exact + 4 methods on a ~1.9k-token prompt (CPython's reference manual), 32 new
 tokens, 2 CPU threads; then the same 5 configurations one by one, each with its own prefill. The
-target (issue 2) is lockstep <= 0.35x of one-by-one. The pair is repeated (``--repeats``, default 3)
+goal is lockstep <= 0.35x of one-by-one. The pair is repeated (``--repeats``, default 3)
 because a shared 2-core machine is noisy: reported are every pair's ratio, the median pair's, and
 the ratio of best times (each configuration's fastest run, as ``timeit`` advises: noise only adds time).
 Prints JSON and writes it with ``--json``.

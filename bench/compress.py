@@ -1,4 +1,4 @@
-"""Compression time vs prefill time on a long prompt (issue 3's target: each at most 25% of the prefill).
+"""Compression time vs prefill time on a long prompt (goal: each at most 25% of the prefill).
 
 One exact prefill of a ~4k-token prompt (CPython's reference manual) with the query window and
 accumulated attention the methods ask for, then each method's ``plan`` + ``compress`` on it, timed

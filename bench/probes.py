@@ -1,10 +1,10 @@
 """Probes on vs off: what the costly measurements add to a lockstep comparison.
 
-The foundation's benchmark setup (bench/compare_lockstep.py): exact + 4 methods on a ~1.9k-token
+The setup of bench/compare_lockstep.py: exact + 4 methods on a ~1.9k-token
 prompt from CPython's reference manual, 32 new tokens, 2 CPU threads. Runs the comparison without
 probes and with ``MetricsProbe`` (shadow-cache attention error at every layer and step,
 teacher-forced KL / agreement / perplexity, attention maps), alternating ``--repeats`` times, and
-reports the median ratio. Target (issue 5): probes on <= 1.6x probes off.
+reports the median ratio. Goal: probes on <= 1.6x probes off.
 
     python -m bench.probes [--methods exact,qjl,subgen,balancekv,scissorhands] [--json out.json]
 """

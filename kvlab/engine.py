@@ -1,6 +1,6 @@
 """The engine: one exact prefill shared by every method, then lockstep decoding.
 
-Data flow (DESIGN.md §2): tokenize -> one exact prefill (K/V of the prompt, last queries and,
+Data flow (docs/design.md §2): tokenize -> one exact prefill (K/V of the prompt, last queries and,
 when a method asks, accumulated attention) -> each method compresses its own copy -> decode all
 methods together, one batched forward per step, row i attending through method i's cache ->
 results. Positions always continue from the true number of tokens seen.

@@ -5,7 +5,7 @@ Every builder takes the result (plus view choices such as layer and head) and re
 (no metrics recorded, a single budget, an imported file from an older version) it returns a figure
 that says so in words instead of failing.
 
-Metric names (issue 5, ``RunResult.metrics``): ``attn_rel_error`` [steps][layers], ``kl`` [steps],
+Metric names (``RunResult.metrics``, docs/metrics.md): ``attn_rel_error`` [steps][layers], ``kl`` [steps],
 ``top1_agreement`` (scalar or [steps]), ``perplexity``, ``first_divergence``, ``text_similarity``,
 ``task_score``. Attention maps and kept positions live in ``RunResult.extras`` (see ``attn_map``
 and ``kept_of``).

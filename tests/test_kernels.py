@@ -1,7 +1,7 @@
 """The Triton kernels against their torch references, under Triton's interpreter on the CPU.
 
 How the interpreter is set up (robustly): Triton decides when ``triton.language`` is first imported
-whether its library functions are compiled or interpreted, and other tests in the same session may
+whether its library functions are compiled or interpreted, and other tests in the same pytest run may
 have imported triton already. So the kernel cases run in ONE child process started with
 ``TRITON_INTERPRET=1`` (``python tests/test_kernels.py --cases``, which prints JSON); each pytest
 test below asserts on its case's numbers. Nothing in the pytest process sets the variable.

@@ -143,7 +143,7 @@ def test_report_renders_in_chromium(small_sweep, tmp_path):
 @pytest.mark.acceptance
 @pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian's chromium (make browser)")
 def test_full_passkey_sweep_all_methods(tmp_path):
-    """The issue's acceptance sweep: lengths 1k and 2k, 8 seeds, budgets 0.5 and 0.25, every method."""
+    """The acceptance sweep: lengths 1k and 2k, 8 seeds, budgets 0.5 and 0.25, every method."""
     out = tmp_path / "full"
     args = [
         "sweep",

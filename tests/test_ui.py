@@ -1,6 +1,6 @@
 """The dashboard's API, called by name through gradio_client on the real embedded model.
 
-The app runs in this process (the session model is shared) on a free port of 127.0.0.1 and is
+The app runs in this process (the session-scoped model fixture is shared) on a free port of 127.0.0.1 and is
 closed at the end. Prompts are short and runs are a few tokens: the machine has 2 shared cores.
 """
 

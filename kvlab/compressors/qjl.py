@@ -11,13 +11,13 @@ Overhead", arXiv:2406.03482 (AAAI 2025). Implemented here:
 * Sec. 4.1 "Outliers": per group of ``outlier_group`` tokens, the ``n_outliers`` channels with the
   largest norm over the group are sketched by a second, independent quantizer (``S_out``,
   ``m_out`` rows) and the remaining channels by S; the score is the sum of both estimates.
-* From the public reference code (DESIGN.md §5): values quantized per token in groups of
+* From the public reference code (docs/design.md §5): values quantized per token in groups of
   ``value_group`` coordinates at ``value_bits`` (scale + min in float16); the most recent
   ``residual`` tokens kept at full precision and flushed into the quantized store
   ``outlier_group`` tokens at a time; the first layers get a larger sketch (m x ``initial_factor``).
   Here one window serves keys and values (the reference keeps < 128 keys and 128 values).
 
-Storage format (shared with the Triton kernels, see docs/qjl.md): sign bits uint8 [Hkv, n, m/8]
+Storage format (shared with the Triton kernels, see docs/methods/qjl.md): sign bits uint8 [Hkv, n, m/8]
 LSB first (bit 1 = S k >= 0), norms float16 [Hkv, n], S float32 [m, d] per layer, outlier channel
 indices uint8 [Hkv, n_groups, n_outliers], values packed by ``kvlab.quant.pack_codes``.
 """

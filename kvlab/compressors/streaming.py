@@ -3,7 +3,7 @@
 Xiao, Tian, Chen, Han, Lewis. "Efficient Streaming Language Models with Attention Sinks", ICLR 2024,
 https://arxiv.org/abs/2309.17453 — keep the first ``n_sink`` tokens (the sinks) and the most recent
 ``window`` tokens; evict the oldest non-sink token as each new token arrives. Keys are stored
-post-RoPE at their original positions (kvlab never re-assigns positions, see DESIGN.md §2).
+post-RoPE at their original positions (kvlab never re-assigns positions, see docs/design.md §2).
 """
 
 from __future__ import annotations
