@@ -2,7 +2,7 @@
 VENV   ?= .venv
 PYTHON ?= python3
 PY      = $(VENV)/bin/python
-# torch goes in first, on its own (the pin is in requirements.txt; `make install TORCH=torch==X` overrides it).
+# torch goes in first, on its own (its pin is in requirements.txt; `make install TORCH=...` overrides it).
 TORCH  ?= $(shell grep -E '^torch[=<>~ ]' requirements.txt)
 PORT   ?= 7860
 STAMP   = $(VENV)/.kvlab-installed
