@@ -142,14 +142,23 @@ def test_small_argv_rewrites_sizes(tmp_path):
 # ----- links and citations -----------------------------------------------------------------------
 
 
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    heads = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 @pytest.mark.parametrize("path", MARKDOWN, ids=[str(p.relative_to(ROOT)) for p in MARKDOWN])
 def test_relative_links_resolve(path):
     text = path.read_text(encoding="utf-8")
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        file = (path.parent / target.split("#", 1)[0]).resolve()
+        name, _, anchor = target.partition("#")
+        file = (path.parent / name).resolve() if name else path
         assert file.exists(), f"{path.relative_to(ROOT)} links to {target}, which does not exist"
+        if anchor and file.suffix == ".md":
+            assert anchor in anchors(file), f"{path.relative_to(ROOT)} links to {target}: no such heading"
 
 
 def test_code_cites_existing_docs():
