@@ -104,3 +104,14 @@ def test_host_only_and_tensor_paths():
     moved = gpu.host_only(obj)
     assert torch.equal(moved["b"].t, t) and moved["b"].note == "x"
     assert gpu.tensor_paths({"text": "no tensors", "n": [1, 2.0]}) == []
+
+
+def test_space_python_version_is_one_zero_gpu_runs():
+    """ZeroGPU Spaces run a fixed Python (3.10.13, and 3.12.12 on newer images); the front matter names one."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    front = readme.split("---")[1]
+    version = re.search(r'^python_version:\s*"?([\d.]+)"?\s*$', front, re.M).group(1)
+    assert version in {"3.10.13", "3.12.12"}
