@@ -9,7 +9,7 @@ full-precision keys or values in memory:
 * values dense, or quantized per token in groups along head_dim (QJL Sec. 4 and KIVI: Liu et al.,
   "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024, arXiv:2402.02750),
   in kvlab.quant's layout (codes packed LSB first, float16 scale and minimum per group);
-* per-token log-weights added to the logits (BalanceKV: Han et al., arXiv:2502.03771, and SubGen:
+* per-token log-weights added to the logits (BalanceKV: Han et al., arXiv:2502.07861, and SubGen:
   Zandieh et al., arXiv:2402.06082 — a kept token standing for several);
 * a kept-index list (eviction methods: H2O, SnapKV, Scissorhands...) reading rows of a larger buffer.
 

@@ -34,6 +34,12 @@ def _parse_params(items: list[str]) -> dict[str, dict]:
     return out
 
 
+_CACHE_DTYPE_HELP = (
+    "dtype the caches store keys and values in, counted by the budgets: auto (float16 on the CPU, the "
+    "model's 16-bit dtype on a GPU), float32, float16 or bfloat16"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m kvlab", description="Compare KV-cache compression methods on a real model.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
@@ -55,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default="embedded", help="'embedded', a Hugging Face id, or a local folder")
     c.add_argument("--device", default="auto")
     c.add_argument("--dtype", default="auto")
+    c.add_argument(
+        "--cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"), help=_CACHE_DTYPE_HELP
+    )
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--sample", action="store_true", help="seeded sampling instead of greedy decoding")
     c.add_argument("--temperature", type=float, default=1.0)
@@ -75,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
     s.add_argument("--model", default="embedded")
     s.add_argument("--device", default="auto")
+    s.add_argument(
+        "--cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"), help=_CACHE_DTYPE_HELP
+    )
     s.add_argument("--out", default="sweep-out", help="output folder (cells/, results.json, results.csv, report.html)")
     s.add_argument("--quiet", action="store_true")
     return p
@@ -157,7 +169,7 @@ def cmd_compare(args) -> int:
         raise CliError(str(exc)) from None
     t0 = time.perf_counter()
     try:
-        lm = load_model(args.model, args.device, args.dtype, args.trust_remote_code)
+        lm = load_model(args.model, args.device, args.dtype, args.trust_remote_code, cache_dtype=args.cache_dtype)
     except ModelLoadError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 1
@@ -194,7 +206,8 @@ def cmd_compare(args) -> int:
 
         score_result(task, result)
     print(
-        f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}); "
+        f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}, "
+        f"cache {result.model.get('cache_dtype', result.model['dtype'])}); "
         f"prompt {result.prompt_tokens} tokens; load {load_s:.1f} s, compare {result.timings['compare_s']:.1f} s"
     )
     print(format_table(result))
@@ -246,7 +259,7 @@ def cmd_sweep(args) -> int:
 
             if torch.cuda.is_available():
                 device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
-        return Engine(load_model(args.model, device))
+        return Engine(load_model(args.model, device, cache_dtype=args.cache_dtype))
 
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     report = run_sweep(cfg, engine_factory, log)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,17 +39,46 @@ class ModelInfo:
     dtype: str
     device: str
     max_positions: int
+    cache_dtype: str = ""  # the dtype caches store K/V in ("": the compute dtype; see ``default_cache_dtype``)
+
+    def __post_init__(self):
+        if not self.cache_dtype:
+            object.__setattr__(self, "cache_dtype", self.dtype)
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ModelLoadError(f"unknown cache dtype {self.cache_dtype!r}; allowed: {', '.join(CACHE_DTYPES)}")
 
     @property
     def group_size(self) -> int:
         return self.n_heads // self.n_kv_heads
 
     @property
+    def torch_cache_dtype(self) -> torch.dtype:
+        """The dtype every cache stores its full-precision keys and values in (upcast for attention)."""
+        return CACHE_DTYPES[self.cache_dtype]
+
+    @property
     def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        """Bytes of one stored key or value number: the cache dtype's size (what budgets count)."""
+        return self.torch_cache_dtype.itemsize
+
+    def with_cache_dtype(self, cache_dtype: str | None) -> ModelInfo:
+        """The same model with caches stored in ``cache_dtype`` (None or "auto": the default for its device)."""
+        chosen = default_cache_dtype(self.dtype, self.device) if cache_dtype in (None, "", "auto") else cache_dtype
+        return replace(self, cache_dtype=chosen)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_cache_dtype(dtype: str, device: str) -> str:
+    """The 16-bit cache dtype papers and deployments count: the model's dtype on a GPU when it is
+    16-bit, else float16 (on the CPU the model computes in float32 but its cache is float16)."""
+    if str(device).startswith("cuda") and dtype in ("float16", "bfloat16"):
+        return dtype
+    return "float16"
 
 
 @dataclass
@@ -61,6 +90,10 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return torch.device(self.info.device)
+
+    def with_cache_dtype(self, cache_dtype: str | None) -> LoadedModel:
+        """The same weights with caches stored in ``cache_dtype`` (float32, float16, bfloat16; None: default)."""
+        return replace(self, info=self.info.with_cache_dtype(cache_dtype))
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids exactly as the model is fed: the chat template when the model has one."""
@@ -163,18 +196,23 @@ def load_model(
     device: str | None = None,
     dtype: str | None = None,
     trust_remote_code: bool = False,
+    cache_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM: ``"embedded"``, a Hugging Face id, or a local folder.
 
+    ``cache_dtype`` (float32, float16, bfloat16; None or "auto": float16 on the CPU, the model's
+    16-bit dtype on a GPU) is the dtype every cache stores keys and values in; budgets count it.
     Loaded models are kept in memory per (spec, device, dtype) so the UI and tests share one.
     Raises ModelLoadError with a one-line reason on any failure.
     """
+    if cache_dtype not in (None, "", "auto") and cache_dtype not in CACHE_DTYPES:
+        raise ModelLoadError(f"unknown cache dtype {cache_dtype!r}; allowed: auto, {', '.join(CACHE_DTYPES)}")
     spec = (spec or EMBEDDED).strip()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     key = (spec, dev, dt, trust_remote_code)
     if key in _LOADED:
-        return _LOADED[key]
+        return _LOADED[key].with_cache_dtype(cache_dtype)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = str(embedded_model_dir()) if spec == EMBEDDED else spec
@@ -211,7 +249,7 @@ def load_model(
     )
     loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
     _LOADED[key] = loaded
-    return loaded
+    return loaded.with_cache_dtype(cache_dtype)
 
 
 def _explain(spec: str, exc: Exception) -> str:

@@ -25,6 +25,14 @@ def engine(lm):
 
 
 @pytest.fixture(scope="session")
+def engine32(lm):
+    """The engine with float32 caches: exact then equals transformers' ``generate`` token for token."""
+    from kvlab.engine import Engine
+
+    return Engine(lm.with_cache_dtype("float32"))
+
+
+@pytest.fixture(scope="session")
 def long_text():
     """Real prose from CPython's reference manual (offline), for long prompts."""
     from pydoc_data.topics import topics

@@ -94,10 +94,7 @@ class ScoredEvictionCompressor(DenseCompressor):
 
     def per_token_bytes(self, with_logw: bool = False) -> int:
         """K, V and position of one kept token plus its score (per layer and KV head)."""
-        return super().per_token_bytes(with_logw) + (0 if self.budget_is_full() else self.score_bytes())
-
-    def budget_is_full(self) -> bool:
-        return self.budget is None or self.budget.is_full
+        return super().per_token_bytes(with_logw) + (0 if self.is_full else self.score_bytes())
 
     def set_full(self, full: bool) -> None:
         """No eviction at all: the cache is the exact one (positions 0..n-1 implied, no scores)."""

@@ -1,7 +1,7 @@
 """BalanceKV: KV-cache compression by discrepancy-theoretic halving of the prompt's middle tokens.
 
 Han, Kochetkova, Kapralov, Sheth, Zandieh. "BalanceKV: KV Cache Compression through Discrepancy
-Theory", arXiv:2502.03771 (2025), https://arxiv.org/abs/2502.03771.
+Theory", arXiv:2502.07861 (2025), https://arxiv.org/abs/2502.07861.
 
 What is implemented (the prefill-only form the paper evaluates, Sec. 4.1 / 4.2):
 
@@ -257,7 +257,7 @@ class BalanceKV(DenseCompressor):
     group = "paper"
     paper = (
         "Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
-        "Theory, arXiv:2502.03771 (2025), https://arxiv.org/abs/2502.03771"
+        "Theory, arXiv:2502.07861 (2025), https://arxiv.org/abs/2502.07861"
     )
     summary = (
         "Keeps first and recent tokens; halves the middle T times with a self-balancing walk under the "
@@ -297,7 +297,7 @@ class BalanceKV(DenseCompressor):
 
     def plan(self, n_prompt: int) -> dict:
         c = self.cfg
-        if self.budget is None or self.budget.is_full:
+        if self.is_full:
             self.layout = Layout(n_prompt, n_prompt, 0, 0)
         else:
             cap = self.tokens_for_budget(n_prompt, with_logw=True)

@@ -41,9 +41,10 @@ class Param:
     choices: tuple | None = None
     minimum: float | None = None
     maximum: float | None = None
+    kind: type | None = None  # the value's type when the default (e.g. None: "from the budget") does not say it
 
     def coerce(self, method: str, value: Any) -> Any:
-        kind = type(self.default)
+        kind = self.kind or type(self.default)
         try:
             if kind is bool:
                 v = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
@@ -109,6 +110,16 @@ class Compressor:
         self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.scaling = info.head_dim**-0.5
+        self.cache_dtype = info.torch_cache_dtype  # full-precision K/V are stored in this (16-bit by default)
+
+    @property
+    def is_full(self) -> bool:
+        """No budget, or a budget of the whole exact cache: the method keeps everything."""
+        return self.budget is None or self.budget.is_full
+
+    def store(self, x: Tensor) -> Tensor:
+        """``x`` as the cache stores full-precision keys and values: contiguous, in the cache dtype."""
+        return x.to(self.cache_dtype).contiguous()
 
     # ----- configuration -------------------------------------------------------------------
     @classmethod
@@ -266,7 +277,7 @@ class DenseCompressor(Compressor):
 
     def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
         """How many tokens per layer and head fit the byte budget (all of them for budget 1.0 or none)."""
-        if self.budget is None or self.budget.is_full:
+        if self.is_full:
             return n_prompt
         if self.budget.tokens is not None:
             return min(self.budget.tokens, n_prompt)
@@ -287,8 +298,8 @@ class DenseCompressor(Compressor):
                 pos = ix.to(torch.int32)
             self.layers.append(
                 DenseLayer.make(
-                    gather_tokens(state.keys[layer], ix),
-                    gather_tokens(state.values[layer], ix),
+                    self.store(gather_tokens(state.keys[layer], ix)),
+                    self.store(gather_tokens(state.values[layer], ix)),
                     pos,
                     None if lw is None else lw[layer],
                 )

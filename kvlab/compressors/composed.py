@@ -127,7 +127,7 @@ class ComposedStore:
     store: ClassVar[type[TokenStore]]
 
     def composing(self) -> bool:
-        return not (self.budget is None or self.budget.is_full)
+        return not self.is_full
 
     def kv_bytes(self) -> int:
         raise NotImplementedError

@@ -47,7 +47,7 @@ class H2O(ScoredEvictionCompressor):
     )
 
     def plan(self, n_prompt: int) -> dict:
-        self.set_full(self.budget_is_full())
+        self.set_full(self.is_full)
         self.capacity = self.tokens_for_budget(n_prompt)
         heavy = int(round(self.cfg["heavy_ratio"] * self.capacity))
         self.recent = self.capacity - heavy

@@ -169,7 +169,7 @@ class KIVI(Compressor):
             raise ParamError(f"kivi: parameter bits={bits} is not one of 2, 3, 4")
         residual = None if c["residual"] is None else max(0, int(c["residual"]))
         self.group_size = int(c["group"])
-        if self.budget is None or self.budget.is_full:
+        if self.is_full:
             self.bits, self.residual = bits or KIVI_BITS[0], n_prompt if residual is None else residual
         else:
             target = self.budget.target_bytes(info, n_prompt)
@@ -193,9 +193,7 @@ class KIVI(Compressor):
         else:
             kqs = vqs = [None] * keys.shape[0]
         self.layers = [
-            KiviLayer(
-                kqs[i], vqs[i], _Growable(keys[i, :, nq:].contiguous()), _Growable(values[i, :, nq:].contiguous())
-            )
+            KiviLayer(kqs[i], vqs[i], _Growable(self.store(keys[i, :, nq:])), _Growable(self.store(values[i, :, nq:])))
             for i in range(keys.shape[0])
         ]
 

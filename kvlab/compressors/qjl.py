@@ -371,7 +371,7 @@ class QJL(Compressor):
         return total, kb, vb, ms, m_outs
 
     def plan(self, n_prompt: int) -> dict:
-        self.full = self.budget is None or self.budget.is_full
+        self.full = self.is_full
         d, group = self.info.head_dim, self.cfg["outlier_group"]
         if self.full:
             m, bits, residual, target = self.cfg["m"] or 2 * d, self.cfg["value_bits"] or 2, None, None
@@ -433,7 +433,7 @@ class QJL(Compressor):
             kq, vq = (None, None) if stores is None else stores[layer]
             s, s_out = sketches[layer]
             self.layers.append(
-                QJLLayer(s, s_out, kq, vq, keys[layer, :, n_q:].clone(), values[layer, :, n_q:].clone(), n)
+                QJLLayer(s, s_out, kq, vq, self.store(keys[layer, :, n_q:]), self.store(values[layer, :, n_q:]), n)
             )
 
     def _make_sketches(self, d: int, device) -> list[tuple[Tensor, Tensor]]:

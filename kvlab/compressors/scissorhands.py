@@ -5,7 +5,8 @@ Persistence of Importance Hypothesis for LLM KV Cache Compression at Test Time",
 https://arxiv.org/abs/2305.17118 — Algorithm 1 (inference with a budget KV cache) and Algorithm 2
 (compress the KV cache), Sec. 4.1. Per layer and KV head the cache holds at most ``B`` tokens.
 Each token has an importance record: how many of the last ``w`` queries (the history window) gave
-it an attention score below 1/t, t being the number of tokens that query attended. When the
+it an attention score below 1/t, t being the query's generation step, i.e. its position + 1
+(Algorithm 2; ``threshold="cache"`` uses 1/(tokens in the compressed cache) instead). When the
 cache grows past ``B``, the ``m`` tokens with the highest record are dropped (the paper uses
 m = 0.5 B); the last ``r`` tokens are never dropped. The record is kept up to date during
 generation (the paper's "maintain the importance record during generation steps" option), so no
@@ -56,16 +57,22 @@ class Scissorhands(ScoredEvictionCompressor):
     evict_highest = True
     reset_after_eviction = True
     params = (
-        Param("B", None, "token budget per layer and KV head (empty: from the memory budget)"),
+        Param("B", None, "token budget per layer and KV head (empty: from the memory budget)", minimum=1, kind=int),
         Param("m_ratio", 0.5, "drop amount m as a fraction of B (paper: 0.5)", minimum=0.0, maximum=1.0),
         Param("w_ratio", 0.5, "history window w as a fraction of B (public port: 0.5)", minimum=0.0, maximum=1.0),
         Param("r_ratio", 0.25, "recent window r as a fraction of B (public port: 0.25)", minimum=0.0, maximum=1.0),
+        Param(
+            "threshold",
+            "position",
+            "'low attention' is below 1/t with t the query's position + 1 (Algorithm 2) or the cache size",
+            choices=("position", "cache"),
+        ),
     )
 
     # ----- knobs --------------------------------------------------------------------------
     def plan(self, n_prompt: int) -> dict:
         cfg = self.cfg
-        self.set_full(self.budget_is_full() and cfg["B"] is None)
+        self.set_full(self.is_full and cfg["B"] is None)
         self.capacity = B = int(cfg["B"]) if cfg["B"] is not None else self.tokens_for_budget(n_prompt)
         if B < 1:
             raise ValueError(f"scissorhands: B={B} must be at least 1")
@@ -121,8 +128,16 @@ class Scissorhands(ScoredEvictionCompressor):
             kept.append(rank[-1] if carry == w else flags[..., w - carry :, :].sum(-2, dtype=torch.int32))
         return torch.cat(rank).view(n_layers, hkv, n), torch.cat(kept).view(n_layers, hkv, n)
 
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        self.position = pos  # the query of this step sits at the new token's position
+        super().append(layer, k, v, pos)
+
+    def threshold(self, n_cache: int) -> float:
+        """The "low attention" bound of this step's query: 1/t, t = position + 1 (or the cache size)."""
+        return 1.0 / (self.position + 1 if self.cfg["threshold"] == "position" else n_cache)
+
     def observe(self, layer: int, attn: Tensor) -> None:
         """Count this step's low scores if the query is within the window of the next compression."""
-        t = attn.shape[-1]  # tokens this query attended; the next compression comes B - t queries later
-        if t > self.capacity - self.w:
-            self.scores[layer] += (attn < 1.0 / t).to(self.score_dtype)
+        n = attn.shape[-1]  # tokens this query attended; the next compression comes B - n queries later
+        if n > self.capacity - self.w:
+            self.scores[layer] += (attn < self.threshold(n)).to(self.score_dtype)

@@ -67,7 +67,7 @@ class SnapKV(DenseCompressor):
         return int(self.cfg["window"])
 
     def plan(self, n_prompt: int) -> dict:
-        self.full = self.budget is None or self.budget.is_full
+        self.full = self.is_full
         self.capacity = self.tokens_for_budget(n_prompt)
         self.window = min(int(self.cfg["window"]), self.capacity, n_prompt)
         return {"capacity": self.capacity, "window": self.window, "prefix_kept": self.capacity - self.window}

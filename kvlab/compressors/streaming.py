@@ -34,7 +34,7 @@ class StreamingLLM(DenseCompressor):
         if self.cfg["window"] is None:
             self.cfg["window"] = cap - sink
         self.capacity = sink + int(self.cfg["window"])
-        self.full = self.budget is None or self.budget.is_full
+        self.full = self.is_full
         return {"n_sink": sink, "window": int(self.cfg["window"])}
 
     def select(self, state: PrefillState):

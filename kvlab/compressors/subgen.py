@@ -19,18 +19,28 @@ sequential only in the cluster assignment, which runs over all L x Hkv streams t
 of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
 same result as the token-by-token rule). Over the prompt the reservoirs are drawn from the closed
 form of their coin flips (the same distribution); while decoding the coins are flipped token by
-token. To hold a byte budget, the cluster count is capped at ``m_cap``: once a
-stream has ``m_cap`` clusters, a far key joins its nearest cluster anyway (the uniform reservoir still
-estimates that cluster's sum without bias; only the variance grows).
+token.
 
-``subgen-kcenter`` is the variant of the experiments (Sec. 3.2 of SubGen, Sec. 4.1 of ClusterGen):
-keep the most recent ``l`` tokens plus ``k`` centers from one greedy k-center pass (Gonzalez /
-Dyer-Frieze) over the remaining prompt keys; budget = l + k tokens. The paper does not say what a
-center's value and weight are; here a center keeps its own key, stands for its whole cluster with
-the log-weight ``log(cluster size)`` added to its logit, and carries the cluster's mean value
-(``value="mean"``; ``value="center"`` keeps the center token's own value). Then
-``size * exp(<q, x>) * mean(v)`` approximates ``sum_{i in C} exp(<q, k_i>) v_i`` when the keys of C lie
-close to x. Generated tokens are kept uncompressed (prefill-only method).
+The radius delta. The paper assumes a clusterable stream: m clusters of radius delta, m sublinear in
+n, the cluster count never capped. kvlab picks delta per stream (layer, KV head) so that leader
+clustering of the prompt opens about ``m_cap`` clusters, ``m_cap`` being what the byte budget pays
+for: the smallest such radius, by bisection on the prompt (``leader_delta``). Deviation, for the
+budget: the cluster count is still capped at ``m_cap`` while decoding; once a stream has ``m_cap``
+clusters, a far key joins its nearest cluster anyway (the uniform reservoir still estimates that
+cluster's sum without bias; only the variance grows). The plan reports the delta, the clusters
+opened on the prompt and whether the cap bound (``cap_bound``); ``SubGen.cap_bound()`` counts it
+while decoding too. Representatives, samples and M are stored in the cache dtype (16-bit by default).
+
+``subgen-kcenter`` is the form of the experiments (Sec. 3.2 of SubGen, Sec. 4.1 of ClusterGen): keep
+the most recent ``l`` tokens plus the ``k`` center tokens (their own keys and values) from one greedy
+k-center pass (Gonzalez / Dyer-Frieze) over the remaining prompt keys; budget = l + k tokens.
+Generated tokens are kept uncompressed (prefill-only method). The paper does not say how l and k
+share the budget: ``recent_ratio`` (default half each).
+
+``subgen-kcenter-w`` is kvlab's variant, not in the paper: a center stands for its whole cluster with
+the log-weight ``log(cluster size)`` added to its logit and carries the cluster's mean value. Then
+``size * exp(<q, x>) * mean(v)`` approximates ``sum_{i in C} exp(<q, k_i>) v_i`` when the keys of C
+lie close to x.
 """
 
 from __future__ import annotations
@@ -75,7 +85,8 @@ def greedy_kcenter(x: Tensor, k: int) -> KCenter:
 
     x: [B, n, d]. Starts from token 0; each round adds the point farthest from the chosen centers.
     Returns the chosen token indices, each point's nearest center (index into ``centers``) and the
-    final cover radius.
+    final cover radius. A chosen point belongs to its own cluster and is never chosen twice, so
+    every cluster has at least one member even when keys repeat (k distinct tokens for k <= n).
     """
     b, n, _ = x.shape
     k = min(k, n)
@@ -91,6 +102,8 @@ def greedy_kcenter(x: Tensor, k: int) -> KCenter:
         closer = d2 < best
         best = torch.where(closer, d2, best)
         assign.masked_fill_(closer, j)
+        assign[rows, cur] = j
+        best[rows, cur] = -1.0  # chosen: distance 0, below every unchosen point's
         cur = best.argmax(-1)
     return KCenter(centers, assign, best.amax(-1).clamp_min(0).sqrt())
 
@@ -164,6 +177,7 @@ class SubGenState:
     mk: Tensor
     mv: Tensor
     mu: Tensor
+    cap_joins: Tensor  # [L, H] keys that joined a cluster farther than delta because of the cap (not held)
 
     @property
     def m_cap(self) -> int:
@@ -179,12 +193,21 @@ class SubGenState:
 
     @classmethod
     def build(
-        cls, keys: Tensor, values: Tensor, delta: Tensor, t: int, s: int, m_cap: int, gen: torch.Generator
+        cls,
+        keys: Tensor,
+        values: Tensor,
+        delta: Tensor,
+        t: int,
+        s: int,
+        m_cap: int,
+        gen: torch.Generator,
+        dtype: torch.dtype = torch.float16,
     ) -> SubGenState:
-        """Run Algorithm 1 over a prompt: keys, values [L, H, n, d]; delta [L, H]."""
+        """Run Algorithm 1 over a prompt: keys, values [L, H, n, d]; delta [L, H]. The kept vectors
+        (representatives, cluster samples, M's keys and values) are stored in ``dtype``."""
         n_layers, h, n, d = keys.shape
         flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, d).float()
-        assign, centers, count = _cluster_stream(flat_k, delta.reshape(-1).float(), m_cap)
+        assign, centers, count, forced = _cluster_stream(flat_k, delta.reshape(-1).float(), m_cap)
         sizes = torch.zeros(assign.shape[0], m_cap, dtype=torch.long).scatter_add_(1, assign, torch.ones_like(assign))
         pick = uniform_reservoirs(assign, m_cap, t, gen)
         samples = gather_tokens(flat_k, pick.clamp_min(0).flatten(1)).view(-1, m_cap, t, d)
@@ -193,23 +216,27 @@ class SubGenState:
         mu = (flat_v * flat_v).sum((-1, -2))
         lead = (n_layers, h)
         return cls(
-            centers.view(*lead, m_cap, d),
+            centers.view(*lead, m_cap, d).to(dtype),
             sizes.to(torch.int32).view(*lead, m_cap),
-            samples.view(*lead, m_cap, t, d),
+            samples.view(*lead, m_cap, t, d).to(dtype),
             count.to(torch.int32).view(lead),
             delta.float().clone(),
-            gather_tokens(flat_k, mpick).view(*lead, s, d),
-            gather_tokens(flat_v, mpick).view(*lead, s, d),
+            gather_tokens(flat_k, mpick).view(*lead, s, d).to(dtype),
+            gather_tokens(flat_v, mpick).view(*lead, s, d).to(dtype),
             mu.view(lead),
+            forced.view(lead),
         )
 
     def append(self, layer: int, k: Tensor, v: Tensor, gen: torch.Generator) -> None:
         """One new token for every head of ``layer``: k, v [H, d] (lines 4-6 of Algorithm 1)."""
         k, v = k.float(), v.float()
         centers, count = self.centers[layer], self.count[layer]
+        cf = centers.float()
         unused = torch.arange(self.m_cap, device=k.device) >= count.unsqueeze(-1)
-        csq = (centers * centers).sum(-1).masked_fill(unused, float("inf"))
-        j, opened = _open_or_join(*_nearest(centers, csq, k), count, self.delta[layer], self.m_cap)
+        csq = (cf * cf).sum(-1).masked_fill(unused, float("inf"))
+        dmin, near = _nearest(cf, csq, k)
+        j, opened = _open_or_join(dmin, near, count, self.delta[layer], self.m_cap)
+        self.cap_joins[layer] += ((dmin > self.delta[layer] ** 2) & ~opened).to(self.cap_joins.dtype)
         rows = torch.arange(k.shape[0], device=k.device)
         centers[rows[opened], j[opened]] = k[opened]
         count += opened.to(count.dtype)
@@ -231,11 +258,11 @@ class SubGenState:
         h = self.centers.shape[1]
         m = max(1, int(self.count[layer].max()))
         qg = group_queries(q.float(), h)  # [H, g*w, d]
-        samples = self.samples[layer, :, :m].reshape(h, m * self.t, -1)
+        samples = self.samples[layer, :, :m].reshape(h, m * self.t, -1).float()
         size = self.sizes[layer, :, :m].float()
         logw = torch.log(size / self.t).repeat_interleave(self.t, dim=-1)  # -inf for unused clusters
         log_tau = torch.logsumexp(torch.matmul(qg, samples.transpose(-1, -2)) * scaling + logw.unsqueeze(1), -1)
-        mk, mv, mu = self.mk[layer], self.mv[layer], self.mu[layer]
+        mk, mv, mu = self.mk[layer].float(), self.mv[layer].float(), self.mu[layer]
         vsq = (mv * mv).sum(-1).clamp_min(1e-30)
         logw_m = torch.log(mu.clamp_min(1e-30)).unsqueeze(-1) - math.log(self.s) - torch.log(vsq)
         logits = torch.matmul(qg, mk.transpose(-1, -2)) * scaling + logw_m.unsqueeze(1)
@@ -260,7 +287,7 @@ def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
     return torch.rand(p.shape[0], slots, generator=gen).to(p.device) < p.unsqueeze(-1)
 
 
-def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """UpdateSoftmaxNormalizer's cluster assignment over a whole prompt, for B streams in lockstep.
 
     Exactly the sequential rule (a key joins the nearest representative opened before it if within
@@ -270,7 +297,8 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
     covers opens the next one, visible only to keys from there on). Python loops over opened
     clusters, not over tokens.
 
-    keys [B, n, d], delta [B]. Returns assign [B, n], centers [B, m_cap, d], count [B].
+    keys [B, n, d], delta [B]. Returns assign [B, n], centers [B, m_cap, d], count [B] and
+    forced [B]: how many keys joined a cluster farther than delta because the cap was reached.
     """
     b, n, d = keys.shape
     ksq = (keys * keys).sum(-1)
@@ -278,6 +306,7 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
     csq = torch.full((b, m_cap), float("inf"), dtype=keys.dtype, device=keys.device)
     count = torch.zeros(b, dtype=torch.long, device=keys.device)
     assign = torch.empty(b, n, dtype=torch.long, device=keys.device)
+    forced = torch.zeros(b, dtype=torch.long, device=keys.device)
     delta2 = (delta * delta).unsqueeze(-1)
     for a in range(0, n, chunk):
         x, xsq = keys[:, a : a + chunk], ksq[:, a : a + chunk]
@@ -285,7 +314,25 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
         best, near = _sqdist(x, xsq, centers[:, :used], csq[:, :used]).min(-1)
         _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2)
         assign[:, a : a + chunk] = near
-    return assign, centers, count
+        forced += (best > delta2).sum(-1)
+    return assign, centers, count, forced
+
+
+def leader_delta(keys: Tensor, m_cap: int, iters: int = 14) -> Tensor:
+    """The smallest radius (to 2^-iters of the keys' diameter bound) at which Algorithm 1's leader
+    clustering of each stream opens at most ``m_cap`` clusters: bisection on the prompt.
+
+    keys [B, n, d] float32. Returns delta [B]. Any delta >= the diameter gives one cluster, so the
+    upper end always fits; the clustering is run with a cap of ``m_cap`` + 1 (enough to tell "too
+    many"), all streams in lockstep.
+    """
+    hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
+    lo = torch.zeros_like(hi)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        fits = _cluster_stream(keys, mid, m_cap + 1)[2] <= m_cap
+        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
+    return hi
 
 
 def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
@@ -355,17 +402,23 @@ class SubGen(Compressor):
         "denominator and s (k, v) samples drawn proportional to ||v||^2 for the numerator; streams while decoding."
     )
     streaming = True
-    DELTA_SAMPLE = 256  # keys per stream the automatic delta looks at
     params = (
         Param(
             "delta",
             None,
-            "cluster radius delta (None: the greedy k-center radius of the prompt keys with m_cap centers, "
-            "times delta_scale)",
+            "cluster radius delta (None: per stream, the smallest radius at which leader clustering of the "
+            "prompt opens at most m_cap clusters, found by bisection, times delta_scale)",
             minimum=0.0,
+            kind=float,
         ),
         Param("t", 4, "uniform reservoir samples per cluster (softmax denominator)", minimum=1),
-        Param("s", None, "(k, v) samples drawn proportional to ||v||^2 (numerator); None: from the budget", minimum=1),
+        Param(
+            "s",
+            None,
+            "(k, v) samples drawn proportional to ||v||^2 (numerator); None: from the budget",
+            minimum=1,
+            kind=int,
+        ),
         Param(
             "value_share",
             0.5,
@@ -378,7 +431,7 @@ class SubGen(Compressor):
 
     def plan(self, n_prompt: int) -> dict:
         info = self.info
-        self.full = self.budget is None or self.budget.is_full
+        self.full = self.is_full
         if self.full:
             return {"compressed": False}
         per_stream = self.budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
@@ -386,28 +439,45 @@ class SubGen(Compressor):
             per_stream, info.head_dim, info.dtype_bytes, self.cfg["t"], self.cfg["s"], self.cfg["value_share"]
         )
         p = self.sg_plan
-        return {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
+        self.knobs = {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
+        return self.knobs  # compress adds what the prompt's clustering found (delta, clusters, cap bound)
 
     def compress(self, state: PrefillState) -> None:
         if self.full:
             self.dense = [
-                DenseLayer.make(k, v, torch.arange(state.n_tokens).expand(k.shape[0], -1))
+                DenseLayer.make(self.store(k), self.store(v), torch.arange(state.n_tokens).expand(k.shape[0], -1))
                 for k, v in zip(state.keys, state.values)
             ]
             return
         p = self.sg_plan
         delta = self._delta(state.keys, p.m_cap)
-        self.state = SubGenState.build(state.keys, state.values, delta, p.t, p.s, p.m_cap, self.generator)
+        self.state = SubGenState.build(
+            state.keys, state.values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype
+        )
         self.clusters = self.state.count.float().mean().item()
+        bound = self.state.cap_joins > 0
+        self.knobs.update(
+            delta_mean=round(float(delta.mean()), 4),
+            clusters_mean=round(self.clusters, 2),
+            clusters_max=int(self.state.count.max()),
+            cap_bound=bool(bound.any()),  # some stream reached m_cap and put a far key in a near cluster
+            cap_bound_streams=round(float(bound.float().mean()), 4),
+        )
 
     def _delta(self, keys: Tensor, m_cap: int) -> Tensor:
-        """delta [L, H]: the given one, or the greedy k-center radius of the prompt keys (m_cap centers)."""
+        """delta [L, H]: the given one, or per stream the smallest radius at which leader clustering
+        of the prompt keys opens at most ``m_cap`` clusters (``leader_delta``), times ``delta_scale``."""
         if self.cfg["delta"] is not None:
             return torch.full(keys.shape[:2], float(self.cfg["delta"]))
         n_layers, h, n, d = keys.shape
-        stride = max(1, n // self.DELTA_SAMPLE)  # a strided subsample keeps this pass cheap on long prompts
-        radius = greedy_kcenter(keys[:, :, ::stride].reshape(n_layers * h, -1, d).float(), m_cap).radius
+        radius = leader_delta(keys.reshape(n_layers * h, n, d).float(), m_cap)
         return (radius * self.cfg["delta_scale"]).view(n_layers, h)
+
+    def cap_bound(self) -> dict:
+        """How often the cluster cap bound so far (prompt and decoding): keys that joined a cluster
+        farther than delta because their stream already had ``m_cap`` clusters."""
+        joins = self.state.cap_joins
+        return {"cap_bound_keys": int(joins.sum()), "cap_bound_streams": round(float((joins > 0).float().mean()), 4)}
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         if self.full:
@@ -431,13 +501,15 @@ class SubGen(Compressor):
 
 @register
 class SubGenKCenter(DenseCompressor):
+    """The experiments' form (SubGen Sec. 3.2, ClusterGen Sec. 4.1): recent tokens plus k center tokens."""
+
     name = "subgen-kcenter"
     title = "SubGen k-center (recent + centers)"
     group = "paper"
     paper = PAPER
     summary = (
-        "Keeps the most recent l tokens plus k centers of a greedy k-center pass over the rest, each "
-        "weighted by its cluster size; generated tokens kept."
+        "Keeps the most recent l tokens plus the k center tokens of a greedy k-center pass over the rest "
+        "(the papers' experiments); generated tokens kept."
     )
     params = (
         Param(
@@ -447,29 +519,53 @@ class SubGenKCenter(DenseCompressor):
             minimum=0.0,
             maximum=1.0,
         ),
-        Param("value", "mean", "a center's value: its cluster's mean value or its own", choices=("mean", "center")),
-        Param("weighted", True, "add log(cluster size) to a center's logit"),
+        Param(
+            "value",
+            "center",
+            "a center's value: its own (paper) or its cluster's mean value",
+            choices=("center", "mean"),
+        ),
+        Param("weighted", False, "add log(cluster size) to a center's logit (not in the paper)"),
     )
 
     def plan(self, n_prompt: int) -> dict:
-        self.full = self.budget is None or self.budget.is_full
+        self.full = self.is_full
         cap = self.tokens_for_budget(n_prompt, with_logw=self.cfg["weighted"])
         self.recent = min(cap, int(round(self.cfg["recent_ratio"] * cap)))
         self.k = cap - self.recent
         return {"l": self.recent, "k": self.k}
 
+    def select(self, state: PrefillState):  # compress is overridden; kept for the contract
+        return [None] * state.keys.shape[0]
+
     def compress(self, state: PrefillState) -> None:
         n = state.n_tokens
         if self.full or self.recent + self.k >= n:
-            self.layers = [
-                DenseLayer.make(k, v, torch.arange(n).expand(k.shape[0], -1)) for k, v in zip(state.keys, state.values)
-            ]
-            return
+            return super().compress(state)
         keys, values, pos, logw = kcenter_compress(state.keys, state.values, self.recent, self.k, self.cfg["value"])
         lw = logw if self.cfg["weighted"] else None
         self.layers = [
-            DenseLayer.make(keys[i], values[i], pos[i], None if lw is None else lw[i]) for i in range(keys.shape[0])
+            DenseLayer.make(self.store(keys[i]), self.store(values[i]), pos[i], None if lw is None else lw[i])
+            for i in range(keys.shape[0])
         ]
+
+
+@register
+class SubGenKCenterWeighted(SubGenKCenter):
+    """kvlab's variant: each center stands for its cluster (log-size weight, the cluster's mean value)."""
+
+    name = "subgen-kcenter-w"
+    title = "SubGen k-center, weighted (kvlab variant)"
+    group = "baseline"
+    summary = (
+        "kvlab's variant of SubGen k-center: each center carries log(cluster size) on its logit and its "
+        "cluster's mean value; recent tokens kept; generated tokens kept."
+    )
+    params = (
+        SubGenKCenter.params[0],
+        Param("value", "mean", "a center's value: its cluster's mean value or its own", choices=("mean", "center")),
+        Param("weighted", True, "add log(cluster size) to a center's logit"),
+    )
 
 
 def kcenter_compress(
@@ -478,7 +574,8 @@ def kcenter_compress(
     """Recent window + greedy k-center centers, all layers and heads at once.
 
     keys, values [L, H, n, d]. Returns keys, values [L, H, k + recent, d], positions [L, H, k + recent]
-    and log-weights [L, H, k + recent] (log cluster size for centers, 0 for recent tokens).
+    and log-weights [L, H, k + recent] (log cluster size for centers, 0 for recent tokens). Every
+    cluster holds at least its center (``greedy_kcenter``), so sizes are >= 1 and nothing divides by 0.
     """
     n_layers, h, n, d = keys.shape
     old = n - recent
@@ -489,7 +586,7 @@ def kcenter_compress(
     if value == "mean":
         xv = values[:, :, :old].reshape(-1, old, d).float()
         sums = torch.zeros(xv.shape[0], kk, d).scatter_add_(1, kc.assign.unsqueeze(-1).expand(-1, -1, d), xv)
-        cv = sums / size.unsqueeze(-1)
+        cv = sums / size.clamp_min(1).unsqueeze(-1)
     else:
         cv = gather_tokens(values[:, :, :old].reshape(-1, old, d), kc.centers)
     ck = gather_tokens(xk, kc.centers)
@@ -498,5 +595,5 @@ def kcenter_compress(
     out_k = torch.cat([ck.view(*lead, kk, d).to(keys.dtype), keys[:, :, old:]], 2)
     out_v = torch.cat([cv.view(*lead, kk, d).to(values.dtype), values[:, :, old:]], 2)
     pos = torch.cat([kc.centers.view(*lead, kk), rpos], 2)
-    logw = torch.cat([size.log().view(*lead, kk), torch.zeros(*lead, recent)], 2)
+    logw = torch.cat([size.clamp_min(1).log().view(*lead, kk), torch.zeros(*lead, recent)], 2)
     return out_k, out_v, pos, logw

@@ -1,13 +1,25 @@
-"""Uniform sampling: the first and last tokens plus a uniform random sample of the middle.
+"""Uniform sampling: the first and last tokens plus a reweighted uniform random sample of the middle.
 
-The baseline of Han, Kacham, Karbasi, Mirrokni, Zandieh. "BalanceKV: KV Cache Compression through
-Discrepancy Theory", arXiv:2502.07861 — Sec. 4.1: keep the first ``n_first`` and the last
-``n_last`` prompt tokens, and replace BalanceKV on the middle by sampling the budget's share of the
-middle tokens uniformly at random without replacement, independently per layer and KV head. No
-re-weighting (the paper's baseline keeps the sampled tokens as they are). Prefill-only.
+The baseline of Han, Kochetkova, Kapralov, Sheth, Zandieh. "BalanceKV: KV Cache Compression through
+Discrepancy Theory", arXiv:2502.07861 — Sec. 4.1: the first and last prompt tokens are kept, and
+BalanceKV on the middle is replaced by "sampling a 2^{-T} fraction of key and value embeddings ...
+uniformly at random". Here the budget's share of the middle is sampled without replacement,
+independently per layer and KV head. Prefill-only.
+
+Reweighting (``reweight``, on by default, as the authors' uniform baseline does): each kept middle
+token stands for the ``n_middle / kept`` middle tokens it replaces, i.e. carries the log-weight
+``log(n_middle / kept)`` on its logit (BalanceKV's halvings give the same 2^T). Every middle token
+is kept with probability ``kept / n_middle``, so the weighted sums over the kept tokens,
+``sum w exp(<q, k>)`` and ``sum w exp(<q, k>) v``, are unbiased estimates of the middle's softmax
+denominator and numerator. Without the weights the middle's softmax mass is under-counted by that
+factor. ``reweight=false`` gives the unweighted sample. The paper does not say how many first and
+last tokens are kept beyond Sec. 4.1's 256 / 256 (``n_first`` / ``n_last``, capped at a quarter of
+the budget each on short prompts).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -30,25 +42,45 @@ class Uniform(DenseCompressor):
     title = "Uniform sampling"
     group = "baseline"
     paper = (
-        "Han et al., BalanceKV: KV Cache Compression through Discrepancy Theory, Sec. 4.1 baseline (arXiv:2502.07861)"
+        "Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
+        "Theory, Sec. 4.1 baseline (arXiv:2502.07861)"
     )
-    summary = "Keeps the first and last tokens and a uniform random sample of the middle of the prompt."
+    summary = (
+        "Keeps the first and last tokens and a uniform random sample of the middle of the prompt, each sample "
+        "weighted by the number of middle tokens it stands for."
+    )
     params = (
         Param("n_first", 256, "first prompt tokens always kept (capped at a quarter of the budget)", minimum=0),
         Param("n_last", 256, "last prompt tokens always kept (capped at a quarter of the budget)", minimum=0),
+        Param("reweight", True, "each kept middle token stands for n_middle / kept tokens (log-weight on its logit)"),
     )
 
     def plan(self, n_prompt: int) -> dict:
-        self.full = self.budget is None or self.budget.is_full
-        self.capacity = self.tokens_for_budget(n_prompt)
+        self.full = self.is_full
+        self.capacity = self.tokens_for_budget(n_prompt, with_logw=self.cfg["reweight"])
         self.first = min(int(self.cfg["n_first"]), self.capacity // 4)
         self.last = min(int(self.cfg["n_last"]), self.capacity // 4)
         self.sampled = self.capacity - self.first - self.last
-        return {"capacity": self.capacity, "first": self.first, "last": self.last, "sampled": self.sampled}
+        knobs = {"capacity": self.capacity, "first": self.first, "last": self.last, "sampled": self.sampled}
+        if self.cfg["reweight"] and not self.full and self.capacity < n_prompt:
+            knobs["middle_weight"] = round((n_prompt - self.first - self.last) / max(1, self.sampled), 4)
+        return knobs
+
+    def _compressing(self, n: int) -> bool:
+        return not self.full and self.capacity < n
 
     def select(self, state: PrefillState):
         n, (n_layers, hkv) = state.n_tokens, state.keys.shape[:2]
-        if self.full or self.capacity >= n:
+        if not self._compressing(n):
             return [None] * n_layers
         idx = uniform_middle((n_layers, hkv), n, self.first, self.last, self.sampled, self.generator)
         return idx.to(state.keys.device)
+
+    def log_weights(self, state: PrefillState, idx: list[Tensor]) -> list[Tensor] | None:
+        n = state.n_tokens
+        if not self.cfg["reweight"] or not self._compressing(n):
+            return None
+        w = math.log((n - self.first - self.last) / max(1, self.sampled))
+        lw = torch.zeros(self.first + self.sampled + self.last, device=state.keys.device)
+        lw[self.first : self.first + self.sampled] = w
+        return [lw.expand(i.shape[0], -1) for i in idx]
