@@ -247,19 +247,27 @@ if _runtime.HAVE_TRITON:
     @triton.jit
     def _qjl_scores_kernel(
         sq_ptr, bits_ptr, norms_ptr, sqo_ptr, obits_ptr, onorms_ptr, out_ptr,
-        n, R, coef, coef_out,
-        M: tl.constexpr, M_OUT: tl.constexpr, HAS_OUT: tl.constexpr,
+        n, R, coef, coef_out, n_groups,
+        M: tl.constexpr, M_OUT: tl.constexpr, HAS_OUT: tl.constexpr, SPLIT: tl.constexpr,
         R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     ):  # fmt: skip
-        """Grid (Hkv, cdiv(n, BLOCK_N)): sq [Hkv, R, M] + packed keys -> estimates out [Hkv, R, n]."""
+        """Grid (Hkv, cdiv(n, BLOCK_N)): sq [Hkv, R, M] + packed keys -> estimates out [Hkv, R, n].
+
+        With SPLIT, sq is [Hkv, n_groups, R, M] (the queries restricted to each token group's
+        channels, then sketched) and BLOCK_N is the group size: tile j reads group j's queries.
+        """
         h = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, R_PAD)
         mask_n, mask_r = offs_n < n, offs_r < R
         rows = h * n + offs_n
         norm = tl.load(norms_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
+        if SPLIT:
+            sq_base = sq_ptr + (h * n_groups + tl.program_id(1)) * R * M
+        else:
+            sq_base = sq_ptr + h * R * M
         est = (
-            sign_dot(sq_ptr + h * R * M, bits_ptr, rows, mask_n, offs_r, mask_r, M, R_PAD, BLOCK_N, BLOCK_M)
+            sign_dot(sq_base, bits_ptr, rows, mask_n, offs_r, mask_r, M, R_PAD, BLOCK_N, BLOCK_M)
             * (norm * coef)[None, :]
         )
         if HAS_OUT:
@@ -319,11 +327,27 @@ def _qjl_scores_triton(q: Tensor, keys: QJLKeys) -> Tensor:
             sq, keys.bits.contiguous(), keys.norms.contiguous(),
             sqo, keys.out_bits.contiguous() if has_out else keys.bits,
             keys.out_norms.contiguous() if has_out else keys.norms, out,
-            n, r, _estimate_coef(keys.m), _estimate_coef(m_out),
-            M=keys.m, M_OUT=m_out, HAS_OUT=has_out,
+            n, r, _estimate_coef(keys.m), _estimate_coef(m_out), 1,
+            M=keys.m, M_OUT=m_out, HAS_OUT=has_out, SPLIT=False,
             R_PAD=_runtime.next_pow2(r), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
         )  # fmt: skip
     return ungroup(out, q.shape[0])
+
+
+def _qjl_scores_split_triton(sqg: Tensor, bits: Tensor, norms: Tensor, group: int) -> Tensor:
+    """Split estimates from per-group sketched queries sqg [Hkv, n_groups, R, m]: one tile per token group."""
+    hkv, ng, r, m = sqg.shape
+    n = bits.shape[1]
+    _check_dims(16, m)
+    out = torch.empty(hkv, r, n, dtype=torch.float32, device=sqg.device)
+    if n:
+        _qjl_scores_kernel[(hkv, ng)](
+            sqg.contiguous(), bits.contiguous(), norms.contiguous(), sqg, bits, norms, out,
+            n, r, _estimate_coef(m), _estimate_coef(m), ng,
+            M=m, M_OUT=8, HAS_OUT=False, SPLIT=True,
+            R_PAD=_runtime.next_pow2(r), BLOCK_N=group, BLOCK_M=BLOCK_M,
+        )  # fmt: skip
+    return out
 
 
 # ----- dispatch -------------------------------------------------------------------------------
@@ -349,6 +373,42 @@ def qjl_estimate(q: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tens
     """``qjl_scores`` for one sketch passed as tensors: q [Hq, t, d], S [m, d], bits [Hkv, n, m/8],
     norms [Hkv, n] -> float32 [Hq, t, n] (the signature of kvlab.compressors.qjl.estimate_scores)."""
     return qjl_scores(q, QJLKeys(sketch, bits, norms))
+
+
+def split_sketch_queries(qg: Tensor, sketch: Tensor, out_idx: Tensor, outliers: bool) -> Tensor:
+    """S (q restricted to each token group's inlier or outlier channels): qg [Hkv, R, d],
+    out_idx uint8 [Hkv, n_groups, n_out] -> float32 [Hkv, n_groups, R, m]."""
+    mask = torch.zeros(*out_idx.shape[:-1], qg.shape[-1], dtype=torch.bool, device=qg.device)
+    mask.scatter_(-1, out_idx.long(), True)
+    keep = mask if outliers else ~mask
+    return torch.matmul(qg.float().unsqueeze(1) * keep.unsqueeze(-2), sketch.float().T).contiguous()
+
+
+def _estimate_split_torch(sqg: Tensor, bits: Tensor, norms: Tensor, group: int) -> Tensor:
+    """Reference of the split estimate: sqg [Hkv, n_groups, R, m], bits [Hkv, n, m/8] -> [Hkv, R, n]."""
+    hkv, ng, r, m = sqg.shape
+    signs = unpack_signs(bits, m).reshape(hkv, ng, group, m)
+    dots = torch.matmul(sqg, signs.transpose(-1, -2)).permute(0, 2, 1, 3).reshape(hkv, r, ng * group)
+    return dots * (norms.float().unsqueeze(-2) * _estimate_coef(m))
+
+
+def qjl_estimate_split_grouped(
+    qg: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor, out_idx: Tensor, group: int, outliers: bool
+) -> Tensor:
+    """The ``split_query`` estimate of one sketch: the query restricted to the channels that sketch
+    encoded in each token group (the inliers for S, the outliers for S_out), as the authors' score
+    kernel does. <q, k_part> = <q_part, k_part>, so the estimate stays unbiased while its variance
+    drops from ~||q||^2 ||k_part||^2 to ~||q_part||^2 ||k_part||^2.
+
+    qg [Hkv, R, d] (grouped queries), S [m, d], bits [Hkv, n, m/8], norms [Hkv, n], out_idx uint8
+    [Hkv, n / group, n_out] (n a multiple of ``group``). Returns float32 [Hkv, R, n]. Triton on CUDA
+    when ``group`` is a power of two >= 16 (one tile per token group), the torch reference elsewhere.
+    """
+    sqg = split_sketch_queries(qg, sketch, out_idx, outliers)
+    if _runtime.use_triton(qg.device) and group >= 16 and group & (group - 1) == 0:
+        _runtime.check_device(qg.device)
+        return _qjl_scores_split_triton(sqg, bits, norms, group)
+    return _estimate_split_torch(sqg, bits, norms, group)
 
 
 def qjl_estimate_grouped(qg: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tensor:

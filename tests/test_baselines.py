@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab.budgets import Budget
+from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get
 from kvlab.compressors.pyramidkv import pyramid_budgets
 
@@ -129,3 +129,42 @@ def test_prefill_only_keeps_generated_tokens(lm, prefill_state, name):
     kept = _kept(comp, 2)[0]
     assert kept[-4:] == [prefill_state.n_tokens + s for s in range(4)]
     assert comp.nbytes() > before
+
+
+def test_uniform_reweighted_estimate_is_unbiased(lm, prefill_state):
+    """Each kept middle token carries log(n_middle / kept): over seeds, the weighted softmax
+    denominator and numerator of the kept tokens average to the exact ones (unbiased), and the
+    unweighted sample under-counts the middle's mass by that factor."""
+    from kvlab.ops import attention_logits
+
+    st, layer = prefill_state, 12
+    q = st.queries[layer, :, -1:]  # [Hq, 1, d]
+    logits = attention_logits(q.float(), st.keys[layer].float(), st.scaling)[:, 0]  # [Hq, n]
+    shift = logits.amax(-1, keepdim=True)
+    exact_den = torch.exp(logits - shift).sum(-1)
+    g = lm.info.group_size
+    vals = st.values[layer].float().repeat_interleave(g, 0)  # [Hq, n, d]
+    exact_num = torch.einsum("hn,hnd->hd", torch.exp(logits - shift), vals)
+    dens, nums, unweighted = [], [], []
+    for seed in range(48):
+        c = get("uniform")(lm.info, Budget.parse("0.25"), {"n_first": 16, "n_last": 16}, seed=seed)
+        c.plan(st.n_tokens)
+        c.compress(st)
+        k, v, pos, lw = c.layers[layer].views()
+        assert lw is not None
+        lg = attention_logits(q.float(), k.float(), st.scaling)[:, 0] + lw.repeat_interleave(g, 0)
+        w = torch.exp(lg - shift)
+        dens.append(w.sum(-1))
+        nums.append(torch.einsum("hn,hnd->hd", w, v.float().repeat_interleave(g, 0)))
+        unweighted.append(torch.exp(lg - lw.repeat_interleave(g, 0) - shift).sum(-1))
+    den, num = torch.stack(dens).mean(0), torch.stack(nums).mean(0)
+    assert ((den - exact_den).abs() / exact_den).max() < 0.05
+    assert ((num - exact_num).norm(dim=-1) / exact_num.norm(dim=-1)).max() < 0.1
+    assert (torch.stack(unweighted).mean(0) < 0.8 * exact_den).all()  # unweighted: the middle under-counted
+
+
+def test_uniform_reweight_knob(lm, prefill_state):
+    off, _ = _compressed(lm, prefill_state, "uniform", "0.25", reweight=False)
+    assert off.layers[0].views()[3] is None
+    on, knobs = _compressed(lm, prefill_state, "uniform", "0.25")
+    assert knobs["middle_weight"] > 1 and on.nbytes() <= 0.25 * exact_bytes(lm.info, prefill_state.n_tokens)

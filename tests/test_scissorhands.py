@@ -167,3 +167,24 @@ def test_full_budget_keeps_everything(prefill_state, lm):
     comp.compress(prefill_state)
     assert comp.nbytes() == exact_bytes(lm.info, prefill_state.n_tokens)
     assert "scores" not in comp.nbytes_by_kind()
+
+
+def test_low_attention_threshold_uses_position():
+    """Algorithm 2: a decode query at position p counts a token as unimportant below 1/t, t = p + 1
+    (the number of tokens the full sequence holds), not 1 / (the compressed cache's size)."""
+    comps = {
+        form: get("scissorhands")(SYN, Budget(tokens=8), {"threshold": form} if form else {})
+        for form in (None, "position", "cache")
+    }
+    for c in comps.values():
+        c.plan(8)
+        c.scores = [torch.zeros(SYN.n_kv_heads, 8, dtype=torch.int16) for _ in range(SYN.n_layers)]
+        c.position = 99  # the 100th token's query: threshold 1/100, while the cache holds 8 tokens
+    attn = torch.full((SYN.n_kv_heads, 8), 0.05)  # above 1/100, below 1/8
+    for form, c in comps.items():
+        c.observe(0, attn)
+        low = int(c.scores[0].sum())
+        assert low == (16 if form == "cache" else 0), form
+    assert comps[None].cfg["threshold"] == "position"
+    assert comps["position"].threshold(8) == pytest.approx(1 / 100)
+    assert comps["cache"].threshold(8) == pytest.approx(1 / 8)

@@ -44,6 +44,11 @@ class Param:
     kind: type | None = None  # the value's type when the default (e.g. None: "from the budget") does not say it
 
     def coerce(self, method: str, value: Any) -> Any:
+        """``value`` as this knob's type, checked against its choices and range (ParamError if not).
+
+        A knob whose default is None ("chosen from the budget") also takes "", "none" or None back."""
+        if self.default is None and (value is None or str(value).strip().lower() in ("", "none", "auto")):
+            return None
         kind = self.kind or type(self.default)
         try:
             if kind is bool:

@@ -11,11 +11,23 @@ Overhead", arXiv:2406.03482 (AAAI 2025). Implemented here:
 * Sec. 4.1 "Outliers": per group of ``outlier_group`` tokens, the ``n_outliers`` channels with the
   largest norm over the group are sketched by a second, independent quantizer (``S_out``,
   ``m_out`` rows) and the remaining channels by S; the score is the sum of both estimates.
-* From the public reference code (docs/design.md §5): values quantized per token in groups of
-  ``value_group`` coordinates at ``value_bits`` (scale + min in float16); the most recent
-  ``residual`` tokens kept at full precision and flushed into the quantized store
-  ``outlier_group`` tokens at a time; the first layers get a larger sketch (m x ``initial_factor``).
-  Here one window serves keys and values (the reference keeps < 128 keys and 128 values).
+* From the public reference code (docs/design.md §5): the score kernel restricts the query to each
+  part's channels (``split_query``, on by default, in the Triton path too); the outlier sketch is
+  as large as the later layers' main sketch (``m_out`` = m: 256 for m = 256, also beside the first
+  layers' 512); values quantized per token in groups of ``value_group`` coordinates at
+  ``value_bits`` (scale + min in float16); the most recent ``residual`` tokens kept at full
+  precision (in the cache dtype) and flushed into the quantized store ``outlier_group`` tokens at a
+  time; the first layers get a larger sketch (m x ``initial_factor``).
+* The paper's configuration (m = 2 x head_dim, 2-bit values in groups of 32, 128 recent tokens,
+  about 3 bits per number) is what the planner picks at the budget of its bytes
+  (``QJL.paper_fraction(n)``); other budgets scale m and the value bits.
+
+Deviations from the reference, and why: one window serves keys and values (the reference keeps
+< 128 keys and 128 values: one flush unit less to track); outliers are picked per group of
+``outlier_group`` tokens from the group's own keys (as the reference) but the flush unit is that
+same group; ``n_outliers`` defaults to head_dim / 16 (the reference's 8 for head_dim 128); the
+number of first layers with the larger sketch scales with the model (15 of 32 layers); below the
+paper's budget the planner trades m and value bits (the paper reports only its configuration).
 
 Storage format (shared with the Triton kernels, see docs/methods/qjl.md): sign bits uint8 [Hkv, n, m/8]
 LSB first (bit 1 = S k >= 0), norms float16 [Hkv, n], S float32 [m, d] per layer, outlier channel
@@ -31,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import qjl_estimate_grouped
+from kernels import qjl_estimate_grouped, qjl_estimate_split_grouped
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
 from kvlab.compressors.registry import register
@@ -260,7 +272,9 @@ class QJL(Compressor):
             "m",
             None,
             "sketch size (sign bits per key) on the later layers, a multiple of 8; from the budget "
-            "when not given (reference: 2 x head_dim)",
+            "when not given (paper: 2 x head_dim)",
+            minimum=M_MIN,
+            kind=int,
         ),
         Param("initial_factor", 2, "the first layers use m x this (reference: 512 vs 256)", minimum=1),
         Param(
@@ -268,32 +282,45 @@ class QJL(Compressor):
             None,
             "how many first layers use the larger sketch (reference: 15 of 32 layers, "
             "scaled to the model when not given)",
+            minimum=0,
+            kind=int,
         ),
-        Param("m_out_ratio", 0.5, "outlier sketch size as a fraction of m (reference: 128 / 256)", minimum=0.0),
+        Param(
+            "m_out_ratio",
+            1.0,
+            "outlier sketch size as a fraction of the later layers' m, on every layer (reference: 256 / 256)",
+            minimum=0.0,
+        ),
         Param(
             "n_outliers",
             None,
             "outlier channels per token group, 0 for none (reference: 8 for head_dim 128; "
             "head_dim / 16 when not given)",
+            minimum=0,
+            kind=int,
         ),
         Param("outlier_group", 32, "tokens per outlier group; also the flush unit of the window", minimum=1),
         Param(
             "value_bits",
             None,
             "bits per value coordinate: 1, 2, 3, 4 or 8 (reference: 2); from the budget when not given",
+            choices=(None, 1, 2, 3, 4, 8),
+            kind=int,
         ),
         Param("value_group", 32, "coordinates per value quantization group (reference: 32)", minimum=1),
         Param(
             "residual",
             None,
             "recent tokens kept at full precision at most (reference: 128); from the budget when not given",
+            minimum=1,
+            kind=int,
         ),
         Param("orthogonalize", True, "orthogonalize the sketch rows by QR in blocks of head_dim (Sec. 4.1)"),
         Param(
             "split_query",
-            False,
-            "estimate each part's score with the query restricted to that part's channels "
-            "(same storage, lower variance; not in the paper, torch path only)",
+            True,
+            "estimate each part's score with the query restricted to that part's channels, as the authors' "
+            "score kernel does (same storage, lower variance); off: the full query against both sketches",
         ),
         Param(
             "count_sketch",
@@ -302,31 +329,8 @@ class QJL(Compressor):
         ),
     )
 
-    # optional integer knobs (default None = chosen from the budget or scaled from the reference)
-    _OPTIONAL_INTS = {
-        "m": (M_MIN, None),
-        "initial_layers": (0, None),
-        "n_outliers": (0, None),
-        "value_bits": (1, 8),
-        "residual": (1, None),
-    }
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for key, (lo, hi) in self._OPTIONAL_INTS.items():
-            v = self.cfg[key]
-            if v is None or v == "" or str(v).lower() == "none":
-                self.cfg[key] = None
-                continue
-            try:
-                v = int(float(v))
-            except (TypeError, ValueError):
-                raise ParamError(f"qjl: parameter {key}={self.cfg[key]!r} must be an integer or empty") from None
-            if v < lo or hi is not None and v > hi:
-                raise ParamError(f"qjl: parameter {key}={v} must be in [{lo}, {hi if hi is not None else 'inf'}]")
-            self.cfg[key] = v
-        if self.cfg["value_bits"] not in (None, 1, 2, 3, 4, 8):
-            raise ParamError(f"qjl: parameter value_bits={self.cfg['value_bits']} must be one of 1, 2, 3, 4, 8")
         if self.cfg["m"] is not None and self.cfg["m"] % 8:
             raise ParamError(f"qjl: parameter m={self.cfg['m']} must be a multiple of 8 (bits are packed in bytes)")
 
@@ -337,8 +341,8 @@ class QJL(Compressor):
         if n_init is None:
             n_init = round(n_layers * 15 / 32)
         ms = [m * (self.cfg["initial_factor"] if i < n_init else 1) for i in range(n_layers)]
-        m_outs = [self.n_out and max(M_MIN, _round8(x * self.cfg["m_out_ratio"])) for x in ms]
-        return ms, m_outs
+        m_out = self.n_out and max(M_MIN, _round8(m * self.cfg["m_out_ratio"]))
+        return ms, [m_out] * n_layers
 
     @property
     def n_out(self) -> int:
@@ -384,6 +388,19 @@ class QJL(Compressor):
         if self.full:  # no budget: every token stays exact, nothing is sketched
             return {"uncompressed": True, "residual": n_prompt}
         return self.qplan.knobs(d)
+
+    PAPER_CONFIG = {"m_per_d": 2, "value_bits": 2, "value_group": 32, "residual": 128}
+
+    def paper_fraction(self, n_prompt: int) -> float:
+        """The budget (fraction of the exact cache) at which the planner picks the paper's
+        configuration for an ``n_prompt``-token prompt: m = 2 x head_dim, 2-bit values in groups of
+        32, 128 recent tokens (with this method's other knobs at their values)."""
+        p = self.PAPER_CONFIG
+        if self.cfg["value_group"] != p["value_group"]:
+            raise ParamError(f"qjl: the paper's configuration has value_group={p['value_group']}")
+        m, residual = p["m_per_d"] * self.info.head_dim, max(self.cfg["outlier_group"], p["residual"])
+        per_stream = self._bytes(n_prompt, m, p["value_bits"], residual)[0]
+        return min(1.0, per_stream * (1 + 1e-6) / (n_prompt * per_token_bytes(self.info)))
 
     def _auto_residual(self, target: float) -> int:
         """Largest multiple of the flush group, at most the reference's 128, using at most a quarter of the budget."""
@@ -504,14 +521,14 @@ class QJL(Compressor):
         return ungroup(out, hq).to(q.dtype)
 
     def _key_scores(self, st: QJLLayer, qg: Tensor) -> Tensor:
-        """Estimated scores of the quantized keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, n_quantized]."""
+        """Estimated scores of the quantized keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, n_quantized].
+
+        Triton on CUDA (split or not), the same maths in torch elsewhere."""
         kq, has_out = st.keys, st.keys.out_bits.shape[-1] > 0
         if self.cfg["split_query"] and has_out:
-            g, hkv = self.cfg["outlier_group"], qg.shape[0]
-            q = qg.reshape(-1, 1, qg.shape[-1])  # the R rows of each group as heads of one query
-            est = estimate_scores_split(q, st.s, kq.bits, kq.norms, kq.out_idx, g, outliers=False)
-            est = est + estimate_scores_split(q, st.s_out, kq.out_bits, kq.out_norms, kq.out_idx, g, outliers=True)
-            return group_queries(est, hkv)
+            g = self.cfg["outlier_group"]
+            est = qjl_estimate_split_grouped(qg, st.s, kq.bits, kq.norms, kq.out_idx, g, outliers=False)
+            return est + qjl_estimate_split_grouped(qg, st.s_out, kq.out_bits, kq.out_norms, kq.out_idx, g, True)
         est = qjl_estimate_grouped(qg, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
         if has_out:
             est = est + qjl_estimate_grouped(qg, st.s_out, kq.out_bits, kq.out_norms)

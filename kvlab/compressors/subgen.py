@@ -238,7 +238,7 @@ class SubGenState:
         j, opened = _open_or_join(dmin, near, count, self.delta[layer], self.m_cap)
         self.cap_joins[layer] += ((dmin > self.delta[layer] ** 2) & ~opened).to(self.cap_joins.dtype)
         rows = torch.arange(k.shape[0], device=k.device)
-        centers[rows[opened], j[opened]] = k[opened]
+        centers[rows[opened], j[opened]] = k[opened].to(centers.dtype)
         count += opened.to(count.dtype)
         sizes = self.sizes[layer]
         sizes[rows, j] += 1
