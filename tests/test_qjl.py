@@ -118,7 +118,7 @@ def test_bytes_per_key_and_bits_per_coordinate(lm, prefill_state):
     assert by["value_codes"] == 3 * n_q * 64 * 2 // 8 * 30
     assert by["value_scales"] == by["value_zero_points"] == 3 * n_q * 2 * 2 * 30
     w = n - n_q
-    assert by["residual_keys"] == by["residual_values"] == 3 * w * 64 * 4 * 30
+    assert by["residual_keys"] == by["residual_values"] == 3 * w * 64 * 2 * 30  # the window in the 16-bit cache dtype
     bpc = c.bits_per_coordinate()
     assert bpc["keys"] == pytest.approx((128 * (30 + n_init) / 30 + 16) / 64)
     assert bpc["values"] == pytest.approx(3.0)
@@ -157,7 +157,8 @@ def test_attention_close_to_exact_and_beats_uniform(lm, prefill_state):
         keep = torch.randperm(n, generator=g)[: n // 4]  # uniform sampling at the same budget
         uni.append(_rel_err(dense_attention(q, st.keys[layer][:, keep], st.values[layer][:, keep], st.scaling), a))
     qjl_err, uni_err = sum(errs) / len(errs), sum(uni) / len(uni)
-    assert qjl_err < 0.6 * uni_err, (qjl_err, uni_err)
+    # on the 16-bit axis 0.25 buys QJL ~4 bits per number (measured 0.58 vs uniform's 0.89)
+    assert qjl_err < 0.7 * uni_err, (qjl_err, uni_err)
 
 
 def test_more_budget_less_error(lm, prefill_state):
@@ -177,7 +178,8 @@ def test_full_budget_is_exact(lm, prefill_state):
     c.compress(st)
     assert c.nbytes() == exact_bytes(lm.info, st.n_tokens)
     q = st.queries[3, :, -2:]
-    assert torch.allclose(c.attend(3, q), dense_attention(q, st.keys[3], st.values[3], st.scaling), atol=1e-5)
+    k, v = st.keys[3].to(lm.info.torch_cache_dtype), st.values[3].to(lm.info.torch_cache_dtype)  # what exact holds
+    assert torch.allclose(c.attend(3, q), dense_attention(q, k, v, st.scaling), atol=1e-5)
 
 
 def test_streaming_flush_keeps_window_and_budget(lm, prefill_state):
@@ -249,7 +251,10 @@ def test_bad_params_rejected(lm):
 
 def test_planned_bytes_match_budget(lm):
     n = 1000
-    for b in ("0.1", "0.25", "0.5"):
+    # 0.1 of the 16-bit cache (25.6 bytes per token) is below QJL's smallest configuration (m = 8,
+    # 1-bit values, one 32-token window): the planner says so instead of overshooting silently
+    assert QJL(lm.info, Budget.parse("0.1")).plan(n)["fits_budget"] is False
+    for b in ("0.15", "0.25", "0.5"):
         c = QJL(lm.info, Budget.parse(b))
         knobs = c.plan(n)
         target = float(b) * n * per_token_bytes(lm.info)
@@ -282,3 +287,26 @@ def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_sta
     est = estimate_scores_split(q, lay.s, kq.bits, kq.norms, kq.out_idx, 32, outliers=False)
     est = est + estimate_scores_split(q, lay.s_out, kq.out_bits, kq.out_norms, kq.out_idx, 32, outliers=True)
     assert torch.allclose(est, ref, rtol=1e-4, atol=1e-2)
+
+
+def test_planner_picks_the_papers_configuration(lm):
+    """At the budget of its bytes the planner picks the paper's configuration: m = 2 x head_dim,
+    2-bit values in groups of 32, 128 recent tokens; the outlier sketch as large as m (reference)."""
+    n, d = 1900, lm.info.head_dim
+    frac = QJL(lm.info, Budget.parse("0.5"), {}).paper_fraction(n)
+    c = _qjl(lm, budget=f"{frac:.9f}", n=n)
+    knobs = c.qplan.knobs(d)
+    assert (knobs["m"], knobs["value_bits"], knobs["residual"]) == (2 * d, 2, 128), knobs
+    assert knobs["m_out"] == 2 * d and knobs["m_initial"] == 4 * d and knobs["fits_budget"]
+    assert c.cfg["split_query"] and c.cfg["value_group"] == 32
+    # ~3 bits per value coordinate (2-bit codes + fp16 scale and minimum per 32); keys: m + m_out bits
+    assert knobs["value_bits_per_coord"] == 3.0
+    print(f"qjl paper configuration at n={n}: budget {frac:.4f} of the 16-bit cache, {knobs}")
+
+
+def test_budget_half_gives_about_8_bits_per_number(lm):
+    """On the 16-bit axis a budget of 0.5 buys ~8 bits per stored number, not 16."""
+    n = 1900
+    c = _qjl(lm, budget="0.5", n=n)
+    per_number = 8 * c.qplan.planned_bytes / (n * lm.info.head_dim * 2)
+    assert 7.0 < per_number <= 8.0
