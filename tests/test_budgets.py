@@ -24,4 +24,8 @@ def test_token_budget_as_fraction():
 def test_exact_bytes_formula(lm):
     info = lm.info
     assert (info.n_layers, info.n_kv_heads, info.head_dim) == (30, 3, 64)
-    assert exact_bytes(info, 100) == 30 * 3 * 100 * 64 * 2 * 4
+    # layers x KV heads x tokens x head_dim x 2 (K and V) x 2 bytes: the 16-bit cache dtype
+    assert info.cache_dtype == "float16" and info.dtype == "float32"
+    assert exact_bytes(info, 100) == 30 * 3 * 100 * 64 * 2 * 2
+    assert exact_bytes(info.with_cache_dtype("float32"), 100) == 30 * 3 * 100 * 64 * 2 * 4
+    assert exact_bytes(info.with_cache_dtype("bfloat16"), 100) == exact_bytes(info, 100)

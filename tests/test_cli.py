@@ -24,6 +24,7 @@ def _run(args, capsys):
         (["compare", "--prompt", "hi", "--param", "oops"], "METHOD.NAME=VALUE"),
         (["compare", "--prompt", "hi", "--max-new-tokens", "0"], "allowed"),
         (["compare", "--prompt", "hi", "--bogus-flag"], "unrecognized"),
+        (["compare", "--prompt", "hi", "--cache-dtype", "int8"], "invalid choice"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, needle, capsys):
@@ -54,6 +55,7 @@ def test_compare_writes_json(tmp_path, capsys, lm):
     assert code == 0, err
     data = json.loads(path.read_text())
     assert data["model"]["n_layers"] == 30 and data["model"]["head_dim"] == 64
+    assert data["model"]["cache_dtype"] == "float16"  # the 16-bit default on the CPU
     assert data["prompt_token_ids"] == lm.encode("Name a colour.")
     assert data["prompt_tokens"] == len(data["prompt_token_ids"])
     assert set(data["timings"]) >= {"load_s", "compare_s"}
@@ -77,3 +79,14 @@ def test_compare_writes_json(tmp_path, capsys, lm):
 def test_module_entry_point():
     proc = subprocess.run([sys.executable, "-m", "kvlab", "methods"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "streaming" in proc.stdout and "n_sink" in proc.stdout
+
+
+def test_cache_dtype_flag_sets_the_memory_axis(tmp_path, capsys):
+    path = tmp_path / "r32.json"
+    args = ["compare", "--prompt", "Hi.", "--methods", "exact", "--max-new-tokens", "2", "--quiet"]
+    code, _, err = _run([*args, "--cache-dtype", "float32", "--json", str(path)], capsys)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    n = data["prompt_tokens"]
+    assert data["model"]["cache_dtype"] == "float32"
+    assert data["runs"][0]["kv_bytes"] == 30 * 3 * n * 64 * 2 * 4

@@ -30,7 +30,7 @@ def test_prefill_keeps_heavy_hitters_and_recent_window(prefill_state, eager_acc,
     comp = get("h2o")(lm.info, Budget.parse("0.25"))
     knobs = comp.plan(n)
     cap, heavy, recent = knobs["capacity"], knobs["heavy"], knobs["recent"]
-    assert cap == int(0.25 * exact_bytes(lm.info, n) / (30 * 3) // (64 * 2 * 4 + 4 + 4))
+    assert cap == int(0.25 * exact_bytes(lm.info, n) / (30 * 3) // (64 * 2 * 2 + 4 + 4))  # 16-bit K and V
     assert heavy + recent == cap and abs(heavy - recent) <= 1
     comp.compress(prefill_state)
     pooled = eager_acc.view(30, 3, 3, n).sum(2)  # the 3 query heads of each KV group

@@ -181,6 +181,8 @@ class KIVI(Compressor):
             "residual": self.residual,
             "quantized_tokens": quantized_len(n_prompt, self.residual, self.group_size),
             "planned_fraction": round(predicted / exact_bytes(info, n_prompt), 4),
+            # below KIVI's smallest configuration (2-bit codes + fp16 scale and minimum per group) no plan fits
+            "fits_budget": self.is_full or predicted <= self.budget.target_bytes(info, n_prompt),
         }
 
     def compress(self, state: PrefillState) -> None:
