@@ -1,8 +1,9 @@
 """The shared matrix: every registered method (and sample compositions) on one real prefill.
 
 For budgets 0.5 / 0.25 / 0.125: plan + compress + a few append/attend steps give the right shapes
-and finite outputs; bytes right after compression are within 5% of the budget or under it. At
-budget 1.0 every method is the exact cache: its attention output equals exact attention.
+and finite outputs; bytes right after compression are within 5% of the budget or under it (or the
+plan says no configuration fits). At budget 1.0 every method is the exact cache: its attention
+output equals exact attention over the cache's 16-bit keys and values.
 """
 
 import pytest
@@ -57,7 +58,13 @@ def test_budgets_shapes_and_bytes(lm, matrix_state, name):
         comp, knobs = _build(lm, state, name, budget)
         target = float(budget) * exact_bytes(info, n)
         got = comp.nbytes()
-        assert 0 < got <= 1.05 * target, f"{name}@{budget}: {got / exact_bytes(info, n):.3f} of exact, knobs {knobs}"
+        if knobs.get("fits_budget") is False:
+            # a quantizer below its smallest configuration (0.125 of a 16-bit cache is 2 bits per number;
+            # KIVI-2 and QJL need ~3 with their fp16 scales, norms and window): the plan says so
+            assert float(budget) <= 0.125, f"{name}@{budget}: no configuration fits, knobs {knobs}"
+        else:
+            msg = f"{name}@{budget}: {got / exact_bytes(info, n):.3f} of exact, knobs {knobs}"
+            assert 0 < got <= 1.05 * target, msg
         for step in range(STEPS):
             for layer in (0, info.n_layers - 1):
                 k, v = new_token(state, layer, step)
@@ -76,8 +83,12 @@ def test_full_budget_is_exact(lm, matrix_state, name):
         k, v = new_token(state, layer, 0)
         comp.append(layer, k, v, n)
         q = state.queries[layer, :, -1:]
+        cd = info.torch_cache_dtype  # every cache, exact included, holds 16-bit K/V by default
         ref = dense_attention(
-            q, torch.cat([state.keys[layer], k], -2), torch.cat([state.values[layer], v], -2), state.scaling
+            q,
+            torch.cat([state.keys[layer], k], -2).to(cd),
+            torch.cat([state.values[layer], v], -2).to(cd),
+            state.scaling,
         )
         torch.testing.assert_close(comp.attend(layer, q), ref, atol=1e-5, rtol=1e-4, msg=f"{name} layer {layer}")
     assert comp.nbytes() >= exact_bytes(info, n) * 0.999  # nothing dropped

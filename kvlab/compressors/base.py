@@ -122,7 +122,7 @@ class Compressor:
         """No budget, or a budget of the whole exact cache: the method keeps everything."""
         return self.budget is None or self.budget.is_full
 
-    def store(self, x: Tensor) -> Tensor:
+    def as_cached(self, x: Tensor) -> Tensor:
         """``x`` as the cache stores full-precision keys and values: contiguous, in the cache dtype."""
         return x.to(self.cache_dtype).contiguous()
 
@@ -303,8 +303,8 @@ class DenseCompressor(Compressor):
                 pos = ix.to(torch.int32)
             self.layers.append(
                 DenseLayer.make(
-                    self.store(gather_tokens(state.keys[layer], ix)),
-                    self.store(gather_tokens(state.values[layer], ix)),
+                    self.as_cached(gather_tokens(state.keys[layer], ix)),
+                    self.as_cached(gather_tokens(state.values[layer], ix)),
                     pos,
                     None if lw is None else lw[layer],
                 )

@@ -195,7 +195,9 @@ class KIVI(Compressor):
         else:
             kqs = vqs = [None] * keys.shape[0]
         self.layers = [
-            KiviLayer(kqs[i], vqs[i], _Growable(self.store(keys[i, :, nq:])), _Growable(self.store(values[i, :, nq:])))
+            KiviLayer(
+                kqs[i], vqs[i], _Growable(self.as_cached(keys[i, :, nq:])), _Growable(self.as_cached(values[i, :, nq:]))
+            )
             for i in range(keys.shape[0])
         ]
 

@@ -450,7 +450,9 @@ class QJL(Compressor):
             kq, vq = (None, None) if stores is None else stores[layer]
             s, s_out = sketches[layer]
             self.layers.append(
-                QJLLayer(s, s_out, kq, vq, self.store(keys[layer, :, n_q:]), self.store(values[layer, :, n_q:]), n)
+                QJLLayer(
+                    s, s_out, kq, vq, self.as_cached(keys[layer, :, n_q:]), self.as_cached(values[layer, :, n_q:]), n
+                )
             )
 
     def _make_sketches(self, d: int, device) -> list[tuple[Tensor, Tensor]]:

@@ -445,7 +445,9 @@ class SubGen(Compressor):
     def compress(self, state: PrefillState) -> None:
         if self.full:
             self.dense = [
-                DenseLayer.make(self.store(k), self.store(v), torch.arange(state.n_tokens).expand(k.shape[0], -1))
+                DenseLayer.make(
+                    self.as_cached(k), self.as_cached(v), torch.arange(state.n_tokens).expand(k.shape[0], -1)
+                )
                 for k, v in zip(state.keys, state.values)
             ]
             return
@@ -545,7 +547,7 @@ class SubGenKCenter(DenseCompressor):
         keys, values, pos, logw = kcenter_compress(state.keys, state.values, self.recent, self.k, self.cfg["value"])
         lw = logw if self.cfg["weighted"] else None
         self.layers = [
-            DenseLayer.make(self.store(keys[i]), self.store(values[i]), pos[i], None if lw is None else lw[i])
+            DenseLayer.make(self.as_cached(keys[i]), self.as_cached(values[i]), pos[i], None if lw is None else lw[i])
             for i in range(keys.shape[0])
         ]
 
