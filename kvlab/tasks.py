@@ -174,11 +174,11 @@ def _sentence_start(text: str, at: int) -> int:
 def passkey(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5) -> Task:
     rng = random.Random(f"passkey-{seed}")
     key = str(rng.randint(10000, 99999))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    head = (
-        "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
-        "I will ask you what the pass key is.\n\n"
-    )
+    # The key follows "The pass key is" twice, as in the answer prefix: no sentence in the prompt
+    # continues "The pass key is" with anything but the key (the older "{key} is the pass key"
+    # taught the model to answer "the pass key").
+    needle = f"The pass key is {key}. Remember it. The pass key is {key}. "
+    head = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
     question = "\n\nWhat is the pass key?"
     prefix = "The pass key is"
 
