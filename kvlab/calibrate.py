@@ -47,11 +47,24 @@ def calibrate(
     depths: tuple[float, ...] = DEFAULT_DEPTHS,
     max_new_tokens: int = 10,
     log: Callable[[str], None] = lambda m: None,
+    partial: Callable[[dict], None] = lambda d: None,
 ) -> dict:
-    """Exact's accuracy on ``task`` for every length over seeds 0..seeds-1; every sample kept."""
+    """Exact's accuracy on ``task`` for every length over seeds 0..seeds-1; every sample kept.
+
+    ``partial`` is called with the results so far after every sample (a long run can be cut short).
+    """
     from kvlab.tasks import make_task, prompt_ids
 
     per_length, samples = [], []
+    data = {
+        "task": task,
+        "model": lm.info.id,
+        "decoding": "greedy, full cache (transformers generate)",
+        "max_new_tokens": max_new_tokens,
+        "depths": list(depths),
+        "results": per_length,
+        "samples": samples,
+    }
     for n in lengths:
         hits, tokens, t0 = 0, [], time.perf_counter()
         by_depth: dict[str, list[int]] = {}
@@ -71,6 +84,7 @@ def calibrate(
                 | {"text": text, "hit": hit}
             )
             log(f"[calibrate] {task} {n} seed {seed} depth {depth:g}: {'ok ' if hit else 'miss'} {text!r}")
+            partial(data)
         per_length.append(
             {
                 "length": n,
@@ -82,15 +96,7 @@ def calibrate(
                 "seconds": round(time.perf_counter() - t0, 1),
             }
         )
-    return {
-        "task": task,
-        "model": lm.info.id,
-        "decoding": "greedy, full cache (transformers generate)",
-        "max_new_tokens": max_new_tokens,
-        "depths": list(depths),
-        "results": per_length,
-        "samples": samples,
-    }
+    return data
 
 
 def format_calibration(data: dict) -> str:
@@ -132,10 +138,16 @@ def main(args, error: Callable[[str], Exception], argv: list[str] | None = None)
     except ModelLoadError as exc:
         raise error(str(exc)) from None
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    data = calibrate(lm, args.task, lengths, args.seeds, depths, args.max_new_tokens, log)
-    data["command"] = "python -m kvlab " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m kvlab " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def write(data: dict) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"command": command} | data, indent=1))
+
+    data = calibrate(lm, args.task, lengths, args.seeds, depths, args.max_new_tokens, log, write)
+    write(data)
+    data["command"] = command
     print(format_calibration(data))
     if args.out:
-        Path(args.out).write_text(json.dumps(data, indent=1))
         print(f"written: {args.out}")
     return 0
