@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
-    src.add_argument("--task", help="a built-in task instead of a prompt: passkey, lines or document")
+    src.add_argument("--task", help="a built-in task instead of a prompt: passkey, needle, multikey, lines or document")
     c.add_argument("--length", default="1k", help="task prompt length in tokens (e.g. 1500, 2k)")
     c.add_argument(
         "--probes",
@@ -74,13 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     sub.add_parser("methods", help="list the methods and their parameters")
     s = sub.add_parser("sweep", help="run a task over lengths x seeds x methods x budgets; JSON, CSV, HTML report")
-    s.add_argument("--task", default="passkey", help="passkey, lines or document")
+    s.add_argument("--task", default="passkey", help="passkey, needle, multikey, lines or document")
     s.add_argument("--lengths", default="1k", help="comma-separated prompt lengths in tokens, e.g. 1k,2k")
     s.add_argument("--methods", default="all", help="comma-separated method names, or all, paper, baselines")
     s.add_argument("--budgets", default="0.5,0.25", help="comma-separated budgets (fractions or 512t)")
     s.add_argument("--seeds", type=int, default=1, help="seeds per length (0..N-1)")
     s.add_argument("--max-new-tokens", type=int, default=16)
-    s.add_argument("--depth", type=float, default=0.5, help="pass-key depth in [0, 1]")
+    s.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (passkey, needle, multikey)")
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
     s.add_argument("--model", default="embedded")
     s.add_argument("--device", default="auto")
@@ -89,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--out", default="sweep-out", help="output folder (cells/, results.json, results.csv, report.html)")
     s.add_argument("--quiet", action="store_true")
+    t = sub.add_parser("tasks", help="built-in tasks: `tasks calibrate` measures exact's accuracy per length")
+    tsub = t.add_subparsers(dest="tasks_command", parser_class=_Parser)
+    cal = tsub.add_parser("calibrate", help="exact's accuracy on a task per length (greedy, full cache); JSON")
+    cal.add_argument("--task", default="passkey", help="passkey, needle, multikey or lines")
+    cal.add_argument("--lengths", default="1k,2k,4k", help="comma-separated prompt lengths in tokens")
+    cal.add_argument("--seeds", type=int, default=20, help="prompts per length (seeds 0..N-1)")
+    cal.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths, cycled over the seeds")
+    cal.add_argument("--max-new-tokens", type=int, default=10)
+    cal.add_argument("--model", default="embedded")
+    cal.add_argument("--device", default="auto")
+    cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    cal.add_argument("--out", help="write the results and every sample as JSON here")
+    cal.add_argument("--quiet", action="store_true", help="no per-sample lines on stderr")
     return p
 
 
@@ -176,14 +189,14 @@ def cmd_compare(args) -> int:
     load_s = time.perf_counter() - t0
     task = None
     if args.task:
-        from kvlab.tasks import TaskError, make_task
+        from kvlab.tasks import TaskError, make_task, prompt_ids, prompt_text
 
         try:
             task = make_task(args.task, args.length, args.seed, lambda t: lm.encode(t, chat=not args.no_chat))
         except TaskError as exc:
             raise CliError(str(exc)) from None
-        text = task.prompt
-    ids = lm.encode(text, chat=not args.no_chat)
+        text = prompt_text(task)
+    ids = prompt_ids(lm, task, chat=not args.no_chat) if task else lm.encode(text, chat=not args.no_chat)
     engine = Engine(lm)
     result = None
     from kvlab.metrics import MetricsProbe, add_text_metrics
@@ -278,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_methods()
         if args.command == "sweep":
             return cmd_sweep(args)
+        if args.command == "tasks" and args.tasks_command == "calibrate":
+            from kvlab.calibrate import main as calibrate_main
+
+            return calibrate_main(args, CliError, argv)
         parser.print_help()
         return 2
     except CliError as exc:

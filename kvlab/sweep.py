@@ -98,15 +98,15 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     from kvlab.budgets import parse_budgets
     from kvlab.engine import GenerationSettings, expand_runs
     from kvlab.metrics import MetricsProbe, add_text_metrics
-    from kvlab.tasks import make_task, score_result
+    from kvlab.tasks import make_task, prompt_ids, prompt_text, score_result
 
     lm = engine.lm
     task = make_task(cell.task, cell.length, cell.seed, lm.encode, cfg.depth)
-    ids = lm.encode(task.prompt)
+    ids = prompt_ids(lm, task)
     specs = expand_runs(cfg.methods, parse_budgets(",".join(cfg.budgets)))
     probes = [MetricsProbe()] if cfg.probes else []
     result = engine.compare(
-        ids, specs, GenerationSettings(max_new_tokens=cfg.max_new_tokens), prompt_text=task.prompt, probes=probes
+        ids, specs, GenerationSettings(max_new_tokens=cfg.max_new_tokens), prompt_text=prompt_text(task), probes=probes
     )
     add_text_metrics(result)
     score_result(task, result)

@@ -1,17 +1,37 @@
-"""Built-in tasks, generated offline and seeded: pass-key retrieval, line retrieval, document prompts.
+"""Built-in tasks, generated offline and seeded: pass-key, needle, several needles, line retrieval, documents.
+
+Every task with an answer is shaped so that the embedded SmolLM2-135M-Instruct finds the answer
+with the exact cache (calibrated with ``python -m kvlab tasks calibrate``; numbers in docs/tasks.md):
+a task on which the reference fails cannot tell the compression methods apart.
 
 * ``passkey`` — a random 5-digit pass key hidden at a chosen depth (0 = start, 1 = end) inside
-  repeated filler text of a chosen token length (the needle-in-a-haystack / pass-key test of
-  Mohtashami & Jaggi, "Landmark Attention", 2023). Scored by exact match.
+  repeated filler text (Mohtashami & Jaggi, "Landmark Attention", 2023).
+* ``needle`` — one fact sentence ("The special magic number for <word> is <number>.") placed at a
+  chosen depth in real prose: CPython's reference manual (``pydoc_data.topics``), as in the
+  needle-in-a-haystack test and RULER's ``niah_single`` (Hsieh et al., "RULER", 2024).
+* ``multikey`` — the harder one: four such sentences for four different words spread through the
+  prose, and the question asks for one of them (RULER's ``niah_multikey``). The others are
+  distractors, so exact is good but not perfect and compression has room to hurt.
 * ``lines`` — LongEval-style line retrieval (Li et al., "How long can open-source LLMs truly
   promise on context length?", 2023; used by ClusterGen, ``clustergen.txt`` Sec. 4.1): many lines
-  ``line <key>: REGISTER_CONTENT is <number>`` and a question about one of them. Exact match.
-* ``document`` — a question or summary request over CPython's reference manual
-  (``pydoc_data.topics``); no single answer, so scored by fidelity to the exact run
-  (``text_similarity``).
+  ``line <key>: REGISTER_CONTENT is <number>`` and a question about one of them.
+* ``document`` — a question or summary request over CPython's reference manual; no single answer,
+  so scored by fidelity to the exact run (``text_similarity``).
 
-Lengths are prompt token counts (``1k`` = 1024) measured with the model's own tokenizer and
-chat template; ``make_task`` fills the context up to the length.
+How a task becomes token ids
+----------------------------
+``Task.prompt`` is the user turn: an instruction, the context, then ``Task.question`` at the very
+end (``Task.context`` is everything before it). ``Task.answer_prefix`` is the first words of the
+assistant's answer ("The pass key is"); the model continues from there. ``prompt_ids(lm, task)``
+gives the ids the engine takes: the chat-templated user turn, the template's assistant marker,
+then the answer prefix's tokens (without the chat template: prompt, a blank line, the prefix).
+Small models need the prefix: without it SmolLM2-135M tends to answer "The pass key is the pass
+key is".
+
+Scoring: the first number in the generated text (what follows the prefix) must equal the answer;
+text after it is ignored. Lengths are prompt token counts (``1k`` = 1024) measured with the
+model's own tokenizer and chat template, answer prefix included; ``make_task`` fills the context
+up to the length.
 """
 
 from __future__ import annotations
@@ -21,7 +41,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-TASKS = ("passkey", "lines", "document")
+TASKS = ("passkey", "needle", "multikey", "lines", "document")
 
 _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 _WORDS = (
@@ -60,12 +80,25 @@ class TaskError(ValueError):
 
 @dataclass
 class Task:
-    """One generated prompt. ``answer`` None: scored by fidelity to the exact run."""
+    """One generated prompt. ``answer`` None: scored by fidelity to the exact run.
+
+    ``prompt`` is the user turn and ends with ``question``; ``answer_prefix`` opens the assistant's
+    turn (see ``prompt_ids``).
+    """
 
     name: str
     prompt: str
     answer: str | None
     meta: dict = field(default_factory=dict)
+    question: str = ""
+    answer_prefix: str = ""
+
+    @property
+    def context(self) -> str:
+        """The prompt without its final question (what a query-agnostic run compresses)."""
+        if self.question and self.prompt.endswith(self.question):
+            return self.prompt[: len(self.prompt) - len(self.question)]
+        return self.prompt
 
     def score(self, text: str) -> float | None:
         """Exact match: the first number in the generated text equals the answer (1.0 or 0.0)."""
@@ -73,6 +106,24 @@ class Task:
             return None
         nums = re.findall(r"\d+", text)
         return float(bool(nums) and nums[0] == self.answer)
+
+
+def prompt_ids(lm, task: Task, chat: bool = True) -> list[int]:
+    """The token ids the engine is given for ``task``: user turn, assistant marker, answer prefix.
+
+    ``lm`` is a ``LoadedModel`` (anything with ``encode(text, chat=...)``). Without the chat
+    template the prefix follows the prompt after a blank line.
+    """
+    if not chat:
+        text = task.prompt + (f"\n\n{task.answer_prefix}" if task.answer_prefix else "")
+        return lm.encode(text, chat=False)
+    ids = lm.encode(task.prompt, chat=True)
+    return ids + (lm.encode(task.answer_prefix, chat=False) if task.answer_prefix else [])
+
+
+def prompt_text(task: Task) -> str:
+    """The prompt as a person reads it: the user turn, then the answer's first words."""
+    return task.prompt + (f"\n\n[answer begins] {task.answer_prefix}" if task.answer_prefix else "")
 
 
 def parse_length(text: str | int) -> int:
@@ -95,19 +146,102 @@ def _fit(count: Callable[[int], int], build: Callable[[int], str], target: int) 
     return build(lo)
 
 
+def _fit_prompt(encode: Callable[[str], list[int]], build: Callable[[int], str], target: int, prefix: str) -> str:
+    """``_fit`` with the answer prefix's tokens counted (``encode`` may or may not add a chat template)."""
+    extra = len(encode(prefix)) - len(encode("")) if prefix else 0
+    return _fit(lambda k: len(encode(build(k))) + extra, build, target)
+
+
+def _prose(seed: int) -> str:
+    """CPython's reference manual, topics in a seeded order (real prose and code, offline)."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    random.Random(f"prose-{seed}").shuffle(keys)
+    return "\n\n".join(topics[k] for k in keys)
+
+
+def _sentence_start(text: str, at: int) -> int:
+    """The start of the sentence or paragraph at or before character ``at`` (0 at the top)."""
+    if at <= 0:
+        return 0
+    if at >= len(text):
+        return len(text)
+    cut = max(text.rfind(". ", 0, at), text.rfind("\n", 0, at))
+    return cut + (2 if text[cut : cut + 2] == ". " else 1) if cut >= 0 else 0
+
+
 def passkey(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5) -> Task:
     rng = random.Random(f"passkey-{seed}")
     key = str(rng.randint(10000, 99999))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    # The key follows "The pass key is" twice, as in the answer prefix: no sentence in the prompt
+    # continues "The pass key is" with anything but the key (the older "{key} is the pass key"
+    # taught the model to answer "the pass key").
+    needle = f"The pass key is {key}. Remember it. The pass key is {key}. "
     head = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
-    question = "\n\nWhat is the pass key? The pass key is"
+    question = "\n\nWhat is the pass key?"
+    prefix = "The pass key is"
 
     def build(k: int) -> str:
         at = round(depth * k)
         return head + _FILLER * at + needle + _FILLER * (k - at) + question
 
-    prompt = _fit(lambda k: len(encode(build(k))), build, n_tokens)
-    return Task("passkey", prompt, key, {"depth": depth, "seed": seed, "target_tokens": n_tokens})
+    prompt = _fit_prompt(encode, build, n_tokens, prefix)
+    meta = {"depth": depth, "seed": seed, "target_tokens": n_tokens}
+    return Task("passkey", prompt, key, meta, question, prefix)
+
+
+def _needles(
+    name: str,
+    n_tokens: int,
+    seed: int,
+    encode: Callable[[str], list[int]],
+    depths: list[float],
+    ask: int,
+    rng: random.Random,
+) -> Task:
+    """Fact sentences for distinct words at ``depths`` in real prose; the question asks for needle ``ask``."""
+    words = rng.sample(_WORDS, len(depths))
+    keys = [str(rng.randint(100000, 999999)) for _ in depths]
+    word = words[ask]
+    several = len(depths) > 1
+    head = (
+        "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+        "I will quiz you about one of them.\n\n"
+        if several
+        else "A special magic number is hidden within the following text. Make sure to memorize it.\n\n"
+    )
+    question = f"\n\nWhat is the special magic number for {word}?"
+    prefix = f"The special magic number for {word} is"
+    prose = _prose(seed)
+    order = sorted(range(len(depths)), key=lambda i: depths[i])
+
+    def build(k: int) -> str:
+        text = prose[: 200 * k]
+        out, last = [head], 0
+        for i in order:
+            at = max(_sentence_start(text, round(depths[i] * len(text))), last)
+            out += [text[last:at], f"\n\nThe special magic number for {words[i]} is {keys[i]}.\n\n"]
+            last = at
+        return "".join(out) + text[last:] + question
+
+    prompt = _fit_prompt(encode, build, n_tokens, prefix)
+    meta = {"seed": seed, "target_tokens": n_tokens, "word": word}
+    meta.update({"depth": depths[ask]} if not several else {"depths": depths, "words": words, "asked": ask})
+    return Task(name, prompt, keys[ask], meta, question, prefix)
+
+
+def needle(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5) -> Task:
+    rng = random.Random(f"needle-{seed}")
+    return _needles("needle", n_tokens, seed, encode, [depth], 0, rng)
+
+
+def multikey(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5) -> Task:
+    """Four needles at depths 0.1, 0.35, 0.6, 0.85; the one asked about is the one nearest ``depth``."""
+    rng = random.Random(f"multikey-{seed}")
+    depths = [0.1, 0.35, 0.6, 0.85]
+    ask = min(range(len(depths)), key=lambda i: abs(depths[i] - depth))
+    return _needles("multikey", n_tokens, seed, encode, depths, ask, rng)
 
 
 def lines(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
@@ -120,25 +254,20 @@ def lines(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
         "a REGISTER_CONTENT. Remember the REGISTER_CONTENT of every line.\n\n"
     )
 
+    def ask(target: str) -> str:
+        return f"\nNow the record is over. Tell me what is the REGISTER_CONTENT in line {target}? I need the number."
+
     def build(k: int, pick: int | None = None) -> str:
         k = max(1, min(k, len(pool)))
         body = "".join(f"line {pool[i]}: REGISTER_CONTENT is <{values[i]}>\n" for i in range(k))
-        target = pool[pick if pick is not None else k // 2]
-        return (
-            head
-            + body
-            + f"\nNow the record is over. Tell me what is the REGISTER_CONTENT in line {target}? I need the number."
-        )
+        return head + body + ask(pool[pick if pick is not None else k // 2])
 
-    k = max(1, len(re.findall("\n", _fit(lambda k: len(encode(build(k))), build, n_tokens))) - 3)
+    prefix_for = "The REGISTER_CONTENT in line {} is <"
+    k = max(1, len(re.findall("\n", _fit_prompt(encode, build, n_tokens, prefix_for.format(pool[0])))) - 3)
     k = min(k, len(pool))
     pick = rng.randrange(k)
-    return Task(
-        "lines",
-        build(k, pick),
-        str(values[pick]),
-        {"seed": seed, "lines": k, "line": pool[pick], "target_tokens": n_tokens},
-    )
+    meta = {"seed": seed, "lines": k, "line": pool[pick], "target_tokens": n_tokens}
+    return Task("lines", build(k, pick), str(values[pick]), meta, ask(pool[pick]), prefix_for.format(pool[pick]))
 
 
 def document(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
@@ -155,14 +284,14 @@ def document(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Ta
             "List three keywords that the text above explains.",
         ]
     )
+    question = "\n\n" + ask
 
     def build(chars: int) -> str:
-        return text[: 200 * chars] + "\n\n" + ask
+        return text[: 200 * chars] + question
 
     prompt = _fit(lambda c: len(encode(build(c))), build, n_tokens)
-    return Task(
-        "document", prompt, None, {"seed": seed, "topics": keys[:3], "question": ask, "target_tokens": n_tokens}
-    )
+    meta = {"seed": seed, "topics": keys[:3], "question": ask, "target_tokens": n_tokens}
+    return Task("document", prompt, None, meta, question)
 
 
 def make_task(
@@ -171,6 +300,10 @@ def make_task(
     n = parse_length(n_tokens)
     if name == "passkey":
         return passkey(n, seed, encode, depth)
+    if name == "needle":
+        return needle(n, seed, encode, depth)
+    if name == "multikey":
+        return multikey(n, seed, encode, depth)
     if name == "lines":
         return lines(n, seed, encode)
     if name == "document":

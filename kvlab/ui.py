@@ -96,7 +96,13 @@ def builtin_presets() -> dict[str, str]:
     }
 
 
-TASK_PRESETS = {"Document question": "document", "Pass-key retrieval": "passkey", "Line retrieval": "lines"}
+TASK_PRESETS = {
+    "Document question": "document",
+    "Pass-key retrieval": "passkey",
+    "Needle in prose": "needle",
+    "Several needles": "multikey",
+    "Line retrieval": "lines",
+}
 
 
 def presets(lm: LoadedModel | None = None, n_tokens: int = 1000) -> tuple[dict[str, str], dict[str, Any]]:
@@ -551,7 +557,13 @@ class Dashboard:
         if not 1 <= max_new <= self.limits.max_new_tokens:
             raise InputError(f"max new tokens must be in 1..{self.limits.max_new_tokens}")
         engine = self.engine_for(model)
-        ids = engine.lm.encode(prompt)
+        task = next((t for t in self.tasks.values() if t.prompt == prompt), None)
+        if task is not None:  # a task preset: its answer prefix opens the assistant's turn
+            from kvlab.tasks import prompt_ids
+
+            ids = prompt_ids(engine.lm, task)
+        else:
+            ids = engine.lm.encode(prompt)
         if len(ids) > self.limits.max_prompt_tokens:
             raise InputError(
                 f"the prompt has {len(ids)} tokens; this page allows at most "

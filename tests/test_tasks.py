@@ -1,8 +1,12 @@
-"""Built-in tasks: lengths measured with the real tokenizer, seeded, answers where they should be."""
+"""Built-in tasks: lengths measured with the real tokenizer, seeded, answers where they should be,
+the answer prefix after the assistant marker, and `tasks calibrate`."""
+
+import json
 
 import pytest
 
-from kvlab.tasks import TaskError, make_task, parse_length
+from kvlab.cli import main
+from kvlab.tasks import TASKS, TaskError, make_task, parse_length, prompt_ids
 
 
 def test_parse_length():
@@ -11,13 +15,29 @@ def test_parse_length():
         parse_length("lots")
 
 
-@pytest.mark.parametrize("name", ["passkey", "lines", "document"])
+@pytest.mark.parametrize("name", TASKS)
 def test_length_and_seeding(lm, name):
     t = make_task(name, 400, 3, lm.encode)
-    n = len(lm.encode(t.prompt))
+    n = len(prompt_ids(lm, t))
     assert 300 <= n <= 400, n
     assert make_task(name, 400, 3, lm.encode).prompt == t.prompt
     assert make_task(name, 400, 4, lm.encode).prompt != t.prompt
+    assert t.prompt.endswith(t.question) and t.context + t.question == t.prompt
+
+
+@pytest.mark.parametrize("name", ["passkey", "needle", "multikey", "lines"])
+def test_answer_prefix_follows_the_assistant_marker(lm, name):
+    t = make_task(name, 300, 0, lm.encode)
+    assert t.answer_prefix and t.answer is not None
+    ids = prompt_ids(lm, t)
+    head, tail = lm.encode(t.prompt), lm.encode(t.answer_prefix, chat=False)
+    assert ids == head + tail  # user turn + assistant marker, then the prefix
+    assert lm.tokenizer.decode(head).rstrip().endswith("assistant")
+    # one tokenization of the whole text gives the same ids
+    text = lm.tokenizer.decode(head) + t.answer_prefix
+    assert lm.tokenizer(text, add_special_tokens=False)["input_ids"] == ids
+    raw = prompt_ids(lm, t, chat=False)
+    assert lm.tokenizer.decode(raw).endswith("\n\n" + t.answer_prefix) and len(raw) < len(ids)
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
@@ -27,8 +47,39 @@ def test_passkey_needle_depth_and_score(lm, depth):
     at = t.prompt.index(t.answer) / len(t.prompt)
     assert abs(at - depth) < 0.15, at
     assert t.score(f" {t.answer}. That is it.") == 1.0
+    assert t.score(f" {t.answer}. Remember it. The pass key is 12345") == 1.0  # trailing text ignored
     assert t.score(f"maybe 12345 or {t.answer}") == (1.0 if t.answer == "12345" else 0.0)
     assert t.score("I don't know") == 0.0
+    assert t.score(f" {t.answer}7") == 0.0
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.7, 1.0])
+def test_needle_sits_in_real_prose_at_its_depth(lm, depth):
+    t = make_task("needle", 800, 2, lm.encode, depth=depth)
+    fact = f"The special magic number for {t.meta['word']} is {t.answer}."
+    assert t.prompt.count(t.answer) == 1 and fact in t.prompt and len(t.answer) == 6
+    assert t.question.strip() == f"What is the special magic number for {t.meta['word']}?"
+    body = t.context
+    at = body.index(fact) / len(body)
+    assert abs(at - depth) < 0.15, at
+    from pydoc_data.topics import topics
+
+    manual = "\n\n".join(topics.values())
+    tail = body[body.index(fact) + len(fact) :].strip()[:200]
+    assert tail in manual  # the haystack is CPython's manual
+    assert t.answer_prefix == f"The special magic number for {t.meta['word']} is"
+
+
+def test_multikey_asks_for_one_of_four(lm):
+    t = make_task("multikey", 800, 5, lm.encode, depth=0.6)
+    words = t.meta["words"]
+    assert (
+        len(set(words)) == 4 and t.meta["word"] == words[t.meta["asked"]] and t.meta["depths"][t.meta["asked"]] == 0.6
+    )
+    assert t.prompt.count("The special magic number for ") == 4
+    positions = [t.prompt.index(f"The special magic number for {w} is ") for w in words]
+    assert positions == sorted(positions)  # in depth order
+    assert t.score(f" {t.answer}.") == 1.0
 
 
 def test_line_retrieval_answer_matches_its_line(lm):
@@ -37,10 +88,27 @@ def test_line_retrieval_answer_matches_its_line(lm):
     assert f"line {line}: REGISTER_CONTENT is <{t.answer}>" in t.prompt
     assert t.prompt.rstrip().endswith(f"line {line}? I need the number.")
     assert t.prompt.count(f"line {line}:") == 1 and t.meta["lines"] > 10
+    assert t.score(f"{t.answer}>") == 1.0
 
 
 def test_document_is_scored_by_fidelity(lm):
     t = make_task("document", 300, 0, lm.encode)
-    assert t.answer is None and t.score("anything") is None
+    assert t.answer is None and t.score("anything") is None and not t.answer_prefix
     with pytest.raises(TaskError, match="allowed"):
         make_task("nope", 300, 0, lm.encode)
+
+
+def test_calibrate_cli_writes_json(lm, tmp_path, capsys):
+    out = tmp_path / "cal.json"
+    args = ["tasks", "calibrate", "--task", "needle", "--lengths", "200", "--seeds", "2", "--max-new-tokens", "8"]
+    assert main([*args, "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "needle" in printed and "accuracy" in printed
+    data = json.loads(out.read_text())
+    (row,) = data["results"]
+    assert row["length"] == 200 and row["seeds"] == 2 and 0 <= row["accuracy"] <= 1
+    assert row["hits"] == sum(bool(s["hit"]) for s in data["samples"]) and len(data["samples"]) == 2
+    assert data["command"].startswith("python -m kvlab tasks calibrate --task needle")
+    assert main(["tasks", "calibrate", "--task", "document"]) == 2
+    assert main(["tasks", "calibrate", "--task", "passkey", "--depths", "2"]) == 2
+    assert "cannot be calibrated" in capsys.readouterr().err

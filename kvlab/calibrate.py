@@ -1,0 +1,153 @@
+"""Calibrating a task on a model: exact's accuracy per prompt length, with the full cache.
+
+``python -m kvlab tasks calibrate --task passkey --lengths 1k,2k,4k --seeds 20 --out cal.json``
+prints one line per length and writes every sample to JSON. Decoding is transformers' own greedy
+``generate`` with its full cache, which kvlab's ``exact`` run reproduces token for token, so the
+numbers are exact's task scores without the cost of the comparison engine. A task is only worth
+sweeping where these numbers are high: a method cannot be told apart from a reference that fails.
+
+Seed ``s`` places the needle at ``depths[s % len(depths)]``, so 20 seeds over 5 depths give 4
+prompts per depth.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def generate_greedy(lm, ids: list[int], max_new_tokens: int) -> str:
+    """The greedy continuation of ``ids`` with the full cache (what ``exact`` produces)."""
+    import torch
+
+    x = torch.tensor([ids], device=lm.device)
+    eos = sorted(lm.eos_ids) or None
+    with torch.no_grad():
+        out = lm.model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
+        )
+    return lm.decode(out[0, len(ids) :].tolist())
+
+
+def calibrate(
+    lm,
+    task: str,
+    lengths: list[int],
+    seeds: int,
+    depths: tuple[float, ...] = DEFAULT_DEPTHS,
+    max_new_tokens: int = 10,
+    log: Callable[[str], None] = lambda m: None,
+    partial: Callable[[dict], None] = lambda d: None,
+) -> dict:
+    """Exact's accuracy on ``task`` for every length over seeds 0..seeds-1; every sample kept.
+
+    ``partial`` is called with the results so far after every sample (a long run can be cut short).
+    """
+    from kvlab.tasks import make_task, prompt_ids
+
+    per_length, samples = [], []
+    data = {
+        "task": task,
+        "model": lm.info.id,
+        "decoding": "greedy, full cache (transformers generate)",
+        "max_new_tokens": max_new_tokens,
+        "depths": list(depths),
+        "results": per_length,
+        "samples": samples,
+    }
+    for n in lengths:
+        hits, tokens, t0 = 0, [], time.perf_counter()
+        by_depth: dict[str, list[int]] = {}
+        for seed in range(seeds):
+            depth = depths[seed % len(depths)]
+            t = make_task(task, n, seed, lm.encode, depth)
+            ids = prompt_ids(lm, t)
+            text = generate_greedy(lm, ids, max_new_tokens)
+            hit = t.score(text) if t.answer is not None else None
+            hits += bool(hit)
+            tokens.append(len(ids))
+            by_depth.setdefault(f"{depth:g}", [0, 0])
+            by_depth[f"{depth:g}"][0] += bool(hit)
+            by_depth[f"{depth:g}"][1] += 1
+            samples.append(
+                {"length": n, "seed": seed, "depth": depth, "prompt_tokens": len(ids), "answer": t.answer}
+                | {"text": text, "hit": hit}
+            )
+            log(f"[calibrate] {task} {n} seed {seed} depth {depth:g}: {'ok ' if hit else 'miss'} {text!r}")
+            partial(data)
+        per_length.append(
+            {
+                "length": n,
+                "accuracy": hits / seeds,
+                "hits": hits,
+                "seeds": seeds,
+                "prompt_tokens_mean": sum(tokens) / len(tokens),
+                "by_depth": {d: {"hits": h, "seeds": k} for d, (h, k) in by_depth.items()},
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    return data
+
+
+def format_calibration(data: dict) -> str:
+    rows = [f"task {data['task']} on {data['model']}: exact's accuracy (greedy, full cache)"]
+    rows.append(f"{'length':>7}  {'tokens':>6}  {'accuracy':>8}  hits/seeds  by depth")
+    for r in data["results"]:
+        depth = " ".join(f"{d}:{v['hits']}/{v['seeds']}" for d, v in r["by_depth"].items())
+        rows.append(
+            f"{r['length']:>7}  {r['prompt_tokens_mean']:>6.0f}  {r['accuracy']:>8.2f}  "
+            f"{r['hits']:>4}/{r['seeds']:<5}  {depth}"
+        )
+    return "\n".join(rows)
+
+
+def main(args, error: Callable[[str], Exception], argv: list[str] | None = None) -> int:
+    """``tasks calibrate`` from the CLI (``error`` builds the CLI's one-line error; ``argv`` is recorded)."""
+    from kvlab.models import ModelLoadError, load_model
+    from kvlab.tasks import TASKS, TaskError, parse_length
+
+    if args.task not in TASKS or args.task == "document":
+        raise error(
+            f"--task {args.task!r} cannot be calibrated; allowed: {', '.join(t for t in TASKS if t != 'document')}"
+        )
+    try:
+        lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
+        depths = tuple(float(x) for x in args.depths.split(",") if x.strip())
+    except (TaskError, ValueError) as exc:
+        raise error(
+            str(exc) if isinstance(exc, TaskError) else f"--depths {args.depths!r}: numbers in [0, 1]"
+        ) from None
+    if not lengths or args.seeds < 1 or not depths or not all(0 <= d <= 1 for d in depths):
+        raise error("--lengths must name a length, --seeds must be >= 1 and --depths must be numbers in [0, 1]")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        lm = load_model(args.model, args.device)
+    except ModelLoadError as exc:
+        raise error(str(exc)) from None
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    command = "python -m kvlab " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def write(data: dict) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"command": command} | data, indent=1))
+
+    data = calibrate(lm, args.task, lengths, args.seeds, depths, args.max_new_tokens, log, write)
+    write(data)
+    data["command"] = command
+    print(format_calibration(data))
+    if args.out:
+        print(f"written: {args.out}")
+    return 0
