@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvlab compare|sweep|methods``.
+"""Command line: ``python -m kvlab compare|sweep|methods|reproduce``.
 
 Bad arguments exit with status 2 and one line that says what was wrong and what is allowed.
 """
@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     cal.add_argument("--out", help="write the results and every sample as JSON here")
     cal.add_argument("--quiet", action="store_true", help="no per-sample lines on stderr")
+    r = sub.add_parser("reproduce", help="measure a paper's claim on the model: one reproduction by name, or all")
+    r.add_argument(
+        "name",
+        help="balancekv-fig2, qjl-estimator, qjl-3bit, clustergen-lines, "
+        "scissorhands-persistence, scissorhands-ppl, or all",
+    )
+    r.add_argument("--out", default="reproduce-out", help="output folder (NAME.json, NAME.html, summary.json)")
+    r.add_argument("--quick", action="store_true", help="small settings (short prompts, few seeds): a smoke run")
+    r.add_argument("--model", default="embedded")
+    r.add_argument("--device", default="auto")
+    r.add_argument("--quiet", action="store_true")
     return p
 
 
@@ -281,6 +292,21 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    from kvlab.reproduce.context import Context
+    from kvlab.reproduce.registry import UnknownReproduction
+    from kvlab.reproduce.runner import expand, run_reproductions
+
+    ctx = Context(quick=args.quick, model=args.model, device=args.device)
+    if args.quiet:
+        ctx.log = lambda m: None
+    try:
+        run_reproductions(expand(args.name), ctx, args.out)
+    except UnknownReproduction as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -295,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             from kvlab.calibrate import main as calibrate_main
 
             return calibrate_main(args, CliError, argv)
+        if args.command == "reproduce":
+            return cmd_reproduce(args)
         parser.print_help()
         return 2
     except CliError as exc:

@@ -1,0 +1,31 @@
+"""The reproductions by name, in the order ``all`` runs them."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_MODULES = {
+    "balancekv-fig2": "balancekv_fig2",
+    "qjl-estimator": "qjl_estimator",
+    "qjl-3bit": "qjl_3bit",
+    "clustergen-lines": "clustergen_lines",
+    "scissorhands-persistence": "scissorhands_persistence",
+    "scissorhands-ppl": "scissorhands_ppl",
+}
+REPRODUCTIONS = tuple(_MODULES)
+
+
+class UnknownReproduction(ValueError):
+    pass
+
+
+def names() -> list[str]:
+    return list(REPRODUCTIONS)
+
+
+def get_reproduction(name: str) -> ModuleType:
+    """The module of one reproduction (it defines NAME, TITLE, CLAIMS and ``run(ctx) -> Report``)."""
+    if name not in _MODULES:
+        raise UnknownReproduction(f"unknown reproduction {name!r}; allowed: {', '.join(REPRODUCTIONS)} or all")
+    return importlib.import_module(f"kvlab.reproduce.{_MODULES[name]}")
