@@ -146,7 +146,7 @@ def run(ctx: Context) -> Report:
     wins = total = 0
     for T in cfg["rounds"]:
         b, u, uu = (summary[m_][T] for m_ in methods)
-        for layer in PAPER_LAYERS:
+        for layer in (x for x in PAPER_LAYERS if x < n_layers):
             bl, ul = b["per_layer_mean"][layer], u["per_layer_mean"][layer]
             rows.append(
                 Row(
@@ -190,7 +190,7 @@ def run(ctx: Context) -> Report:
 def _figure(summary: dict, rounds: list[int], n_layers: int):
     from plotly.subplots import make_subplots
 
-    panels = [*PAPER_LAYERS, None]
+    panels = [*(x for x in PAPER_LAYERS if x < n_layers), None]
     titles = [f"layer {x + 1}" if x is not None else f"mean over {n_layers} layers" for x in panels]
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=titles, shared_yaxes=True)
     colors = {"balancekv": "#1f77b4", "uniform (reweighted)": "#d62728", "uniform (unweighted)": "#ff7f0e"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def papers_dir() -> Path | None:
-    """The folder with the papers' text: ``shared/papers`` beside the repository (or inside it)."""
-    for base in (REPO_ROOT.parent, REPO_ROOT):
+    """The folder with the papers' text: ``$KVLAB_PAPERS``, else ``shared/papers`` beside the repository
+    (``../shared/papers``) or beside one of its parent folders."""
+    env = os.environ.get("KVLAB_PAPERS")
+    if env:
+        return Path(env) if Path(env).is_dir() else None
+    for base in (REPO_ROOT, *REPO_ROOT.parents):
         p = base / "shared" / "papers"
         if p.is_dir():
             return p
