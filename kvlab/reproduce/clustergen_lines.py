@@ -11,6 +11,7 @@ least half of the questions.
 
 from __future__ import annotations
 
+import re
 import time
 
 from kvlab.reproduce.common import Claim, Report, Row
@@ -45,7 +46,7 @@ CLAIMS = (
 PAPER = {"exact": "0.68", "subgen-kcenter": "0.44", "streaming": "0.38", "h2o": "0.38"}
 LABELS = {"exact": "exact", "subgen-kcenter": "k-center (ClusterGen)", "streaming": "Sink (StreamingLLM)", "h2o": "H2O"}
 
-FULL = {"length": 1024, "seeds": 8, "budget": "0.5", "max_new_tokens": 24}
+FULL = {"length": 768, "seeds": 4, "budget": "0.5", "max_new_tokens": 20}
 QUICK = {"length": 256, "seeds": 1, "budget": "0.5", "max_new_tokens": 16}
 
 
@@ -74,6 +75,9 @@ def run(ctx: Context) -> Report:
             fractions[m].append(r.kv_bytes_per_step[0] / r.exact_kv_bytes_per_step[0])
             answers[-1]["texts"][m] = r.text
     acc = {m: sum(v) / len(v) for m, v in scores.items()}
+    same = {
+        m: sum(_first_number(a["texts"][m]) == _first_number(a["texts"]["exact"]) for a in answers) for m in methods
+    }
     frac = {m: sum(v) / len(v) for m, v in fractions.items()}
     seeds = cfg["seeds"]
     exact_ok = acc["exact"] >= 0.5
@@ -92,7 +96,7 @@ def run(ctx: Context) -> Report:
             Row(
                 f"{LABELS[m]} at budget {cfg['budget']} (held {frac[m]:.2f} of exact)",
                 f"{PAPER[m]} (n=9k, half the cache)",
-                f"{acc[m]:.2f} ({round(acc[m] * seeds)}/{seeds})",
+                f"{acc[m]:.2f} ({round(acc[m] * seeds)}/{seeds}); same number as exact {same[m]}/{seeds}",
                 None,
             )
         )
@@ -116,11 +120,23 @@ def run(ctx: Context) -> Report:
         f"python -m kvlab reproduce {NAME}" + (" --quick" if ctx.quick else ""),
         setting,
         rows,
-        {"settings": cfg, "accuracy": acc, "held_fraction": frac, "scores": scores, "answers": answers},
+        {
+            "settings": cfg,
+            "accuracy": acc,
+            "same_as_exact": same,
+            "held_fraction": frac,
+            "scores": scores,
+            "answers": answers,
+        },
         list(CLAIMS),
         _figure(acc, methods),
         time.perf_counter() - t0,
     )
+
+
+def _first_number(text: str) -> str | None:
+    nums = re.findall(r"\d+", text)
+    return nums[0] if nums else None
 
 
 def _figure(acc: dict, methods: list[str]):

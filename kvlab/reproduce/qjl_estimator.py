@@ -47,7 +47,7 @@ CLAIMS = (
 )
 
 
-FULL = {"n": 1024, "ms": [16, 32, 64, 128, 256, 512], "sketches": 400, "keys": 64, "queries": 8, "layers": "three"}
+FULL = {"n": 512, "ms": [16, 32, 64, 128, 256, 512], "sketches": 200, "keys": 48, "queries": 4, "layers": "three"}
 QUICK = {"n": 256, "ms": [16, 64, 256], "sketches": 96, "keys": 32, "queries": 4, "layers": "ends"}
 
 

@@ -31,7 +31,7 @@ CLAIMS = (
     ),
 )
 
-FULL = {"length": 1024, "ratios": [2, 3, 5], "max_new_tokens": 64}
+FULL = {"length": 768, "ratios": [2, 3, 5], "max_new_tokens": 32}
 QUICK = {"length": 192, "ratios": [2, 5], "max_new_tokens": 8}
 
 
