@@ -84,14 +84,7 @@ class Report:
         return "\n".join(lines)
 
     def markdown(self) -> str:
-        out = ["| setting | paper | kvlab | holds |", "|---|---|---|---|"]
-        for r in self.rows:
-            out.append(
-                f"| {_md(r.setting)} | {_md(r.paper)} | {_md(r.kvlab)} | {_yes(r.holds)}"
-                + (f" ({_md(r.note)})" if r.note else "")
-                + " |"
-            )
-        return "\n".join(out)
+        return markdown_table([asdict(r) for r in self.rows])
 
     def to_json(self) -> dict:
         return _clean(
@@ -117,6 +110,23 @@ class Report:
             paths.append(out / f"{self.name}.html")
             self.figure.write_html(paths[-1], include_plotlyjs="cdn", full_html=True)
         return paths
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """A report's rows (as in its JSON) as a Markdown table."""
+    out = ["| setting | paper | kvlab | holds |", "|---|---|---|---|"]
+    for r in rows:
+        note = f" ({_md(r['note'])})" if r.get("note") else ""
+        out.append(f"| {_md(r['setting'])} | {_md(r['paper'])} | {_md(r['kvlab'])} | {_yes(r['holds'])}{note} |")
+    return "\n".join(out)
+
+
+def markdown_section(data: dict) -> str:
+    """One report's JSON as a Markdown section: title, command, setting, time, table."""
+    return (
+        f"### {data['title']}\n\n`{data['command']}` ({data['seconds']:.0f} s)\n\n"
+        f"Setting: {data['setting']}\n\n{markdown_table(data['rows'])}\n"
+    )
 
 
 def _yes(h: bool | None) -> str:

@@ -1,4 +1,4 @@
-"""Run reproductions: print each table, write ``NAME.json`` / ``NAME.html`` and ``summary.json``."""
+"""Run reproductions: print each table, write ``NAME.json`` / ``NAME.html``, ``summary.json`` and ``tables.md``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from kvlab.reproduce.common import Report
+from kvlab.reproduce.common import Report, markdown_section
 from kvlab.reproduce.context import Context
 from kvlab.reproduce.registry import REPRODUCTIONS, get_reproduction
 
@@ -33,6 +33,7 @@ def run_reproductions(which: list[str], ctx: Context, out: str | Path, echo=prin
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "tables.md").write_text("\n".join(markdown_section(r.to_json()) for r in reports))
     echo(f"\n{len(reports)} reproduction(s) in {total:.0f} s; output in {out}")
     return reports
 
