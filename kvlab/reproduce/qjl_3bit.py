@@ -167,7 +167,10 @@ def run(ctx: Context) -> Report:
         list(CLAIMS),
         _figure(meas, labels),
         time.perf_counter() - t0,
-        [f"cache dtype of the exact reference: {info.dtype} ({info.dtype_bytes * 8} bits per number)"],
+        [
+            f"the exact cache holds {e['bits_per_number']:.0f} bits per number "
+            f"({getattr(info, 'cache_dtype', info.dtype)})"
+        ],
     )
 
 
