@@ -12,8 +12,8 @@ from kvlab.reproduce import REPRODUCTIONS, Context, get_reproduction, papers_dir
 TINY = {
     "balancekv-fig2": {"n": 320, "sink": 32, "recent": 32, "queries": 16, "rounds": [1, 2], "seeds": 1, "layers": 5},
     "qjl-estimator": {"n": 96, "ms": [16, 64], "sketches": 64, "keys": 16, "queries": 2, "layers": "ends"},
-    "qjl-3bit": {"length": 256, "max_new_tokens": 4, "seed": 0},
-    "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 12},
+    "qjl-3bit": {"length": 224, "max_new_tokens": 4, "seed": 0},
+    "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 8},
     "scissorhands-persistence": {"length": 128},
     "scissorhands-ppl": {"length": 128, "ratios": [2], "max_new_tokens": 4},
 }
