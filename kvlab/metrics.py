@@ -166,22 +166,29 @@ class MetricsProbe:
     # hooks ---------------------------------------------------------------------------------
     def on_prefill(self, state, logits: Tensor, compressors) -> None:
         self.comps = compressors
-        self.keys, self.values, self.scaling = state.keys, state.values, state.scaling
+        # the reference is the exact cache as kvlab stores it: K/V rounded to the cache dtype (kept
+        # in the compute dtype, so each step's matmuls need no cast)
+        self.cache_dtype = compressors[0].info.torch_cache_dtype if compressors else state.keys.dtype
+        self.keys, self.values = self._rounded(state.keys), self._rounded(state.values)
+        self.scaling = state.scaling
         self.n, self.n_layers = state.n_tokens, state.keys.shape[0]
         self.prefill_logp = torch.log_softmax(logits.float(), -1)
         runs = len(compressors)
         self.errors: list[list[list[float]]] = [[] for _ in range(runs)]  # [run][step][layer]
         self.kg = (
-            [_Growing(runs, state.keys[0]) for _ in range(self.n_layers)]
+            [_Growing(runs, self.keys[0]) for _ in range(self.n_layers)]
             if self.cfg.attn_error or self.cfg.maps
             else []
         )
-        self.vg = [_Growing(runs, state.values[0]) for _ in range(self.n_layers)] if self.kg else []
+        self.vg = [_Growing(runs, self.values[0]) for _ in range(self.n_layers)] if self.kg else []
         self.kl: list[list[float]] = [[] for _ in range(runs)]
         self.agree: list[list[bool]] = [[] for _ in range(runs)]
         self.nll: list[list[float]] = [[] for _ in range(runs)]
         self.layer = self.n_layers // 2 if self.cfg.map_layer is None else self.cfg.map_layer
         self.maps = [deque(maxlen=self.cfg.map_queries) for _ in range(runs)]
+
+    def _rounded(self, x: Tensor) -> Tensor:
+        return x if x.dtype == self.cache_dtype else x.to(self.cache_dtype).to(x.dtype)
 
     def on_step(self, step: int, rows: list[int], logits: Tensor) -> None:
         pass
@@ -190,8 +197,8 @@ class MetricsProbe:
         if not self.kg or not (self.cfg.attn_error or layer == self.layer):
             return
         s = pos - self.n
-        self.kg[layer].put(rows, s, k)
-        self.vg[layer].put(rows, s, v)
+        self.kg[layer].put(rows, s, self._rounded(k))
+        self.vg[layer].put(rows, s, self._rounded(v))
         exact, probs = shadow_attention(
             q,
             self.keys[layer],

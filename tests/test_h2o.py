@@ -70,7 +70,7 @@ def test_decode_evicts_lowest_score_outside_recent_and_accumulates(prefill_state
         kept_before = comp.scores[layer].clone()
         q = prefill_state.queries[layer, :, -1:] + 0.1 * torch.randn(9, 1, 64, generator=g)
         comp.attend(layer, q)
-        keys = comp.layers[layer].views()[0].repeat_interleave(3, dim=0)  # [Hq, n, d]
+        keys = comp.layers[layer].views()[0].float().repeat_interleave(3, dim=0)  # [Hq, n, d]
         probs = torch.softmax((q @ keys.transpose(1, 2)).squeeze(1) * 64**-0.5, -1)  # [Hq, n]
         torch.testing.assert_close(comp.scores[layer] - kept_before, probs.view(3, 3, -1).sum(1), rtol=0, atol=1e-4)
 
