@@ -10,6 +10,7 @@ import html
 
 from kvlab import plots
 from kvlab.compressors import methods
+from kvlab.figures import finite
 from kvlab.metrics import token_diff
 from kvlab.models import LoadedModel
 from kvlab.results import CompareResult, RunResult
@@ -79,10 +80,10 @@ def _card(
         fd = first_divergence(run, exact)
         sim = plots.metric(run, "text_similarity")
         div = "identical to exact" if fd is None else f"differs from token {fd}"
-        if plots._finite(sim):
+        if finite(sim):
             div += f" · similarity {sim:.2f}"
     score = plots.metric(run, "task_score")
-    extra = f"<span class='kv-chip'>task {score:.2f}</span>" if plots._finite(score) else ""
+    extra = f"<span class='kv-chip'>task {score:.2f}</span>" if finite(score) else ""
     tps = f"{run.timings.tokens_per_s:.1f} tok/s" if run.timings.tokens_per_s else "—"
     return (
         f"<div class='kv-card kv-{html.escape(group)}' style='border-top-color:{color}'>"
