@@ -91,7 +91,7 @@ def _one_minus(x) -> float | None:
 #: "Quality" of a run, in order of preference; a figure uses the first one that some run has, for all its runs.
 QUALITY = (
     Measure("task score", lambda m: m.get("task_score")),
-    Measure("top-1 agreement with exact (teacher-forced)", lambda m: m.get("top1_agreement")),
+    Measure("top-1 agreement with exact, teacher-forced", lambda m: m.get("top1_agreement")),
     Measure("1 − attention relative error", lambda m: _one_minus(m.get("attn_rel_error_mean"))),
     Measure("text similarity to exact", lambda m: m.get("text_similarity")),
 )
