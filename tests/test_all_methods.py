@@ -78,7 +78,7 @@ def test_full_budget_is_exact(lm, matrix_state, name):
     state, info = matrix_state, lm.info
     comp, _ = _build(lm, state, name, "1.0")
     n = state.n_tokens
-    for layer in (0, info.n_layers // 2, info.n_layers - 1):
+    for layer in (0, (info.n_layers - 1) // 2, info.n_layers - 1):
         k, v = new_token(state, layer, 0)
         comp.append(layer, k, v, n)
         q = state.queries[layer, :, -1:]
