@@ -5,7 +5,7 @@ import pytest
 from kvlab.engine import GenerationSettings, InputError
 from kvlab.metrics import ProbeSettings
 from kvlab.run import Comparison, compare, stream
-from kvlab.tasks import make_task
+from kvlab.tasks import make_task, prompt_ids, prompt_text
 
 
 def test_prompt_gets_text_metrics_and_no_task_score(engine):
@@ -21,11 +21,11 @@ def test_prompt_gets_text_metrics_and_no_task_score(engine):
 def test_task_travels_with_its_prompt_and_is_scored(engine, lm):
     task = make_task("passkey", 120, 0, lm.encode)
     c = Comparison(task, ["exact", "streaming"], ["16t"], settings=GenerationSettings(max_new_tokens=3))
-    assert c.prompt == task.prompt and c.task is task
+    assert c.prompt == prompt_text(task) and c.task is task and c.encode(lm) == prompt_ids(lm, task)
     events = list(stream(lm, c))  # a LoadedModel works as well as an Engine
     assert events[-1].kind == "done" and events[0].kind == "prefill"
     result = events[-1].result
-    assert result.prompt == task.prompt
+    assert result.prompt == prompt_text(task) and result.prompt_token_ids == prompt_ids(lm, task)
     assert all(r.metrics["task_score"] in (0.0, 1.0) for r in result.runs)
 
 
