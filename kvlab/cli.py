@@ -174,21 +174,29 @@ def cmd_methods() -> int:
 
 
 def cmd_compare(args) -> int:
-    from kvlab.engine import Engine, GenerationSettings, InputError, expand_runs
+    from kvlab.engine import GenerationSettings, InputError
+    from kvlab.metrics import ProbeSettings
     from kvlab.models import ModelLoadError, load_model
+    from kvlab.run import Comparison, stream
 
     text = "" if args.task else _read_prompt(args)
     try:
         budgets = parse_budgets(args.budget)
     except BudgetError as exc:
         raise CliError(str(exc)) from None
-    params = _parse_params(args.param)
-    gen = GenerationSettings(
-        max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, seed=args.seed
+    comparison = Comparison(
+        text,
+        method_names(args.methods),
+        budgets,
+        params=_parse_params(args.param),
+        settings=GenerationSettings(
+            max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, seed=args.seed
+        ),
+        measure=ProbeSettings() if args.probes else None,
+        chat=not args.no_chat,
     )
     try:
-        gen.validate()
-        runs = expand_runs(method_names(args.methods), budgets, params)
+        comparison.check()
     except InputError as exc:
         raise CliError(str(exc)) from None
     t0 = time.perf_counter()
@@ -198,37 +206,23 @@ def cmd_compare(args) -> int:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 1
     load_s = time.perf_counter() - t0
-    task = None
     if args.task:
-        from kvlab.tasks import TaskError, make_task, prompt_ids, prompt_text
+        from kvlab.tasks import TaskError, make_task
 
         try:
-            task = make_task(args.task, args.length, args.seed, lambda t: lm.encode(t, chat=not args.no_chat))
+            comparison.source = make_task(args.task, args.length, args.seed, comparison.encoder(lm))
         except TaskError as exc:
             raise CliError(str(exc)) from None
-        text = prompt_text(task)
-    ids = prompt_ids(lm, task, chat=not args.no_chat) if task else lm.encode(text, chat=not args.no_chat)
-    engine = Engine(lm)
     result = None
-    from kvlab.metrics import MetricsProbe, add_text_metrics
-
-    probes = [MetricsProbe()] if args.probes else []
     try:
-        for ev in engine.stream(ids, runs, gen, prompt_text=text, probes=probes):
-            if not args.quiet and ev.kind in ("prefill", "compress", "run_done"):
-                print(f"[kvlab] {ev.message}", file=sys.stderr)
-            elif not args.quiet and ev.kind == "step" and (ev.step % 8 == 0 or ev.step == ev.total):
+        for ev in stream(lm, comparison):
+            if not args.quiet and _shown(ev):
                 print(f"[kvlab] {ev.message}", file=sys.stderr)
             if ev.kind == "done":
                 result = ev.result
     except InputError as exc:
         raise CliError(str(exc)) from None
     result.timings["load_s"] = load_s
-    add_text_metrics(result)
-    if task is not None:
-        from kvlab.tasks import score_result
-
-        score_result(task, result)
     print(
         f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}, "
         f"cache {result.model.get('cache_dtype', result.model['dtype'])}); "
@@ -238,6 +232,13 @@ def cmd_compare(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
     return 0
+
+
+def _shown(ev) -> bool:
+    """Progress lines on stderr: prefill, each compression, each finished run, every 8th decode step."""
+    if ev.kind in ("prefill", "compress", "run_done"):
+        return True
+    return ev.kind == "step" and (ev.step % 8 == 0 or ev.step == ev.total)
 
 
 def cmd_sweep(args) -> int:

@@ -5,14 +5,15 @@ when a method asks, accumulated attention) -> each method compresses its own cop
 methods together, one batched forward per step, row i attending through method i's cache ->
 results. Positions always continue from the true number of tokens seen.
 
-``Engine.stream`` yields progress ``Event``s; the last one carries the ``CompareResult``.
+``Engine.stream`` yields progress ``Event``s; the last one carries the ``CompareResult``. The CLI,
+the dashboard and the sweeps go through ``kvlab.run``, which adds the text metrics and task scores.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -188,6 +189,11 @@ class Engine:
         prompt_text: str = "",
         probes: list[Probe] | None = None,
     ) -> Iterator[Event]:
+        """Compare ``runs`` on one prompt; yields progress ``Event``s, the last one (``done``) with the result.
+
+        Steps: make compressors -> one exact prefill -> compress all -> first tokens (from the
+        prefill's logits) -> decode steps (one batched forward each) -> result.
+        """
         gen = gen or GenerationSettings()
         gen.validate()
         self.check_prompt(prompt_ids, gen)
@@ -195,39 +201,58 @@ class Engine:
             raise InputError("no method selected; choose at least one")
         probes = probes or []
         t_start = time.perf_counter()
-        n = len(prompt_ids)
-        info = self.info
-
-        comps: list[Compressor] = []
-        knobs: list[dict] = []
-        for spec in runs:
-            comp = get(spec.method)(info, spec.budget, spec.params, seed=gen.seed)
-            knobs.append(comp.plan(n))
-            comps.append(comp)
-        window = max((c.query_window() for c in comps), default=0)
-        need_acc = any(c.needs_acc_attn for c in comps)
+        comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed)
 
         t0 = time.perf_counter()
-        state, last_logits = self.prefill(prompt_ids, window, need_acc)
+        state, last_logits = self.prefill(
+            prompt_ids, max((c.query_window() for c in comps), default=0), any(c.needs_acc_attn for c in comps)
+        )
         prefill_s = time.perf_counter() - t0
-        yield Event("prefill", f"prefill of {n} tokens done in {prefill_s:.2f} s", 0.1)
+        yield Event("prefill", f"prefill of {len(prompt_ids)} tokens done in {prefill_s:.2f} s", 0.1)
 
-        results: list[RunResult] = []
+        results = yield from self._compress_all(state, runs, comps, knobs, prefill_s)
+        for p in probes:
+            p.on_prefill(state, last_logits, comps)
+        del state  # the prompt's exact K/V: each compressor holds its own copy now
+
+        rows = _Lockstep(runs, comps, results, gen, len(prompt_ids), self.lm.eos_ids, probes)
+        yield from self._first_tokens(rows, last_logits)
+        for step in range(1, gen.max_new_tokens):
+            if not rows.active:
+                break
+            yield from self._decode_step(rows, step)
+
+        for p in probes:
+            p.finish(results)
+        timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
+        yield Event("done", f"{len(runs)} runs done", 1.0, result=self._result(prompt_ids, prompt_text, rows, timings))
+
+    # ----- the steps of ``stream`` ------------------------------------------------------------
+    def _make_compressors(self, runs: list[RunSpec], n: int, seed: int) -> tuple[list[Compressor], list[dict]]:
+        """One compressor per run, planned for ``n`` prompt tokens; returns them and their chosen knobs."""
+        comps = [get(spec.method)(self.info, spec.budget, spec.params, seed=seed) for spec in runs]
+        return comps, [c.plan(n) for c in comps]
+
+    def _compress_all(
+        self, state: PrefillState, runs: list[RunSpec], comps: list[Compressor], knobs: list[dict], prefill_s: float
+    ) -> Generator[Event, None, list[RunResult]]:
+        """Each compressor compresses its copy of the prefill; yields one event per run, returns their results."""
+        results = []
+        exact_now = exact_bytes(self.info, state.n_tokens)
         for i, (spec, comp) in enumerate(zip(runs, comps)):
             t0 = time.perf_counter()
             comp.compress(state)
             comp_s = time.perf_counter() - t0
-            params = {**comp.cfg, **knobs[i]}
             r = RunResult(
                 method=spec.method,
                 budget=None if spec.budget is None else spec.budget.label,
-                params=_jsonable(params),
+                params=_jsonable({**comp.cfg, **knobs[i]}),
                 kv_bytes=comp.nbytes(),
                 kv_bytes_breakdown=comp.nbytes_by_kind(),
                 timings=RunTimings(prefill_s=prefill_s, compress_s=comp_s),
             )
             r.kv_bytes_per_step.append(r.kv_bytes)
-            r.exact_kv_bytes_per_step.append(exact_bytes(info, n))
+            r.exact_kv_bytes_per_step.append(exact_now)
             results.append(r)
             yield Event(
                 "compress",
@@ -235,89 +260,72 @@ class Engine:
                 0.1 + 0.1 * (i + 1) / len(runs),
                 run=spec.label,
             )
-        for p in probes:
-            p.on_prefill(state, last_logits, comps)
-        del state
+        return results
 
-        exact_i = next((i for i, spec in enumerate(runs) if spec.method == "exact"), None)
-        forcing = _TeacherForcing(exact_i, [p for p in probes if getattr(p, "teacher_forced", False)])
-        gens = [torch.Generator().manual_seed(gen.seed) for _ in runs]
-        eos = self.lm.eos_ids
-        tokens: list[list[int]] = [[] for _ in runs]
-        active: list[int] = []
-        for i in range(len(runs)):
-            t = _pick(last_logits, gen, gens[i])
-            tokens[i].append(t)
-            if t in eos:
-                results[i].finish_reason = "eos"
-            elif gen.max_new_tokens <= 1:
-                results[i].finish_reason = "length"
-            else:
-                active.append(i)
-        for i in range(len(runs)):
-            if i not in active:
-                yield from self._finish(results[i], tokens[i], runs[i].label)
-        forcing.after_pick(tokens, comps, active)
+    def _first_tokens(self, rows: _Lockstep, logits: Tensor) -> Iterator[Event]:
+        """Every run's first token from the shared prefill's logits [V]."""
+        yield from self._ended(rows, rows.pick(range(len(rows.runs)), [logits] * len(rows.runs)))
 
-        total = gen.max_new_tokens - 1
+    def _decode_step(self, rows: _Lockstep, step: int) -> Iterator[Event]:
+        """One batched forward over the running rows (plus teacher-forced rows), then each row's next token."""
+        t0 = time.perf_counter()
+        seen = rows.n + step - 1  # tokens already in every cache; the new one sits at this position
+        active = list(rows.active)
+        all_logits = self._forward(rows, seen)
+        logits = all_logits[: len(active)]
+        for p in rows.probes:
+            p.on_step(step, list(active), logits)
+        dt = time.perf_counter() - t0
+        ended = rows.pick(active, logits)
+        for i in active:
+            r = rows.results[i]
+            r.timings.decode_s += dt
+            r.kv_bytes_per_step.append(rows.comps[i].nbytes())
+            r.exact_kv_bytes_per_step.append(exact_bytes(self.info, seen + 1))
+        rows.forcing.report(step, rows.tokens, active, all_logits)
+        total = rows.gen.max_new_tokens - 1
+        yield Event("step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total)
+        yield from self._ended(rows, ended)
+
+    def _forward(self, rows: _Lockstep, seen: int) -> Tensor:
+        """The model's forward for one new token per row at true position ``seen``: logits [B, V].
+
+        Rows: the running runs (batch row r -> run ``rows.active[r]``), then the teacher-forced copies.
+        """
         model, dev = self.lm.model, self.lm.device
-        for step in range(1, gen.max_new_tokens):
-            if not active:
-                break
-            t0 = time.perf_counter()
-            seen = n + step - 1  # tokens already in every cache; the new one sits at this position
-            row_comps = [comps[i] for i in active] + forcing.compressors()
-            inputs = [tokens[i][-1] for i in active] + forcing.inputs(tokens)
-            cache = LockstepCache(row_comps, info.n_layers, seen)
-            observers = [_RowObserver(p, active) for p in probes if _defines(p, "on_attend")]
-            layer_obs = [_LayerObserver(p, active, seen) for p in probes if _defines(p, "on_layer")]
-            handler = attn.LockstepDecode(row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs])
-            with attn.active(model, handler), few_row_linears(len(inputs), dev):
-                out = model(
-                    input_ids=torch.tensor([[t] for t in inputs], device=dev),
-                    position_ids=torch.full((len(inputs), 1), seen, device=dev),
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-            all_logits = out.logits[:, -1]
-            logits = all_logits[: len(active)]
-            for p in probes:
-                p.on_step(step, list(active), logits)
-            dt = time.perf_counter() - t0
-            still = []
-            for row, i in enumerate(active):
-                t = _pick(logits[row], gen, gens[i])
-                tokens[i].append(t)
-                r = results[i]
-                r.timings.decode_s += dt
-                r.kv_bytes_per_step.append(comps[i].nbytes())
-                r.exact_kv_bytes_per_step.append(exact_bytes(info, seen + 1))
-                if t in eos or len(tokens[i]) >= gen.max_new_tokens:
-                    r.finish_reason = "eos" if t in eos else "length"
-                else:
-                    still.append(i)
-            forcing.report(step, tokens, active, all_logits)
-            yield Event(
-                "step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total
+        active = rows.active
+        row_comps = [rows.comps[i] for i in active] + rows.forcing.compressors()
+        inputs = [rows.tokens[i][-1] for i in active] + rows.forcing.inputs(rows.tokens)
+        cache = LockstepCache(row_comps, self.info.n_layers, seen)
+        observers = [_RowObserver(p, active) for p in rows.probes if _defines(p, "on_attend")]
+        layer_obs = [_LayerObserver(p, active, seen) for p in rows.probes if _defines(p, "on_layer")]
+        handler = attn.LockstepDecode(row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs])
+        with attn.active(model, handler), few_row_linears(len(inputs), dev):
+            out = model(
+                input_ids=torch.tensor([[t] for t in inputs], device=dev),
+                position_ids=torch.full((len(inputs), 1), seen, device=dev),
+                past_key_values=cache,
+                use_cache=True,
             )
-            for i in active:
-                if i not in still:
-                    yield from self._finish(results[i], tokens[i], runs[i].label)
-            active = still
-            forcing.after_pick(tokens, comps, active)
+        return out.logits[:, -1]
 
-        for p in probes:
-            p.finish(results)
-        result = CompareResult(
-            model=info.to_json(),
+    def _ended(self, rows: _Lockstep, ended: list[int]) -> Iterator[Event]:
+        """Finish the runs that just stopped, then let teacher forcing fork the ones that left the exact path."""
+        for i in ended:
+            yield from self._finish(rows.results[i], rows.tokens[i], rows.runs[i].label)
+        rows.forcing.after_pick(rows.tokens, rows.comps, rows.active)
+
+    def _result(self, prompt_ids: list[int], prompt_text: str, rows: _Lockstep, timings: dict) -> CompareResult:
+        """The finished comparison: the model, the prompt, the settings and every run's result."""
+        return CompareResult(
+            model=self.info.to_json(),
             prompt=prompt_text,
-            prompt_tokens=n,
+            prompt_tokens=len(prompt_ids),
             prompt_token_ids=list(prompt_ids),
-            settings=asdict(gen),
-            timings={"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s},
-            runs=results,
+            settings=asdict(rows.gen),
+            timings=timings,
+            runs=rows.results,
         )
-        yield Event("done", f"{len(runs)} runs done", 1.0, result=result)
 
     def _finish(self, r: RunResult, toks: list[int], label: str) -> Iterator[Event]:
         r.token_ids = list(toks)
@@ -334,6 +342,44 @@ class Engine:
             if ev.kind == "done":
                 result = ev.result
         return result
+
+
+class _Lockstep:
+    """One comparison while it decodes: per run its compressor, result, tokens and sampler; the running runs."""
+
+    def __init__(
+        self,
+        runs: list[RunSpec],
+        comps: list[Compressor],
+        results: list[RunResult],
+        gen: GenerationSettings,
+        n: int,
+        eos: set[int],
+        probes: list[Probe],
+    ):
+        self.runs, self.comps, self.results, self.gen, self.n, self.eos = runs, comps, results, gen, n, eos
+        self.probes = probes
+        exact = next((i for i, spec in enumerate(runs) if spec.method == "exact"), None)
+        self.forcing = _TeacherForcing(exact, [p for p in probes if getattr(p, "teacher_forced", False)])
+        self.generators = [torch.Generator().manual_seed(gen.seed) for _ in runs]
+        self.tokens: list[list[int]] = [[] for _ in runs]
+        self.active: list[int] = []
+
+    def pick(self, rows, logits) -> list[int]:
+        """Each row's next token from its logits [V]; updates the running runs and returns those that stopped."""
+        still = []
+        for i, row_logits in zip(rows, logits):
+            t = _pick(row_logits, self.gen, self.generators[i])
+            self.tokens[i].append(t)
+            if t in self.eos:
+                self.results[i].finish_reason = "eos"
+            elif len(self.tokens[i]) >= self.gen.max_new_tokens:
+                self.results[i].finish_reason = "length"
+            else:
+                still.append(i)
+        ended = [i for i in rows if i not in still]
+        self.active = still
+        return ended
 
 
 class _RowObserver:

@@ -1,9 +1,12 @@
-"""Plotly figure builders for the dashboard and the HTML report: pure functions of a ``CompareResult``.
+"""Plotly figure builders for the dashboard and its HTML export: pure functions of a ``CompareResult``.
 
 Every builder takes the result (plus view choices such as layer and head) and returns a
 ``plotly.graph_objects.Figure`` with an explicit height. When the data a figure needs is absent
 (no metrics recorded, a single budget, an imported file from an older version) it returns a figure
 that says so in words instead of failing.
+
+Quality vs memory, error per layer and bytes per step are the builders of ``kvlab.figures``
+(shared with the sweep report, with its axis definitions), drawn from ``summaries(result)``.
 
 Metric names (``RunResult.metrics``, docs/metrics.md): ``attn_rel_error`` [steps][layers], ``kl`` [steps],
 ``top1_agreement`` (scalar or [steps]), ``perplexity``, ``first_divergence``, ``text_similarity``,
@@ -19,21 +22,20 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.results import CompareResult, RunResult
-
-PALETTE = (
-    "#1f77b4",
-    "#d62728",
-    "#2ca02c",
-    "#9467bd",
-    "#ff7f0e",
-    "#17becf",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
+from kvlab.figures import (
+    ATTN_ERROR,
+    KIB,
+    PALETTE,
+    RunSummary,
+    bytes_figure,
+    error_per_layer_figure,
+    no_data,
+    quality_figure,
 )
-KIB = 1024.0
+from kvlab.figures import finite as _finite
+from kvlab.figures import layout as _layout
+from kvlab.figures import mean as _mean
+from kvlab.results import CompareResult, RunResult
 
 
 # ----- helpers ----------------------------------------------------------------------------------
@@ -42,41 +44,9 @@ def color_of(result: CompareResult, label: str) -> str:
     return PALETTE[labels.index(label) % len(PALETTE)] if label in labels else PALETTE[-1]
 
 
-def _layout(fig: go.Figure, height: int, title: str, **kw) -> go.Figure:
-    fig.update_layout(
-        height=height,
-        title=dict(text=title, x=0.01, font=dict(size=15)),
-        margin=dict(l=60, r=20, t=50, b=90),
-        template="plotly_white",
-        legend=dict(orientation="h", y=-0.3, yanchor="top"),
-        **kw,
-    )
-    return fig
-
-
-def no_data(title: str, why: str, height: int = 320) -> go.Figure:
-    """An empty figure that explains, in words, why there is nothing to draw."""
-    fig = go.Figure()
-    fig.add_annotation(
-        text=why, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font=dict(size=14, color="#666")
-    )
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return _layout(fig, height, title)
-
-
 def metric(run: RunResult, name: str) -> Any:
     """A metric of a run, or None when it was not recorded."""
     return (run.metrics or {}).get(name)
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _mean(xs) -> float | None:
-    xs = [x for x in xs if _finite(x)]
-    return sum(xs) / len(xs) if xs else None
 
 
 def compressed_runs(result: CompareResult) -> list[RunResult]:
@@ -131,32 +101,7 @@ def gauges(result: CompareResult, per_row: int = 5) -> go.Figure:
 
 def bytes_per_step(result: CompareResult) -> go.Figure:
     """Bytes each cache holds after every decode step, with the exact cache's growth dashed."""
-    runs = [r for r in result.runs if r.kv_bytes_per_step]
-    if not runs:
-        return no_data("Bytes per decode step", "no runs yet")
-    fig = go.Figure()
-    ref = max(runs, key=lambda r: len(r.exact_kv_bytes_per_step))  # the longest run: exact growth over all steps
-    fig.add_trace(
-        go.Scatter(
-            x=list(range(len(ref.exact_kv_bytes_per_step))),
-            y=[b / KIB for b in ref.exact_kv_bytes_per_step],
-            name="exact (all tokens seen)",
-            line=dict(color="#999", dash="dash"),
-        )
-    )
-    for r in runs:
-        fig.add_trace(
-            go.Scatter(
-                x=list(range(len(r.kv_bytes_per_step))),
-                y=[b / KIB for b in r.kv_bytes_per_step],
-                name=r.label,
-                mode="lines",
-                line=dict(color=color_of(result, r.label)),
-            )
-        )
-    fig.update_xaxes(title="decode step (0 = after prefill)")
-    fig.update_yaxes(title="KiB held", rangemode="tozero")
-    return _layout(fig, 380, "Bytes per decode step")
+    return bytes_figure(summaries(result), "Bytes per decode step")
 
 
 # ----- errors -----------------------------------------------------------------------------------
@@ -197,34 +142,13 @@ def error_per_step(result: CompareResult, layer: str | int = "mean") -> go.Figur
     if not fig.data:
         return no_data(title, "no attention-error measurements in this result")
     fig.update_xaxes(title="decode step")
-    fig.update_yaxes(title="relative error", rangemode="tozero")
+    fig.update_yaxes(title=ATTN_ERROR, rangemode="tozero")
     return _layout(fig, 340, title)
 
 
 def error_per_layer(result: CompareResult) -> go.Figure:
     """Heatmap of runs x layers: attention relative error averaged over decode steps."""
-    title = "Attention relative error per layer (mean over steps)"
-    rows, labels = [], []
-    for r in compressed_runs(result):
-        m = _err_matrix(r)
-        if m is None:
-            continue
-        rows.append([_mean(col) for col in zip(*m)])
-        labels.append(r.label)
-    if not rows:
-        return no_data(title, "no attention-error measurements in this result")
-    fig = go.Figure(
-        go.Heatmap(
-            z=rows,
-            x=list(range(len(rows[0]))),
-            y=labels,
-            colorscale="Viridis",
-            colorbar=dict(title="rel. err"),
-            hovertemplate="%{y}<br>layer %{x}: %{z:.3f}<extra></extra>",
-        )
-    )
-    fig.update_xaxes(title="layer", dtick=2)
-    return _layout(fig, 120 + 38 * len(rows), title)
+    return error_per_layer_figure(summaries(result), "Attention relative error per layer (mean over steps)")
 
 
 def _per_step(value) -> list | None:
@@ -387,68 +311,38 @@ def _runs_of(xs: list[int]) -> list[tuple[int, int]]:
 
 
 # ----- quality vs memory ------------------------------------------------------------------------
-def fidelity(run: RunResult) -> tuple[float | None, str]:
-    """One number for 'how close to exact': task score if any, else top-1 agreement, else 1 - mean error."""
-    ts = metric(run, "task_score")
-    if _finite(ts):
-        return float(ts), "task score"
-    agree = metric(run, "top1_agreement")
-    if isinstance(agree, list):
-        agree = _mean(agree)
-    if _finite(agree):
-        return float(agree), "top-1 agreement"
-    m = _err_matrix(run)
-    if m is not None:
-        e = _mean([_mean(row) for row in m])
-        return (None if e is None else 1.0 - e), "1 − attention rel. error"
-    sim = metric(run, "text_similarity")
-    if _finite(sim):
-        return float(sim), "text similarity"
-    return None, ""
-
-
 def quality_vs_memory(result: CompareResult) -> go.Figure:
-    """Fidelity against bytes held, one line per method across its budgets."""
-    title = "Quality vs memory"
-    by_method: dict[str, list[tuple[float, float, str]]] = {}
-    kind = ""
-    for r in compressed_runs(result):
-        f, k = fidelity(r)
-        frac = fraction_held(r)
-        if f is None or frac is None:
-            continue
-        kind = kind or k
-        by_method.setdefault(r.method, []).append((frac, f, r.label))
-    budgets = {r.budget for r in compressed_runs(result)}
-    if not by_method:
-        return no_data(title, "no fidelity measurements in this result")
-    if len(budgets) < 2:
-        hint = "run several budgets (e.g. 0.5, 0.25, 0.1) to trace a curve"
-    else:
-        hint = ""
-    fig = go.Figure()
-    for method, pts in by_method.items():
-        pts.sort()
-        col = next(color_of(result, r.label) for r in result.runs if r.method == method)
-        fig.add_trace(
-            go.Scatter(
-                x=[100 * p[0] for p in pts],
-                y=[p[1] for p in pts],
-                text=[p[2] for p in pts],
-                name=method,
-                mode="lines+markers",
-                marker=dict(size=9),
-                line=dict(color=col),
-                hovertemplate="%{text}<br>%{x:.1f}% of exact bytes<br>%{y:.3f}<extra></extra>",
+    """Quality (one ``QUALITY`` measure for every run) against bytes held, one line per method across budgets."""
+    return quality_figure(summaries(result), "Quality vs memory")
+
+
+# ----- figures shared with the sweep report ------------------------------------------------------
+def summaries(result: CompareResult) -> list[RunSummary]:
+    """One ``RunSummary`` per run of a comparison."""
+    out = []
+    for r in result.runs:
+        m = _err_matrix(r)
+        out.append(
+            RunSummary(
+                label=r.label,
+                method=r.method,
+                color=color_of(result, r.label),
+                bytes_fraction=fraction_held(r),
+                metrics=_scalars(r.metrics or {}),
+                error_per_layer=None if m is None else [_mean(col) for col in zip(*m)],
+                kv_bytes_per_step=list(r.kv_bytes_per_step),
+                exact_kv_bytes_per_step=list(r.exact_kv_bytes_per_step),
             )
         )
-    fig.update_xaxes(title="bytes held (% of exact)", rangemode="tozero")
-    fig.update_yaxes(title=kind)
-    if hint:
-        fig.add_annotation(
-            text=hint, x=0.5, y=1.08, xref="paper", yref="paper", showarrow=False, font=dict(size=11, color="#888")
-        )
-    return _layout(fig, 360, f"{title} ({kind})")
+    return out
+
+
+def _scalars(metrics: dict) -> dict:
+    """The scalar metrics of a run (a per-step top-1 agreement, from older results, becomes its mean)."""
+    out = {k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}
+    if isinstance(metrics.get("top1_agreement"), list):
+        out["top1_agreement"] = _mean(metrics["top1_agreement"])
+    return out
 
 
 ALL = ("gauges", "bytes_per_step", "error_per_step", "error_per_layer", "kl_and_agreement", "quality_vs_memory")

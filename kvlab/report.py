@@ -1,8 +1,10 @@
 """A self-contained HTML report of a sweep: plotly figures (plotly.js inlined once) and a summary table.
 
-Figures (averaged over the sweep's cells):
-* quality vs memory — task score (or text similarity for fidelity-scored tasks) against the
-  fraction of the exact cache's bytes held, one line per method through its budgets;
+Figures, the same builders and axes as the dashboard's (``kvlab.figures``), each label averaged over
+the sweep's cells:
+* quality vs memory — the first ``figures.QUALITY`` measure the runs have (task score for the
+  built-in tasks) against the share of the exact cache's bytes held, one line per method through
+  its budgets;
 * attention error per layer — mean relative error per layer, one line per method@budget;
 * bytes per step — KiB held after each decode step at the longest length, one line per run.
 """
@@ -14,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import plotly.graph_objects as go
+
+from kvlab import figures as shared
 
 
 def _mean(xs) -> float | None:
@@ -29,66 +33,32 @@ def _by_label(recs: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
-    fig.update_layout(
-        title=title,
-        xaxis_title=x,
-        yaxis_title=y,
-        template="plotly_white",
-        height=420,
-        margin=dict(l=60, r=20, t=50, b=50),
-        legend=dict(font=dict(size=10)),
-    )
-    return fig
+def _mean_series(series: list[list[float]]) -> list[float]:
+    """Step-wise mean of several series, over the steps they all have."""
+    steps = min((len(s) for s in series), default=0)
+    return [sum(s[k] for s in series) / len(series) for k in range(steps)]
 
 
-def _quality(r: dict) -> float | None:
-    m = r["metrics"]
-    return m.get("task_score") if m.get("task_score") is not None else m.get("text_similarity")
-
-
-def quality_vs_memory(recs: list[dict]) -> go.Figure:
-    points: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
-    for label, runs in _by_label(recs).items():
-        frac = _mean(r["kv_bytes"] / r["exact_kv_bytes_per_step"][0] for r in runs)
-        q = _mean(_quality(r) for r in runs)
-        if q is not None:
-            points[runs[0]["method"]].append((frac, q, label))
-    fig = go.Figure()
-    for method, pts in sorted(points.items()):
-        pts.sort()
-        fig.add_trace(
-            go.Scatter(
-                x=[p[0] for p in pts],
-                y=[p[1] for p in pts],
-                text=[p[2] for p in pts],
-                mode="lines+markers",
-                name=method,
+def summaries(recs: list[dict]) -> list[shared.RunSummary]:
+    """One ``shared.RunSummary`` per label, averaged over the cells (compact records of ``kvlab.sweep``)."""
+    out = []
+    for i, (label, runs) in enumerate(_by_label(recs).items()):
+        keys = {k for r in runs for k, v in r["metrics"].items() if not isinstance(v, (list, dict))}
+        per_layer = [r["metrics"].get("attn_rel_error_per_layer") for r in runs]
+        per_layer = [p for p in per_layer if p]
+        out.append(
+            shared.RunSummary(
+                label=label,
+                method=runs[0]["method"],
+                color=shared.PALETTE[i % len(shared.PALETTE)],
+                bytes_fraction=_mean(r["kv_bytes"] / r["exact_kv_bytes_per_step"][0] for r in runs),
+                metrics={k: _mean(r["metrics"].get(k) for r in runs) for k in keys},
+                error_per_layer=[_mean(col) for col in zip(*per_layer)] if per_layer else None,
+                kv_bytes_per_step=_mean_series([r["kv_bytes_per_step"] for r in runs]),
+                exact_kv_bytes_per_step=_mean_series([r["exact_kv_bytes_per_step"] for r in runs]),
             )
         )
-    return _layout(fig, "Quality vs memory", "fraction of exact cache bytes held", "mean score")
-
-
-def error_per_layer(recs: list[dict]) -> go.Figure:
-    fig = go.Figure()
-    for label, runs in _by_label(recs).items():
-        per = [r["metrics"].get("attn_rel_error_per_layer") for r in runs]
-        per = [p for p in per if p]
-        if not per:
-            continue
-        mean = [_mean(col) for col in zip(*per)]
-        fig.add_trace(go.Scatter(x=list(range(len(mean))), y=mean, mode="lines+markers", name=label))
-    return _layout(fig, "Attention relative error per layer (vs budget)", "layer", "mean ||z - a|| / ||a||")
-
-
-def bytes_per_step(recs: list[dict]) -> go.Figure:
-    fig = go.Figure()
-    longest = max((rec["cell"]["length"] for rec in recs), default=0)
-    for label, runs in _by_label([r for r in recs if r["cell"]["length"] == longest]).items():
-        steps = min(len(r["kv_bytes_per_step"]) for r in runs)
-        kib = [sum(r["kv_bytes_per_step"][s] for r in runs) / len(runs) / 1024 for s in range(steps)]
-        fig.add_trace(go.Scatter(x=list(range(steps)), y=kib, mode="lines", name=label))
-    return _layout(fig, f"Bytes held per decode step (length {longest})", "decode step", "KiB")
+    return out
 
 
 def summary_rows(recs: list[dict]) -> list[tuple]:
@@ -116,7 +86,16 @@ def summary_rows(recs: list[dict]) -> list[tuple]:
 
 
 def figures(recs: list[dict]) -> dict[str, go.Figure]:
-    return {"quality": quality_vs_memory(recs), "error": error_per_layer(recs), "bytes": bytes_per_step(recs)}
+    items = summaries(recs)
+    longest = max((rec["cell"]["length"] for rec in recs), default=0)
+    at_longest = summaries([rec for rec in recs if rec["cell"]["length"] == longest])
+    return {
+        "quality": shared.quality_figure(items, "Quality vs memory"),
+        "error": shared.error_per_layer_figure(
+            items, "Attention relative error per layer (mean over steps and cells)", lines=True
+        ),
+        "bytes": shared.bytes_figure(at_longest, f"Bytes held per decode step (length {longest})"),
+    }
 
 
 def write_report(cfg, recs: list[dict], path: str | Path) -> Path:

@@ -95,26 +95,24 @@ def distributed() -> tuple[int, int, Callable[[], None]]:
 
 def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     """One comparison on the cell's prompt; returns the compact record written to its file."""
-    from kvlab.budgets import parse_budgets
-    from kvlab.engine import GenerationSettings, expand_runs
-    from kvlab.metrics import MetricsProbe, add_text_metrics
-    from kvlab.tasks import make_task, prompt_ids, prompt_text, score_result
+    from kvlab.engine import GenerationSettings
+    from kvlab.metrics import ProbeSettings
+    from kvlab.run import Comparison, compare
+    from kvlab.tasks import make_task
 
-    lm = engine.lm
-    task = make_task(cell.task, cell.length, cell.seed, lm.encode, cfg.depth)
-    ids = prompt_ids(lm, task)
-    specs = expand_runs(cfg.methods, parse_budgets(",".join(cfg.budgets)))
-    probes = [MetricsProbe()] if cfg.probes else []
-    result = engine.compare(
-        ids, specs, GenerationSettings(max_new_tokens=cfg.max_new_tokens), prompt_text=prompt_text(task), probes=probes
+    comparison = Comparison(
+        make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cfg.depth),
+        cfg.methods,
+        cfg.budgets,
+        settings=GenerationSettings(max_new_tokens=cfg.max_new_tokens),
+        measure=ProbeSettings() if cfg.probes else None,
     )
-    add_text_metrics(result)
-    score_result(task, result)
+    result = compare(engine, comparison)
     return {
         "cell": asdict(cell),
-        "answer": task.answer,
-        "meta": task.meta,
-        "prompt_tokens": len(ids),
+        "answer": comparison.task.answer,
+        "meta": comparison.task.meta,
+        "prompt_tokens": result.prompt_tokens,
         "timings": result.timings,
         "runs": [_compact(r) for r in result.runs],
     }

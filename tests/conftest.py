@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("KVLAB_THREADS", "2")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A function that returns a free TCP port of 127.0.0.1 (for a test's server)."""
+    return _free_port
 
 
 @pytest.fixture(scope="session")

@@ -144,7 +144,7 @@ def test_engine_runs_within_budget(engine, lm, long_text):
     assert r.params["T"] >= 2 and r.params["n_sink"] >= 1 and r.params["kept_tokens"] < n
     assert set(r.kv_bytes_breakdown) == {"keys", "values", "positions", "log_weights"}
     # prefill-only (Sec. 4.2): every generated token is kept, K + V + position + log-weight per head and layer
-    per_token = lm.info.n_layers * lm.info.n_kv_heads * (64 * 2 * 2 + 4 + 4)  # 16-bit K and V
+    per_token = lm.info.n_layers * lm.info.n_kv_heads * (lm.info.head_dim * 2 * 2 + 4 + 4)  # 16-bit K and V
     assert [b - r.kv_bytes for b in r.kv_bytes_per_step] == [i * per_token for i in range(len(r.kv_bytes_per_step))]
     assert len(r.token_ids) >= 1 and r.finish_reason in ("eos", "length")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,6 @@ if not os.path.exists(CHROMIUM):
     pytest.skip("Debian chromium is not installed (make browser)", allow_module_level=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     end = time.time() + timeout
     while time.time() < end:
@@ -50,7 +43,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
 
 
 @pytest.fixture(scope="module")
-def app_url():
+def app_url(free_port):
     port = free_port()
     env = {**os.environ, "KVLAB_THREADS": os.environ.get("KVLAB_THREADS", "2"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(

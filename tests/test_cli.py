@@ -54,7 +54,7 @@ def test_compare_writes_json(tmp_path, capsys, lm):
     )
     assert code == 0, err
     data = json.loads(path.read_text())
-    assert data["model"]["n_layers"] == 30 and data["model"]["head_dim"] == 64
+    assert data["model"]["n_layers"] == lm.info.n_layers and data["model"]["head_dim"] == lm.info.head_dim
     assert data["model"]["cache_dtype"] == "float16"  # the 16-bit default on the CPU
     assert data["prompt_token_ids"] == lm.encode("Name a colour.")
     assert data["prompt_tokens"] == len(data["prompt_token_ids"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_samples import new_token
+from kv_samples import compressed, new_token
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
@@ -18,13 +18,6 @@ from kvlab.compressors.streaming import StreamingLLM
 from kvlab.compressors.with_qjl import QJLDenseLayer, QJLStore
 from kvlab.ops import dense_attention, group_queries, tensor_bytes
 from kvlab.quant import dequantize_groups
-
-
-def _build(lm, state, name, budget, **params):
-    comp = get(name)(lm.info, Budget.parse(budget), params, seed=0)
-    knobs = comp.plan(state.n_tokens)
-    comp.compress(state)
-    return comp, knobs
 
 
 def test_qjl_compositions_resolve_on_demand_and_are_listed():
@@ -55,8 +48,8 @@ def test_bad_qjl_params_rejected(lm):
 def test_streaming_qjl_keeps_streamings_positions(lm, prefill_state):
     """Score-free eviction: at the same token count the kept positions are StreamingLLM's, prefill and decode."""
     state, n = prefill_state, prefill_state.n_tokens
-    alone, _ = _build(lm, state, "streaming", "100t")
-    comp, knobs = _build(lm, state, "streaming+qjl", "100t", qjl_outliers=4)
+    alone, _ = compressed(lm, state, "streaming", "100t")
+    comp, knobs = compressed(lm, state, "streaming+qjl", "100t", qjl_outliers=4)
     assert knobs["window"] == 96 and isinstance(comp.layers[0], QJLDenseLayer)
     for step in range(3):
         for layer in range(lm.info.n_layers):
@@ -75,8 +68,8 @@ def test_scored_eviction_runs_on_the_key_estimates(lm, prefill_state, inner, bud
     """The prefill choice is the inner method's own (exact prompt attention); while decoding, METHOD+qjl evicts
     exactly as METHOD would holding k_hat and the dequantized values: same positions, scores and outputs."""
     state, n = prefill_state, prefill_state.n_tokens
-    comp, knobs = _build(lm, state, f"{inner}+qjl", budget)
-    ref, ref_knobs = _build(lm, state, inner, budget)
+    comp, knobs = compressed(lm, state, f"{inner}+qjl", budget)
+    ref, ref_knobs = compressed(lm, state, inner, budget)
     assert knobs == {**ref_knobs, **{k: v for k, v in knobs.items() if k not in ref_knobs}}  # the inner's plan
     assert knobs["qjl_m"] == 2 * lm.info.head_dim
     layers = (2, lm.info.n_layers - 1)
@@ -103,7 +96,7 @@ def test_scored_eviction_runs_on_the_key_estimates(lm, prefill_state, inner, bud
 @pytest.mark.parametrize("outliers,split", [(0, False), (4, False), (4, True)])
 def test_logits_are_qjl_estimates_from_the_stored_bits(lm, prefill_state, outliers, split):
     state, layer = prefill_state, 11
-    comp, knobs = _build(lm, state, "snapkv+qjl", "200t", qjl_outliers=outliers, split_query=split)
+    comp, knobs = compressed(lm, state, "snapkv+qjl", "200t", qjl_outliers=outliers, split_query=split)
     st = comp.layers[layer]
     q = state.queries[layer, :, -1:]  # [Hq, 1, d]
     k_hat, v_hat, _, _ = st.views()
@@ -132,7 +125,7 @@ def test_key_estimates_track_exact_logits_and_improve_with_m(lm, prefill_state):
     g = torch.Generator().manual_seed(0)
     errs: dict[int, float] = {}
     for m in (64, 256):
-        comp, _ = _build(lm, state, "streaming+qjl", "0.5", qjl_m=m)  # everything fits: all tokens kept
+        comp, _ = compressed(lm, state, "streaming+qjl", "0.5", qjl_m=m)  # everything fits: all tokens kept
         num = den = rnd = 0.0
         for layer in (3, 15, lm.info.n_layers - 1):
             k, pos = state.keys[layer].float(), comp.kept_positions(layer)
@@ -152,7 +145,7 @@ def test_bytes_are_the_tensors_held_and_fit_the_budget(lm, prefill_state, name, 
     state, info = prefill_state, lm.info
     n, lh = state.n_tokens, info.n_layers * info.n_kv_heads
     for budget in ("0.5", "0.25", "0.125", "0.03"):
-        comp, knobs = _build(lm, state, name, budget)
+        comp, knobs = compressed(lm, state, name, budget)
         got = comp.nbytes()
         assert got == sum(tensor_bytes(t) for _, t in comp.tensors())
         assert 0 < got <= 1.05 * float(budget) * exact_bytes(info, n), (name, budget, got / exact_bytes(info, n))
@@ -164,11 +157,11 @@ def test_bytes_are_the_tensors_held_and_fit_the_budget(lm, prefill_state, name, 
         assert by["value_codes"] == kept * d * 2 // 8  # 2-bit values
         assert "keys" not in by and "values" not in by and "sketch" not in by
         assert ("scores" in by) == (inner == "h2o") and ("positions" in by) == (inner != "streaming")
-    alone, _ = _build(lm, state, inner, "0.03")
+    alone, _ = compressed(lm, state, inner, "0.03")
     assert comp.layers[0].n > 5 * alone.layers[0].n  # ~10x cheaper tokens: many more kept at the same bytes
     # count_sketch: the sketches are held bytes too, paid for with fewer tokens
-    comp, _ = _build(lm, state, name, "0.06")
-    counted, _ = _build(lm, state, name, "0.06", count_sketch=True)
+    comp, _ = compressed(lm, state, name, "0.06")
+    counted, _ = compressed(lm, state, name, "0.06", count_sketch=True)
     sketch = info.n_layers * knobs["qjl_m"] * d * 4
     assert counted.nbytes_by_kind()["sketch"] == sketch
     assert counted.nbytes() <= 1.05 * 0.06 * exact_bytes(info, n) and counted.layers[0].n < comp.layers[0].n < n
@@ -181,7 +174,7 @@ def test_sketch_size_from_the_budget(lm, prefill_state):
     n, d, exact = state.n_tokens, info.head_dim, exact_bytes(info, prefill_state.n_tokens)
     ms = {}
     for budget in ("0.03", "0.125", "0.25", "0.5"):
-        comp, knobs = _build(lm, state, "h2o+qjl", budget)
+        comp, knobs = compressed(lm, state, "h2o+qjl", budget)
         ms[budget] = knobs["qjl_m"]
         assert ms[budget] % 8 == 0 and 2 * d <= ms[budget] <= 16 * d
         frac = comp.nbytes() / exact
@@ -192,16 +185,16 @@ def test_sketch_size_from_the_budget(lm, prefill_state):
             # all tokens kept; the sketch grows until one more byte of it per token would not fit (or 16 x head_dim)
             assert frac <= float(budget) and (ms[budget] == 16 * d or frac > float(budget) - 0.01), (budget, frac)
     assert ms["0.125"] < ms["0.25"] <= ms["0.5"]
-    fixed, knobs = _build(lm, state, "h2o+qjl", "0.25", qjl_m=96)
+    fixed, knobs = compressed(lm, state, "h2o+qjl", "0.25", qjl_m=96)
     assert knobs["qjl_m"] == 96 and fixed.layers[0].keys.bits.shape[-1] == 12
-    counted, knobs = _build(lm, state, "h2o+qjl", "0.25", count_sketch=True)
+    counted, knobs = compressed(lm, state, "h2o+qjl", "0.25", count_sketch=True)
     assert knobs["qjl_m"] < ms["0.25"] and counted.nbytes() <= 0.25 * exact
 
 
 @pytest.mark.parametrize("name", ["snapkv+qjl", "h2o+qjl", "streaming+qjl"])
 def test_full_budget_is_the_exact_cache(lm, prefill_state, name):
     state, n, layer = prefill_state, prefill_state.n_tokens, 9
-    comp, knobs = _build(lm, state, name, "1.0")
+    comp, knobs = compressed(lm, state, name, "1.0")
     assert "qjl_m" not in knobs and all(isinstance(st, DenseLayer) for st in comp.layers)
     k, v = new_token(state, layer, 0)
     comp.append(layer, k, v, n)

@@ -102,7 +102,7 @@ def test_exact_bytes_reported(engine, lm):
     info = lm.info
     assert info.cache_dtype == "float16" and info.dtype_bytes == 2
     # layers x KV heads x tokens x head_dim x 2 (K and V) x 2 bytes (16-bit cache)
-    assert r.kv_bytes == info.n_layers * info.n_kv_heads * n * info.head_dim * 2 * 2 == 30 * 3 * n * 64 * 2 * 2
+    assert r.kv_bytes == info.n_layers * info.n_kv_heads * n * info.head_dim * 2 * 2
     # one more token per decode step, for the method and for the exact reference
     assert (
         r.kv_bytes_per_step

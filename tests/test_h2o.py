@@ -26,17 +26,19 @@ def eager_acc(lm, long_text):
 
 def test_prefill_keeps_heavy_hitters_and_recent_window(prefill_state, eager_acc, lm):
     n = prefill_state.n_tokens
-    assert eager_acc.shape == (30, 9, n)
+    info = lm.info
+    assert eager_acc.shape == (info.n_layers, info.n_heads, n)
     comp = get("h2o")(lm.info, Budget.parse("0.25"))
     knobs = comp.plan(n)
     cap, heavy, recent = knobs["capacity"], knobs["heavy"], knobs["recent"]
-    assert cap == int(0.25 * exact_bytes(lm.info, n) / (30 * 3) // (64 * 2 * 2 + 4 + 4))  # 16-bit K and V
+    per_head = info.n_layers * info.n_kv_heads
+    assert cap == int(0.25 * exact_bytes(info, n) / per_head // (info.head_dim * 2 * 2 + 4 + 4))  # 16-bit K and V
     assert heavy + recent == cap and abs(heavy - recent) <= 1
     comp.compress(prefill_state)
-    pooled = eager_acc.view(30, 3, 3, n).sum(2)  # the 3 query heads of each KV group
-    for layer in range(30):
+    pooled = eager_acc.view(info.n_layers, info.n_kv_heads, info.group_size, n).sum(2)  # each KV group's query heads
+    for layer in range(info.n_layers):
         pos = comp.kept_positions(layer).long()
-        for h in range(3):
+        for h in range(info.n_kv_heads):
             older = pooled[layer, h, : n - recent]
             top = torch.topk(older, heavy).indices
             expected = set(top.tolist()) | set(range(n - recent, n))
@@ -55,24 +57,26 @@ def test_decode_evicts_lowest_score_outside_recent_and_accumulates(prefill_state
     comp.compress(prefill_state)
     n, recent = prefill_state.n_tokens, knobs["recent"]
     g = torch.Generator().manual_seed(1)
-    layer = 5
+    info, layer = lm.info, 5
+    hkv, hq, d = info.n_kv_heads, info.n_heads, info.head_dim
     for step in range(6):
         before_pos = comp.kept_positions(layer).clone()
         before = comp.scores[layer].clone()
-        k = prefill_state.keys[layer, :, -1:] + 0.1 * torch.randn(3, 1, 64, generator=g)
+        k = prefill_state.keys[layer, :, -1:] + 0.1 * torch.randn(hkv, 1, d, generator=g)
         comp.append(layer, k, prefill_state.values[layer, :, -1:], n + step)
         # the evicted token: the lowest score among the tokens that are not in the new recent window
         out_of_recent = before[:, : before.shape[1] - recent + 1]
         victim = torch.gather(before_pos, 1, out_of_recent.argmin(1, keepdim=True))
         pos = comp.kept_positions(layer)
-        assert pos.shape == (3, 64)
+        assert pos.shape == (hkv, 64)  # the 64-token budget
         assert not torch.isin(victim, pos).any() and (pos[:, -1] == n + step).all()
         kept_before = comp.scores[layer].clone()
-        q = prefill_state.queries[layer, :, -1:] + 0.1 * torch.randn(9, 1, 64, generator=g)
+        q = prefill_state.queries[layer, :, -1:] + 0.1 * torch.randn(hq, 1, d, generator=g)
         comp.attend(layer, q)
-        keys = comp.layers[layer].views()[0].float().repeat_interleave(3, dim=0)  # [Hq, n, d]
-        probs = torch.softmax((q @ keys.transpose(1, 2)).squeeze(1) * 64**-0.5, -1)  # [Hq, n]
-        torch.testing.assert_close(comp.scores[layer] - kept_before, probs.view(3, 3, -1).sum(1), rtol=0, atol=1e-4)
+        keys = comp.layers[layer].views()[0].float().repeat_interleave(info.group_size, dim=0)  # [Hq, n, d]
+        probs = torch.softmax((q @ keys.transpose(1, 2)).squeeze(1) * d**-0.5, -1)  # [Hq, n]
+        pooled = probs.view(hkv, info.group_size, -1).sum(1)
+        torch.testing.assert_close(comp.scores[layer] - kept_before, pooled, rtol=0, atol=1e-4)
 
 
 def test_holds_budget_while_decoding(engine, lm, long_text):
@@ -83,7 +87,7 @@ def test_holds_budget_while_decoding(engine, lm, long_text):
     assert len(r.kv_bytes_per_step) == len(r.token_ids) > 4
     assert all(b == r.kv_bytes for b in r.kv_bytes_per_step)
     assert target * 0.97 <= r.kv_bytes <= target
-    assert r.kv_bytes_breakdown["scores"] == r.params["capacity"] * 4 * 30 * 3
+    assert r.kv_bytes_breakdown["scores"] == r.params["capacity"] * 4 * lm.info.n_layers * lm.info.n_kv_heads
 
 
 def test_full_budget_is_exact(engine, lm):

@@ -61,7 +61,8 @@ def test_bytes_are_packed_storage(lm, prefill_state):
         assert comp.nbytes() == kivi_bytes(lm.info, n, bits, 32, residual)
         per_elem = 4 if bits == 3 else bits  # 3-bit codes are stored in nibbles
         codes = comp.nbytes_by_kind()["keys_codes"] + comp.nbytes_by_kind()["values_codes"]
-        assert codes == 2 * lm.info.n_layers * lm.info.n_kv_heads * knobs["quantized_tokens"] * 64 * per_elem // 8
+        coords = lm.info.n_layers * lm.info.n_kv_heads * knobs["quantized_tokens"] * lm.info.head_dim
+        assert codes == 2 * coords * per_elem // 8
     two, _ = _kivi(lm, prefill_state, bits=2, residual=0)
     assert two.nbytes() < 0.11 * exact_bytes(lm.info, n)  # (2 + 1) / 32 of fp32, plus a partial group in fp32
 
@@ -75,7 +76,8 @@ def test_residual_flushed_in_groups(lm, prefill_state):
     g = torch.Generator().manual_seed(0)
     sizes = []
     for step in range(40):
-        k, v = torch.randn(3, 1, 64, generator=g), torch.randn(3, 1, 64, generator=g)
+        shape = (lm.info.n_kv_heads, 1, lm.info.head_dim)
+        k, v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
         comp.append(3, k, v, n + step)
         sizes.append((cache.rk.n, cache.kq.length))
         assert 40 <= cache.rk.n < 72

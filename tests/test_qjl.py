@@ -111,16 +111,17 @@ def test_bytes_per_key_and_bits_per_coordinate(lm, prefill_state):
     c.compress(prefill_state)
     by = c.nbytes_by_kind()
     n_q = c.layers[0].n_quantized
-    n_init = round(30 * 15 / 32)
+    layers, heads, d = lm.info.n_layers, lm.info.n_kv_heads, lm.info.head_dim
+    n_init = round(layers * 15 / 32)  # the reference's first 15 of 32 layers
     # m/8 bytes of bits per key (2m on the first layers) plus a float16 norm.
-    assert by["key_bits"] == 3 * n_q * (128 // 8) * (30 + n_init)
-    assert by["key_norms"] == 3 * n_q * 2 * 30
-    assert by["value_codes"] == 3 * n_q * 64 * 2 // 8 * 30
-    assert by["value_scales"] == by["value_zero_points"] == 3 * n_q * 2 * 2 * 30
+    assert by["key_bits"] == heads * n_q * (128 // 8) * (layers + n_init)
+    assert by["key_norms"] == heads * n_q * 2 * layers
+    assert by["value_codes"] == heads * n_q * d * 2 // 8 * layers
+    assert by["value_scales"] == by["value_zero_points"] == heads * n_q * 2 * 2 * layers
     w = n - n_q
-    assert by["residual_keys"] == by["residual_values"] == 3 * w * 64 * 2 * 30  # the window in the 16-bit cache dtype
+    assert by["residual_keys"] == by["residual_values"] == heads * w * d * 2 * layers  # the 16-bit cache dtype
     bpc = c.bits_per_coordinate()
-    assert bpc["keys"] == pytest.approx((128 * (30 + n_init) / 30 + 16) / 64)
+    assert bpc["keys"] == pytest.approx((128 * (layers + n_init) / layers + 16) / d)
     assert bpc["values"] == pytest.approx(3.0)
 
 
@@ -150,7 +151,7 @@ def test_attention_close_to_exact_and_beats_uniform(lm, prefill_state):
     assert c.nbytes() <= 0.25 * exact_bytes(lm.info, n)
     g = torch.Generator().manual_seed(0)
     errs, uni = [], []
-    for layer in range(0, 30, 3):
+    for layer in range(0, lm.info.n_layers, 3):
         q = st.queries[layer, :, -8:]
         a = dense_attention(q, st.keys[layer], st.values[layer], st.scaling)
         errs.append(_rel_err(c.attend(layer, q), a))
@@ -190,9 +191,10 @@ def test_streaming_flush_keeps_window_and_budget(lm, prefill_state):
     r = c.qplan.residual
     g = torch.Generator().manual_seed(1)
     n_q0 = c.layers[0].n_quantized
+    info = lm.info
     for step in range(40):
-        for layer in range(30):
-            k, v = torch.randn(2, 3, 1, 64, generator=g) * 4
+        for layer in range(info.n_layers):
+            k, v = torch.randn(2, info.n_kv_heads, 1, info.head_dim, generator=g) * 4
             c.append(layer, k, v, n + step)
         layer0 = c.layers[0]
         assert 0 < layer0.res_k.shape[1] <= r
@@ -271,7 +273,7 @@ def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_sta
         c = _qjl(lm, n=n, split_query=split)
         c.compress(st)
         layer_errs = []
-        for layer in (10, 20, 29):
+        for layer in (10, 20, lm.info.n_layers - 1):
             q = st.queries[layer, :, -8:]
             a = dense_attention(q, st.keys[layer], st.values[layer], st.scaling)
             layer_errs.append(_rel_err(c.attend(layer, q), a))
@@ -280,10 +282,12 @@ def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_sta
     # The split estimate is <q, k_hat restricted to each part's channels>.
     lay = c.layers[20]
     kq, q = lay.keys, st.queries[20, :, -2:]
-    mask = outlier_mask(kq.out_idx, 64, 32)
+    info = lm.info
+    mask = outlier_mask(kq.out_idx, info.head_dim, 32)
     k_hat = dense_key_estimate(lay.s, kq.bits, kq.norms).masked_fill(mask, 0.0)
     k_hat = k_hat + dense_key_estimate(lay.s_out, kq.out_bits, kq.out_norms).masked_fill(~mask, 0.0)
-    ref = torch.einsum("gjd,gnd->gjn", q.reshape(3, 6, 64), k_hat).reshape(9, 2, -1)
+    grouped = q.reshape(info.n_kv_heads, -1, info.head_dim)  # [Hkv, group x 2 queries, d]
+    ref = torch.einsum("gjd,gnd->gjn", grouped, k_hat).reshape(info.n_heads, 2, -1)
     est = estimate_scores_split(q, lay.s, kq.bits, kq.norms, kq.out_idx, 32, outliers=False)
     est = est + estimate_scores_split(q, lay.s_out, kq.out_bits, kq.out_norms, kq.out_idx, 32, outliers=True)
     assert torch.allclose(est, ref, rtol=1e-4, atol=1e-2)

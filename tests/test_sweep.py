@@ -44,7 +44,7 @@ def small_sweep(tmp_path_factory, lm):
     return out
 
 
-def test_sweep_writes_results(small_sweep):
+def test_sweep_writes_results(small_sweep, lm):
     rows = _csv(small_sweep / "results.csv")
     assert len(rows) == 4 * 5  # seeds x (exact + 2 methods at 2 budgets)
     assert {r["label"] for r in rows} == LABELS
@@ -55,7 +55,8 @@ def test_sweep_writes_results(small_sweep):
         frac = float(r["bytes_fraction"])
         assert frac == 1.0 if r["label"] == "exact" else frac < float(r["budget"]) + 0.01
     data = json.loads((small_sweep / "results.json").read_text())
-    assert len(data["cells"]) == 4 and len(data["cells"][0]["runs"][0]["metrics"]["attn_rel_error_per_layer"]) == 30
+    per_layer = data["cells"][0]["runs"][0]["metrics"]["attn_rel_error_per_layer"]
+    assert len(data["cells"]) == 4 and len(per_layer) == lm.info.n_layers
 
 
 def test_small_sweep_table_is_not_flat(small_sweep):

@@ -7,7 +7,6 @@ closed at the end. Prompts are short and runs are a few tokens: the machine has 
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -26,14 +25,8 @@ PROMPT = "Summarize: the cat sat on the mat because the mat was warm and the sun
 XSS = "<img src=x onerror=alert(1)> is not markup here."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def app(lm):
+def app(lm, free_port):
     demo = build_demo(lm)
     demo.queue(max_size=8)
     port = free_port()
@@ -96,7 +89,7 @@ def test_compare_returns_cards_and_figures(compared):
     assert len(steps) == 4 and len(steps[1]["y"]) == 6  # exact dashed + 3 runs, prefill + 5 steps
 
 
-def test_measurements_reach_the_panels(compared):
+def test_measurements_reach_the_panels(compared, lm):
     status, cards, gauges, bytes_fig, err_step, err_layer, kl_fig, heat, qvm, strip, *_ = compared
     err = json.loads(err_step["plot"])["data"]
     assert [d["name"] for d in err] == ["streaming@0.5", "streaming@0.25"]
@@ -104,7 +97,7 @@ def test_measurements_reach_the_panels(compared):
     means = [sum(d["y"]) / len(d["y"]) for d in err]
     assert 0 < means[0] < means[1]
     layer = json.loads(err_layer["plot"])["data"][0]
-    assert layer["type"] == "heatmap" and len(layer["z"]) == 2 and len(layer["z"][0]) == 30
+    assert layer["type"] == "heatmap" and len(layer["z"]) == 2 and len(layer["z"][0]) == lm.info.n_layers
     heat_fig = json.loads(heat["plot"])
     assert "layer 3, head 1" in heat_fig["layout"]["title"]["text"]
     assert sum(d["type"] == "heatmap" for d in heat_fig["data"]) == 4  # exact + method for two runs
@@ -186,9 +179,8 @@ def test_params_from_rows_sends_only_changes():
 
 
 def test_figures_say_no_data_without_metrics(lm):
-    empty = CompareResult(
-        model={"n_layers": 30}, prompt="", prompt_tokens=3, prompt_token_ids=[1, 2, 3], settings={}, timings={}, runs=[]
-    )
+    ids = [1, 2, 3]
+    empty = CompareResult(lm.info.to_json(), "", len(ids), ids, settings={}, timings={}, runs=[])
     for fig in (plots.error_per_step(empty), plots.attention_heatmaps(empty), plots.quality_vs_memory(empty)):
         assert "no " in fig.layout.annotations[0].text
     assert Dashboard(lm).render(None, "mean", None)[0].count("kv-empty") == 1

@@ -1,0 +1,174 @@
+"""HTML pieces of the page: progress bar, one card per run, the kept-token strip.
+
+Every text that comes from a prompt or a model goes through ``html.escape``: it is shown as text,
+never as markup.
+"""
+
+from __future__ import annotations
+
+import html
+
+from kvlab import plots
+from kvlab.compressors import methods
+from kvlab.figures import finite
+from kvlab.metrics import token_diff
+from kvlab.models import LoadedModel
+from kvlab.results import CompareResult, RunResult
+from kvlab.ui.config import GROUP_TITLES
+
+
+def progress_html(frac: float, message: str) -> str:
+    pct = max(0.0, min(1.0, frac)) * 100
+    return (
+        f"<div class='kv-progress' role='progressbar' aria-valuenow='{pct:.0f}'>"
+        f"<div class='kv-progress-bar' style='width:{pct:.1f}%'></div></div>"
+        f"<div class='kv-progress-msg'>{html.escape(message)}</div>"
+    )
+
+
+def _pieces(ids: list[int], lm: LoadedModel | None) -> list[str]:
+    if lm is None:
+        return [f"⟨{i}⟩" for i in ids]
+    return [lm.tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+
+
+def diff_opcodes(run: RunResult, exact: RunResult | None) -> list:
+    """The stored token diff against exact, else computed (a result saved without text metrics)."""
+    ops = plots.metric(run, "diff")
+    if ops or exact is None:
+        return ops or []
+    return token_diff(exact.token_ids, run.token_ids).opcodes
+
+
+def first_divergence(run: RunResult, exact: RunResult | None) -> int | None:
+    fd = plots.metric(run, "first_divergence")
+    if fd is not None or exact is None:
+        return fd
+    return token_diff(exact.token_ids, run.token_ids).first_divergence
+
+
+def diff_text_html(run: RunResult, exact: RunResult | None, lm: LoadedModel | None) -> str:
+    """The run's text, with the tokens that differ from the exact run highlighted."""
+    if exact is None or run is exact or not run.token_ids:
+        return html.escape(run.text)
+    pieces = _pieces(run.token_ids, lm) if lm is not None else None
+    if pieces is None or "".join(pieces).strip() != run.text.strip():
+        pieces = None
+    if pieces is None:  # no tokenizer for this result: show plain text
+        return html.escape(run.text)
+    out = []
+    for tag, _i1, _i2, j1, j2 in diff_opcodes(run, exact):
+        seg = html.escape("".join(pieces[j1:j2]))
+        if not seg:
+            if tag == "delete":
+                out.append("<span class='kv-del' title='exact had more here'>⌫</span>")
+            continue
+        out.append(seg if tag == "equal" else f"<mark class='kv-diff'>{seg}</mark>")
+    return "".join(out)
+
+
+def _card(
+    run: RunResult, exact: RunResult | None, lm: LoadedModel | None, group: str, color: str, live: bool = False
+) -> str:
+    ex_bytes = plots.exact_bytes_at_prefill(run)
+    held = 100 * run.kv_bytes / ex_bytes if ex_bytes else 0.0
+    if run is exact or exact is None:
+        div = "reference" if run is exact else "no exact run to compare"
+    elif live:
+        div = "running…"
+    else:
+        fd = first_divergence(run, exact)
+        sim = plots.metric(run, "text_similarity")
+        div = "identical to exact" if fd is None else f"differs from token {fd}"
+        if finite(sim):
+            div += f" · similarity {sim:.2f}"
+    score = plots.metric(run, "task_score")
+    extra = f"<span class='kv-chip'>task {score:.2f}</span>" if finite(score) else ""
+    tps = f"{run.timings.tokens_per_s:.1f} tok/s" if run.timings.tokens_per_s else "—"
+    return (
+        f"<div class='kv-card kv-{html.escape(group)}' style='border-top-color:{color}'>"
+        f"<div class='kv-card-head'><b>{html.escape(run.label)}</b>"
+        f"<span class='kv-chip'>{html.escape(GROUP_TITLES.get(group, group))}</span>{extra}</div>"
+        f"<div class='kv-stats'><span>{run.kv_bytes / 1024:,.0f} / {ex_bytes / 1024:,.0f} KiB</span>"
+        f"<span>{100 - held:.0f}% saved</span><span>{tps}</span></div>"
+        f"<div class='kv-div'>{html.escape(div)}</div>"
+        f"<pre class='kv-text'>{diff_text_html(run, exact, lm)}</pre></div>"
+    )
+
+
+def cards_html(result: CompareResult | None, lm: LoadedModel | None, live: bool = False) -> str:
+    if result is None or not result.runs:
+        return (
+            "<div class='kv-empty'>Run a comparison (or load a JSON export) to see one card per method × budget.</div>"
+        )
+    exact = next((r for r in result.runs if r.method == "exact"), None)
+    groups = {n: c.group for n, c in methods().items()}
+    return (
+        "<div class='kv-cards'>"
+        + "".join(
+            _card(
+                r, exact, lm, groups.get(r.method, "baseline"), plots.color_of(result, r.label), live and r is not exact
+            )
+            for r in result.runs
+        )
+        + "</div>"
+    )
+
+
+def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedModel | None) -> str:
+    """The prompt's text, token by token; tokens the chosen run evicted are struck through and faded.
+
+    Below it, one thin strip per run: each cell a prompt position, dark where kept (at the map's
+    layer/KV head) or shaded by the fraction of (layer, KV head) pairs keeping it.
+    """
+    if result is None or not result.runs:
+        return "<div class='kv-empty'>no result yet</div>"
+    runs = plots.compressed_runs(result)
+    bars = [_density_bar(r, result.prompt_tokens) for r in runs]
+    bars = [b for b in bars if b]
+    run = next((r for r in runs if r.label == label), runs[0] if runs else None)
+    kept = plots.kept_of(run) if run is not None else None
+    if run is not None and kept is None and plots.attn_map(run) is not None:
+        parts_note = (
+            f"<div class='kv-strip-title'>{html.escape(run.label)} keeps every prompt position "
+            "(compressed), so no token is evicted</div>"
+        )
+    else:
+        parts_note = ""
+    if run is None or (kept is None and not bars):
+        return (
+            "<div class='kv-empty'>no kept positions in this result (turn the measurements on; sketched or "
+            "clustered caches keep no token positions)</div>"
+        )
+    parts = [parts_note] if parts_note else []
+    if kept is not None:
+        keep = set(kept)
+        pieces = _pieces(result.prompt_token_ids, lm)
+        toks = "".join(
+            f"<span class='{'kv-kept' if i in keep else 'kv-evicted'}'>{html.escape(p)}</span>"
+            for i, p in enumerate(pieces)
+        )
+        site = plots.map_site(result)
+        where = f" (layer {site[0]}, KV head of query head {site[1]})" if site else ""
+        parts.append(
+            f"<div class='kv-strip-title'>{html.escape(run.label)}: {len(keep)} of "
+            f"{result.prompt_tokens} prompt tokens kept{html.escape(where)}</div>"
+            f"<div class='kv-strip-text'>{toks}</div>"
+        )
+    if bars:
+        parts.append("<div class='kv-strip-title'>Kept density over all layers and KV heads</div>" + "".join(bars))
+    return "<div class='kv-strip'>" + "".join(parts) + "</div>"
+
+
+def _density_bar(run: RunResult, n: int) -> str:
+    dens = (run.extras or {}).get("kept_density")
+    if not dens:
+        return ""
+    grad = ",".join(
+        f"rgba(31,119,180,{0.08 + 0.92 * float(d):.2f}) {100 * i / len(dens):.2f}% {100 * (i + 1) / len(dens):.2f}%"
+        for i, d in enumerate(dens)
+    )
+    return (
+        f"<div class='kv-bar-row'><span class='kv-bar-label'>{html.escape(run.label)}</span>"
+        f"<span class='kv-bar' style='background:linear-gradient(90deg,{grad})'></span></div>"
+    )

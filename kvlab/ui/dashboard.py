@@ -1,0 +1,313 @@
+"""The page's callbacks: run a comparison (streaming cards as it goes) and render a stored result.
+
+Everything shown is rendered from one stored result (``gr.State`` holding the result's JSON), so
+changing the view never recomputes. Model work goes through ``kvlab.run``, the flow the CLI and
+the sweeps use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gradio as gr
+import torch
+
+from kvlab import plots
+from kvlab.budgets import BudgetError, exact_bytes, parse_budgets
+from kvlab.engine import Engine, GenerationSettings, InputError, RunSpec
+from kvlab.metrics import ProbeSettings
+from kvlab.models import EMBEDDED, LoadedModel, ModelLoadError, load_model
+from kvlab.results import CompareResult, RunResult
+from kvlab.run import Comparison, stream
+from kvlab.tasks import Task
+from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
+from kvlab.ui.config import Limits
+from kvlab.ui.export import export_files
+from kvlab.ui.methods import params_from_rows
+
+FIGURE_TITLES = (
+    "Cache size",
+    "Bytes per decode step",
+    "Attention relative error per decode step",
+    "Attention relative error per layer",
+    "Teacher-forced fidelity",
+    "Attention over the prompt",
+    "Quality vs memory",
+)
+FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
+
+
+@dataclass
+class LiveProbe:
+    """Reads each cache's bytes right after compression and, when greedy, the tokens as they come.
+
+    It defines no ``on_attend``: the engine then skips the per-row attention hook for it.
+    """
+
+    n_runs: int
+    greedy: bool
+    bytes_now: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    comps: list = field(default_factory=list)
+
+    def on_prefill(self, state, logits, compressors) -> None:
+        self.comps = list(compressors)
+        self.bytes_now = [c.nbytes() for c in compressors]
+        first = int(torch.argmax(logits)) if self.greedy else None
+        self.tokens = [[first] if first is not None else [] for _ in compressors]
+
+    def on_step(self, step, rows, logits) -> None:
+        for row, i in enumerate(rows):
+            self.bytes_now[i] = self.comps[i].nbytes()
+            if self.greedy:
+                self.tokens[i].append(int(torch.argmax(logits[row])))
+
+    def finish(self, runs) -> None:
+        self.comps = []
+
+    def partial(self, engine: Engine, specs: list[RunSpec], prompt_tokens: int) -> CompareResult:
+        """What is known so far, as a result for the cards: bytes now and, when greedy, the text so far."""
+        runs = [
+            RunResult(
+                method=spec.method,
+                budget=None if spec.budget is None else spec.budget.label,
+                params={},
+                kv_bytes=b,
+                exact_kv_bytes_per_step=[exact_bytes(engine.info, prompt_tokens)],
+                text=engine.lm.decode(toks) if toks else "…",
+            )
+            for spec, b, toks in zip(specs, self.bytes_now, self.tokens or [[] for _ in specs])
+        ]
+        return CompareResult(
+            model=engine.info.to_json(),
+            prompt="",
+            prompt_tokens=prompt_tokens,
+            prompt_token_ids=[],
+            settings={},
+            timings={},
+            runs=runs,
+        )
+
+
+class Dashboard:
+    """The callbacks behind the page; holds the model(s) loaded once at start."""
+
+    def __init__(self, lm: LoadedModel, limits: Limits | None = None):
+        self.lm = lm
+        self.limits = limits or Limits()
+        self.engines: dict[str, Engine] = {EMBEDDED: Engine(lm)}
+        self.tasks: dict[str, Task] = {}  # preset label -> its task (set by the page)
+
+    # ----- model work ----------------------------------------------------------------------
+    def engine_for(self, model: str) -> Engine:
+        model = (model or EMBEDDED).strip() or EMBEDDED
+        if model not in self.engines:
+            if not self.limits.allow_model_choice:
+                raise InputError(
+                    "this page runs the embedded model only (set KVLAB_ALLOW_MODEL_CHOICE=1 to allow others)"
+                )
+            try:
+                self.engines[model] = Engine(load_model(model))
+            except ModelLoadError as exc:
+                raise InputError(str(exc)) from None
+        return self.engines[model]
+
+    def request(
+        self,
+        model,
+        prompt,
+        papers,
+        baselines,
+        budgets,
+        max_new,
+        seed,
+        param_table,
+        record_maps,
+        map_layer,
+        map_head,
+        task,
+    ) -> tuple[Engine, Comparison, int]:
+        """The page's inputs as a ``Comparison``, checked against the page's limits.
+
+        Returns the engine of the chosen model, the comparison and the prompt's token count. ``task``
+        is the preset's task while its prompt is unedited (the page drops it on any edit), else None.
+        """
+        if not (prompt or "").strip():
+            raise InputError("the prompt is empty; type some text or pick a preset")
+        chosen = ["exact"] + list(papers or []) + list(baselines or [])
+        if len(chosen) == 1:
+            raise InputError("no method selected; tick at least one of the papers' methods or baselines")
+        try:
+            bl = parse_budgets(budgets)
+        except BudgetError as exc:
+            raise InputError(str(exc)) from None
+        max_new = int(max_new or 0)
+        if not 1 <= max_new <= self.limits.max_new_tokens:
+            raise InputError(f"max new tokens must be in 1..{self.limits.max_new_tokens}")
+        engine = self.engine_for(model)
+        measure = None
+        if record_maps:
+            measure = ProbeSettings(map_layer=self._map_layer(map_layer, engine), map_head=int(map_head or 0))
+        comparison = Comparison(
+            task if isinstance(task, Task) else prompt,
+            chosen,
+            bl,
+            params=params_from_rows(param_table, chosen),
+            settings=GenerationSettings(max_new_tokens=max_new, seed=int(seed or 0)),
+            measure=measure,
+        )
+        n = len(comparison.encode(engine.lm))
+        if n > self.limits.max_prompt_tokens:
+            raise InputError(
+                f"the prompt has {n} tokens; this page allows at most "
+                f"{self.limits.max_prompt_tokens} (set KVLAB_MAX_PROMPT_TOKENS to change it)"
+            )
+        return engine, comparison, n
+
+    def compare(
+        self,
+        model,
+        prompt,
+        papers,
+        baselines,
+        budgets,
+        max_new,
+        seed,
+        param_table,
+        record_maps,
+        map_layer=None,
+        map_head=0,
+        task=None,
+        progress=gr.Progress(),  # noqa: B008 (gradio injects progress through this default)
+    ):
+        """Generator: yields (status, cards, state, *figures) as the comparison runs."""
+        n_out = len(FIGURE_OUTPUTS) + 3
+        try:
+            engine, comparison, n = self.request(
+                model,
+                prompt,
+                papers,
+                baselines,
+                budgets,
+                max_new,
+                seed,
+                param_table,
+                record_maps,
+                map_layer,
+                map_head,
+                task,
+            )
+            specs = comparison.check()
+            live = LiveProbe(len(specs), greedy=not comparison.settings.do_sample)
+            result = None
+            last_yield = 0.0
+            for ev in stream(engine, comparison, probes=[live]):
+                if ev.progress >= 0:
+                    progress(ev.progress, desc=ev.message)
+                if ev.kind == "done":
+                    result = ev.result
+                    break
+                now = time.perf_counter()
+                if live.bytes_now and (ev.kind != "step" or now - last_yield > 0.5):
+                    last_yield = now
+                    yield (
+                        progress_html(ev.progress, ev.message),
+                        cards_html(live.partial(engine, specs, n), engine.lm, live=True),
+                        *[gr.skip()] * (n_out - 2),
+                    )
+                elif ev.kind in ("prefill", "compress"):
+                    yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
+        except InputError as exc:
+            raise gr.Error(str(exc)) from None
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise gr.Error("out of GPU memory: try a shorter prompt, fewer methods or fewer new tokens") from None
+        msg = (
+            f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
+            f"{result.timings.get('compare_s', 0):.1f} s"
+        )
+        yield (progress_html(1.0, msg), *self.render(result.to_json(), "mean", None))
+
+    def task_of(self, preset: str) -> Task | None:
+        """The task behind a preset (None for free prompts)."""
+        return self.tasks.get(preset)
+
+    @staticmethod
+    def _map_layer(value, engine: Engine) -> int | None:
+        if value is None or str(value).strip() in ("", "auto"):
+            return None
+        layer = int(value)
+        if not 0 <= layer < engine.info.n_layers:
+            raise InputError(f"map layer {layer} is out of range; allowed: 0..{engine.info.n_layers - 1}")
+        return layer
+
+    # ----- views (no recomputation) --------------------------------------------------------
+    def _lm_for(self, result: CompareResult) -> LoadedModel | None:
+        return self.lm if result.model.get("id") == self.lm.info.id else None
+
+    def render(self, data: dict | None, layer_choice, strip_label):
+        """Everything below the progress bar, from the stored result JSON."""
+        if not data:
+            return (
+                cards_html(None, None),
+                None,
+                *[plots.no_data(t, "no result yet") for t in FIGURE_TITLES],
+                kept_strip_html(None, None, None),
+                gr.update(),
+                gr.update(),
+            )
+        result = CompareResult.from_json(data)
+        lm = self._lm_for(result)
+        labels = [r.label for r in plots.compressed_runs(result)]
+        layers = ["mean"] + [str(i) for i in range(plots.n_layers(result))]
+        strip = strip_label if strip_label in labels else (labels[0] if labels else None)
+        return (
+            cards_html(result, lm),
+            data,
+            plots.gauges(result),
+            plots.bytes_per_step(result),
+            plots.error_per_step(result, layer_choice),
+            plots.error_per_layer(result),
+            plots.kl_and_agreement(result),
+            plots.attention_heatmaps(result),
+            plots.quality_vs_memory(result),
+            kept_strip_html(result, strip, lm),
+            gr.update(choices=layers, value=layer_choice if layer_choice in layers else "mean"),
+            gr.update(choices=labels, value=strip),
+        )
+
+    def view_errors(self, data, layer_choice):
+        if not data:
+            return plots.no_data(FIGURE_TITLES[2], "no result yet")
+        return plots.error_per_step(CompareResult.from_json(data), layer_choice)
+
+    def view_attention(self, data, shown, strip_label):
+        if not data:
+            return plots.no_data(FIGURE_TITLES[5], "no result yet"), kept_strip_html(None, None, None)
+        result = CompareResult.from_json(data)
+        return (
+            plots.attention_heatmaps(result, shown or None),
+            kept_strip_html(result, strip_label, self._lm_for(result)),
+        )
+
+    # ----- files ---------------------------------------------------------------------------
+    def export(self, data):
+        if not data:
+            raise gr.Error("nothing to export yet: run a comparison or load a JSON file first")
+        result = CompareResult.from_json(data)
+        return export_files(result, self._lm_for(result))
+
+    def load_json(self, path, layer_choice, strip_label):
+        if not path:
+            raise gr.Error("choose a kvlab JSON export to load")
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            result = CompareResult.from_json(data)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise gr.Error(f"this file is not a kvlab result JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+        msg = f"loaded {len(result.runs)} runs from {Path(path).name} (not recomputed)"
+        return (progress_html(1.0, msg), *self.render(result.to_json(), layer_choice, strip_label))

@@ -1,0 +1,106 @@
+"""Export of a stored result: the JSON itself, a CSV of the metrics and a static HTML report."""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from kvlab import plots
+from kvlab.models import LoadedModel
+from kvlab.results import CompareResult
+from kvlab.ui.cards import cards_html
+from kvlab.ui.config import CSS
+
+SUMMARY_METRICS = (
+    "attn_rel_error_mean",
+    "kl_mean",
+    "top1_agreement",
+    "perplexity",
+    "first_divergence",
+    "text_similarity",
+    "task_score",
+)
+
+
+def metrics_csv(result: CompareResult) -> str:
+    """One row per run: bytes, saving, timings and the scalar metrics."""
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(
+        [
+            "run",
+            "method",
+            "budget",
+            "kv_bytes",
+            "exact_bytes",
+            "fraction_held",
+            "tokens_per_s",
+            "prefill_s",
+            "compress_s",
+            "decode_s",
+            *SUMMARY_METRICS,
+            "text",
+        ]
+    )
+    for r in result.runs:
+        ex = plots.exact_bytes_at_prefill(r)
+        w.writerow(
+            [
+                r.label,
+                r.method,
+                r.budget or "",
+                r.kv_bytes,
+                ex,
+                f"{r.kv_bytes / ex:.4f}" if ex else "",
+                f"{r.timings.tokens_per_s:.2f}",
+                f"{r.timings.prefill_s:.3f}",
+                f"{r.timings.compress_s:.3f}",
+                f"{r.timings.decode_s:.3f}",
+                *["" if plots.metric(r, k) is None else plots.metric(r, k) for k in SUMMARY_METRICS],
+                r.text,
+            ]
+        )
+    return buf.getvalue()
+
+
+def report_html(result: CompareResult, lm: LoadedModel | None = None) -> str:
+    """A self-contained static HTML page of the run: settings, cards and every overview figure."""
+    figs = plots.overview_figures(result)
+    figs["attention"] = plots.attention_heatmaps(result)
+    body = []
+    for i, fig in enumerate(figs.values()):
+        body.append(
+            fig.to_html(
+                full_html=False, include_plotlyjs="inline" if i == 0 else False, default_height=fig.layout.height
+            )
+        )
+    settings = html.escape(json.dumps(result.settings))
+    prompt = html.escape(result.prompt[:4000] + ("…" if len(result.prompt) > 4000 else ""))
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>kvlab report</title>"
+        f"<style>{CSS} body{{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:16px}}</style>"
+        "</head><body><h1>kvlab report</h1>"
+        f"<p>Model <b>{html.escape(str(result.model.get('id', '')))}</b> on "
+        f"{html.escape(str(result.model.get('device', '')))}"
+        f" · prompt {result.prompt_tokens} tokens · settings <code>{settings}</code></p>"
+        f"<details><summary>Prompt</summary><pre class='kv-text'>{prompt}</pre></details>"
+        f"{cards_html(result, lm)}{''.join(body)}</body></html>"
+    )
+
+
+def export_files(result: CompareResult, lm: LoadedModel | None) -> list[str]:
+    out = Path(tempfile.mkdtemp(prefix="kvlab-export-"))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    paths = {
+        out / f"kvlab-{stamp}.json": result.dumps(),
+        out / f"kvlab-{stamp}-metrics.csv": metrics_csv(result),
+        out / f"kvlab-{stamp}-report.html": report_html(result, lm),
+    }
+    for p, text in paths.items():
+        p.write_text(text, encoding="utf-8")
+    return [str(p) for p in paths]

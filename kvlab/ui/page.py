@@ -1,0 +1,259 @@
+"""The page: setup, progress and cards, then one tab per view (memory, errors, attention, quality vs
+memory, export / import, about). Every event has an ``api_name``; model work runs one at a time.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import gradio as gr
+
+from kvlab.models import EMBEDDED, LoadedModel
+from kvlab.ui.about import about_markdown
+from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
+from kvlab.ui.config import CSS, GROUP_TITLES, Limits, gpu
+from kvlab.ui.dashboard import Dashboard
+from kvlab.ui.methods import default_methods, method_groups, param_rows
+from kvlab.ui.presets import DEFAULT_PRESET, presets
+
+
+@dataclass
+class Setup:
+    """The inputs of a comparison, in the order ``Dashboard.compare`` takes them (then ``task``)."""
+
+    model: gr.Textbox
+    prompt: gr.Textbox
+    papers: gr.CheckboxGroup
+    baselines: gr.CheckboxGroup
+    budgets: gr.Textbox
+    max_new: gr.Slider
+    seed: gr.Number
+    param_table: gr.Dataframe
+    record_maps: gr.Checkbox
+    map_layer: gr.Number
+    map_head: gr.Number
+    preset: gr.Dropdown
+    run_btn: gr.Button
+
+    def inputs(self) -> list:
+        """The inputs of ``Dashboard.compare``, in its order (before ``task``, a page state)."""
+        return [
+            self.model, self.prompt, self.papers, self.baselines, self.budgets, self.max_new, self.seed,
+            self.param_table, self.record_maps, self.map_layer, self.map_head,
+        ]  # fmt: skip
+
+
+@dataclass
+class Views:
+    """What shows a result: progress, cards, the stored result and every tab's figures and pickers."""
+
+    status: gr.HTML
+    cards: gr.HTML
+    state: gr.State  # the result's JSON: every view is rendered from it, never recomputed
+    task: gr.State  # the preset's task (prompt + answer) while its prompt is unedited
+    gauges: gr.Plot
+    bytes_fig: gr.Plot
+    layer_pick: gr.Dropdown
+    err_step: gr.Plot
+    err_layer: gr.Plot
+    kl_fig: gr.Plot
+    shown: gr.CheckboxGroup
+    heat: gr.Plot
+    strip_pick: gr.Dropdown
+    strip: gr.HTML
+    qvm: gr.Plot
+    export_btn: gr.Button
+    files: gr.File
+    upload: gr.File
+
+    def rendered(self) -> list:
+        """The outputs of ``Dashboard.render``, in its order."""
+        v = self
+        return [
+            v.cards, v.state, v.gauges, v.bytes_fig, v.err_step, v.err_layer, v.kl_fig, v.heat, v.qvm, v.strip,
+            v.layer_pick, v.strip_pick,
+        ]  # fmt: skip
+
+
+def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
+    """The page. Launch with ``launch_kwargs()`` (theme, css) and ``queue_kwargs``."""
+    dash = Dashboard(lm, limits)
+    preset_texts, dash.tasks = presets(lm)
+    with gr.Blocks(title="kvlab — KV-cache compression side by side") as demo:
+        gr.HTML(
+            "<div class='kv-header'><h1>kvlab</h1><p>KV-cache compression methods side by side on a real "
+            f"model: texts, bytes, attention error, attention maps. Model: <b>{html.escape(lm.info.id)}</b> "
+            f"on {html.escape(lm.info.device)}.</p></div>"
+        )
+        setup = _setup(lm, dash.limits, preset_texts)
+        views = _views()
+        _wire(demo, dash, setup, views, preset_texts)
+    return demo
+
+
+def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
+    """The setup panel: preset, prompt and model on the left; methods, budgets and settings on the right."""
+    groups = method_groups()
+    papers0, baselines0 = default_methods()
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            preset = gr.Dropdown(
+                list(preset_texts),
+                value=DEFAULT_PRESET,
+                label="Preset",
+                info="document question, pass-key, line retrieval or free chat",
+            )
+            prompt = gr.Textbox(
+                value=preset_texts[DEFAULT_PRESET], label="Prompt", lines=9, max_lines=16, elem_id="kv-prompt"
+            )
+            model = gr.Textbox(
+                value=EMBEDDED,
+                label="Model",
+                interactive=lim.allow_model_choice,
+                info="'embedded' (SmolLM2-135M-Instruct)"
+                + (
+                    ", a Hugging Face id or a local folder"
+                    if lim.allow_model_choice
+                    else "; other models: set KVLAB_ALLOW_MODEL_CHOICE=1"
+                ),
+            )
+        with gr.Column(scale=2):
+            papers = gr.CheckboxGroup(
+                groups.get("paper", []), value=papers0, label=GROUP_TITLES["paper"], elem_id="kv-papers"
+            )
+            baselines = gr.CheckboxGroup(
+                groups.get("baseline", []),
+                value=baselines0,
+                label=GROUP_TITLES["baseline"] + " (exact always runs)",
+                elem_id="kv-baselines",
+            )
+            with gr.Row():
+                budgets = gr.Textbox(
+                    value="0.25",
+                    label="Budgets",
+                    elem_id="kv-budgets",
+                    info="fractions of the exact bytes or token counts: 0.5, 0.25, 512t",
+                )
+                max_new = gr.Slider(
+                    1, lim.max_new_tokens, value=min(32, lim.max_new_tokens), step=1, label="Max new tokens"
+                )
+            with gr.Row():
+                seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
+                record_maps = gr.Checkbox(
+                    value=True,
+                    label="Measure attention error, KL & maps",
+                    info="the costly measurements (a shadow exact cache)",
+                )
+            with gr.Row():
+                heads = lm.info.n_heads
+                map_layer = gr.Number(
+                    value=lm.info.n_layers // 2,
+                    precision=0,
+                    minimum=0,
+                    maximum=lm.info.n_layers - 1,
+                    label="Attention-map layer",
+                )
+                map_head = gr.Number(
+                    value=0, precision=0, minimum=0, maximum=heads - 1, label="Attention-map query head"
+                )
+            run_btn = gr.Button("Run comparison", variant="primary", elem_id="kv-run")
+    with gr.Accordion("Advanced parameters per method (papers' defaults; edit the value column)", open=False):
+        param_table = gr.Dataframe(
+            value=param_rows(),
+            headers=["method", "parameter", "value", "default", "meaning"],
+            type="array",
+            interactive=True,
+            wrap=True,
+            max_height=320,
+            static_columns=[0, 1, 3, 4],
+        )
+    return Setup(
+        model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
+        run_btn,
+    )  # fmt: skip
+
+
+def _views() -> Views:
+    """Progress and cards, then one tab per view: memory, errors, attention, quality vs memory, files, about."""
+    status = gr.HTML(progress_html(0.0, "ready"), elem_id="kv-status")
+    cards = gr.HTML(cards_html(None, None), elem_id="kv-cards")
+    state = gr.State(None)
+    task = gr.State(None)
+    with gr.Tabs():
+        with gr.Tab("Memory", id="memory"):
+            gauges = gr.Plot(label="Cache size", elem_id="kv-gauges")
+            bytes_fig = gr.Plot(label="Bytes per step", elem_id="kv-bytes")
+        with gr.Tab("Errors", id="errors"):
+            layer_pick = gr.Dropdown(["mean"], value="mean", label="Layer (for the per-step curve)", elem_id="kv-layer")
+            err_step = gr.Plot(label="Error per step", elem_id="kv-err-step")
+            err_layer = gr.Plot(label="Error per layer", elem_id="kv-err-layer")
+            kl_fig = gr.Plot(label="KL and agreement", elem_id="kv-kl")
+        with gr.Tab("Attention", id="attention"):
+            shown = gr.CheckboxGroup([], label="Methods shown (empty: all)")
+            heat = gr.Plot(label="Attention heatmaps", elem_id="kv-heat")
+            strip_pick = gr.Dropdown(
+                [], label="Kept-token strip: method", elem_id="kv-strip-pick", allow_custom_value=True
+            )
+            strip = gr.HTML(kept_strip_html(None, None, None), elem_id="kv-strip")
+        with gr.Tab("Quality vs memory", id="quality"):
+            qvm = gr.Plot(label="Quality vs memory", elem_id="kv-qvm")
+        with gr.Tab("Export / import", id="files"):
+            with gr.Row():
+                export_btn = gr.Button("Export JSON + CSV + HTML report", elem_id="kv-export")
+                files = gr.File(label="Downloads", file_count="multiple", interactive=False)
+            upload = gr.File(
+                label="Load a kvlab JSON export (viewed without recomputing)", file_types=[".json"], type="filepath"
+            )
+        with gr.Tab("About", id="about"):
+            gr.Markdown(about_markdown())
+    return Views(
+        status, cards, state, task, gauges, bytes_fig, layer_pick, err_step, err_layer, kl_fig, shown, heat,
+        strip_pick, strip, qvm, export_btn, files, upload,
+    )  # fmt: skip
+
+
+def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_texts: dict[str, str]) -> None:
+    """The page's events; each one that a client may call has an ``api_name``."""
+    v = views
+    setup.preset.change(lambda name: preset_texts.get(name, ""), setup.preset, setup.prompt, api_name="preset")
+    setup.preset.change(dash.task_of, setup.preset, v.task, api_name=False)
+    setup.prompt.input(lambda: None, None, v.task, api_name=False)  # an edited prompt is no longer the task's
+    demo.load(lambda: dash.task_of(DEFAULT_PRESET), None, v.task, api_name=False)
+    setup.run_btn.click(
+        gpu(dash.compare),
+        [*setup.inputs(), v.task],
+        [v.status, *v.rendered()],
+        api_name="compare",
+        concurrency_limit=1,
+        concurrency_id="model",
+    ).then(
+        lambda data: gr.update(
+            choices=[
+                r["method"] if not r.get("budget") else f"{r['method']}@{r['budget']}"
+                for r in (data or {}).get("runs", [])
+                if r["method"] != "exact"
+            ],
+            value=[],
+        ),
+        v.state,
+        v.shown,
+        api_name=False,
+    )
+    v.layer_pick.input(dash.view_errors, [v.state, v.layer_pick], v.err_step, api_name="view_errors")
+    gr.on(
+        [v.shown.input, v.strip_pick.input],
+        dash.view_attention,
+        [v.state, v.shown, v.strip_pick],
+        [v.heat, v.strip],
+        api_name="view_attention",
+    )
+    v.export_btn.click(dash.export, v.state, v.files, api_name="export")
+    v.upload.upload(
+        dash.load_json, [v.upload, v.layer_pick, v.strip_pick], [v.status, *v.rendered()], api_name="load_json"
+    )
+
+
+def launch_kwargs() -> dict:
+    """Theme and css go to ``launch()`` in Gradio 6."""
+    return {"theme": gr.themes.Soft(primary_hue="blue"), "css": CSS}
