@@ -176,9 +176,7 @@ class MetricsProbe:
         runs = len(compressors)
         self.errors: list[list[list[float]]] = [[] for _ in range(runs)]  # [run][step][layer]
         self.kg = (
-            [_Growing(runs, self.keys[0]) for _ in range(self.n_layers)]
-            if self.cfg.attn_error or self.cfg.maps
-            else []
+            [_Growing(runs, self.keys[0]) for _ in range(self.n_layers)] if self.cfg.attn_error or self.cfg.maps else []
         )
         self.vg = [_Growing(runs, self.values[0]) for _ in range(self.n_layers)] if self.kg else []
         self.kl: list[list[float]] = [[] for _ in range(runs)]
