@@ -62,6 +62,8 @@ class GenerationSettings:
             raise InputError(f"temperature={self.temperature} must be > 0 when sampling")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.seed < 2**63:
+            raise InputError(f"seed={self.seed} is out of range; allowed: 0..{2**63 - 1}")
 
 
 @dataclass
@@ -107,6 +109,7 @@ def expand_runs(methods: list[str], budgets: list[Budget], params: dict[str, dic
     methods = [m.strip() for m in methods if m and m.strip()]
     if not methods:
         raise InputError("no method selected; choose at least one (e.g. exact,streaming)")
+    budgets = list(dict.fromkeys(budgets))  # a budget given twice runs once
     specs: list[RunSpec] = []
     for m in dict.fromkeys(methods):
         try:

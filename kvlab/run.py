@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvlab.budgets import Budget
 from kvlab.engine import Engine, Event, GenerationSettings, Probe, RunSpec, expand_runs
+from kvlab.health import HealthProbe
 from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics
 from kvlab.models import LoadedModel
 from kvlab.results import CompareResult
@@ -77,13 +78,17 @@ class Comparison:
 def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence[Probe] = ()) -> Iterator[Event]:
     """Run a comparison; yields the engine's ``Event``s, the last one (``done``) with the finished result.
 
-    ``probes`` are extra engine probes (e.g. a live view); they run before the measurements' probe.
+    ``probes`` are extra engine probes (e.g. a live view); they run before the health flags' probe
+    (always on: bytes against the budget, finite logits, a cache that did not compress) and the
+    measurements' probe.
     """
     engine = as_engine(model)
     runs = comparison.check()
     ids = comparison.encode(engine.lm)
     measure = [MetricsProbe(comparison.measure)] if comparison.measure is not None else []
-    for ev in engine.stream(ids, runs, comparison.settings, prompt_text=comparison.prompt, probes=[*probes, *measure]):
+    for ev in engine.stream(
+        ids, runs, comparison.settings, prompt_text=comparison.prompt, probes=[*probes, HealthProbe(), *measure]
+    ):
         if ev.kind == "done":
             finish(ev.result, comparison.task)
         yield ev

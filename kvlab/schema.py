@@ -150,6 +150,9 @@ class _Check:
                 self.bad(f"{p}.kv_bytes", "must be >= 0")
             for key in ("params", "kv_bytes_breakdown", "timings", "metrics", "extras"):
                 self.typed(r, p, key, (dict,), required=False)
+            health = self.typed(r, p, "health", (list,), required=False)
+            if health is not None and not all(isinstance(f, dict) for f in health):
+                self.bad(f"{p}.health", "must be a list of objects")
             self.short(r, p, "finish_reason") if "finish_reason" in r else None
 
 

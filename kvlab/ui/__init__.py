@@ -16,9 +16,10 @@ panel and parameter table) · ``cards`` (HTML pieces) · ``about`` · ``export``
 report) · ``dashboard`` (the callbacks) · ``page`` (``build_demo``, ``launch_kwargs``).
 """
 
+from kvlab.gpu import gpu
 from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, diff_text_html, kept_strip_html, progress_html
-from kvlab.ui.config import CSS, GROUP_TITLES, Limits, gpu
+from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import FIGURE_OUTPUTS, FIGURE_TITLES, Dashboard, LiveProbe
 from kvlab.ui.export import export_files, metrics_csv, report_html
 from kvlab.ui.methods import CORE_PAPER_METHODS, default_methods, method_groups, param_rows, params_from_rows

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from kvlab.compressors import methods
 from kvlab.ui.config import GROUP_TITLES
+
+#: Where the docs are served (e.g. a Space's ``.../blob/main``); unset: the path in the source tree.
+DOCS_URL = os.environ.get("KVLAB_DOCS_URL", "").rstrip("/")
+
+
+def doc_link(path: str) -> str:
+    return f"[`{path}`]({DOCS_URL}/{path})" if DOCS_URL else f"`{path}` (in the source tree)"
 
 
 def about_markdown() -> str:
@@ -29,9 +37,17 @@ def about_markdown() -> str:
         "are stored with the result.",
         "* Bytes are counted from the tensors each cache really holds — packed bits, norms, scales, zero "
         "points, indices, positions, weights, score counters — never from a formula. The exact cache holds "
-        "layers × KV heads × tokens × head_dim × 2 × dtype size.",
+        "layers × KV heads × tokens × head_dim × 2 × the cache dtype's size (16-bit by default, as papers and "
+        "deployments count).",
         "* Prefill-only methods keep generated tokens uncompressed; streaming methods hold their budget while "
         "decoding. The bytes-per-step chart shows both.",
+        "* A card flags a run whose result cannot be trusted: bytes above its budget, non-finite logits, a "
+        "compressed cache identical to exact, or nothing evicted when the budget says it must.",
+        "",
+        "## The papers' claims, reproduced",
+        "",
+        "Each paper's central claim, measured on this model with `kvlab reproduce NAME|all`: "
+        f"{doc_link('docs/reproductions.md')} (what holds, what does not, and why).",
     ]
     return "\n".join(lines)
 

@@ -91,9 +91,16 @@ def _card(
         f"<span class='kv-chip'>{html.escape(GROUP_TITLES.get(group, group))}</span>{extra}</div>"
         f"<div class='kv-stats'><span>{run.kv_bytes / 1024:,.0f} / {ex_bytes / 1024:,.0f} KiB</span>"
         f"<span>{100 - held:.0f}% saved</span><span>{tps}</span></div>"
-        f"<div class='kv-div'>{html.escape(div)}</div>"
+        f"<div class='kv-div'>{html.escape(div)}</div>{health_html(run)}"
         f"<pre class='kv-text'>{diff_text_html(run, exact, lm)}</pre></div>"
     )
+
+
+def health_html(run: RunResult) -> str:
+    """The run's health flags (kvlab.health), one warning line each; nothing when it has none."""
+    flags = [f for f in (run.health or []) if isinstance(f, dict)]
+    esc = lambda key, f: html.escape(str(f.get(key, "")))  # noqa: E731
+    return "".join(f"<div class='kv-flag'>⚠ <b>{esc('flag', f)}</b>: {esc('detail', f)}</div>" for f in flags)
 
 
 def cards_html(result: CompareResult | None, lm: LoadedModel | None, live: bool = False) -> str:

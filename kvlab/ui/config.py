@@ -1,9 +1,8 @@
-"""The page's configuration: what a shared page allows, its stylesheet, and the ZeroGPU wrapper."""
+"""The page's configuration: what a shared page allows and its stylesheet."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +19,3 @@ class Limits:
     max_new_tokens: int = int(os.environ.get("KVLAB_MAX_NEW_TOKENS", 256))
     allow_model_choice: bool = os.environ.get("KVLAB_ALLOW_MODEL_CHOICE", "0") == "1"
     queue_size: int = int(os.environ.get("KVLAB_QUEUE_SIZE", 16))
-
-
-def gpu(fn: Callable) -> Callable:
-    """``spaces.GPU`` on a ZeroGPU Space; a no-op everywhere else (the package is absent)."""
-    try:
-        import spaces  # type: ignore
-    except ImportError:
-        return fn
-    return spaces.GPU(duration=int(os.environ.get("KVLAB_GPU_SECONDS", 120)))(fn)

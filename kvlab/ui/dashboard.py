@@ -7,7 +7,6 @@ the sweeps use.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +15,15 @@ import gradio as gr
 import torch
 
 from kvlab import plots
+from kvlab.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
 from kvlab.budgets import BudgetError, exact_bytes, parse_budgets
 from kvlab.engine import Engine, GenerationSettings, InputError, RunSpec
+from kvlab.gpu import WorkSize
 from kvlab.metrics import ProbeSettings
 from kvlab.models import EMBEDDED, LoadedModel, ModelLoadError, load_model
 from kvlab.results import CompareResult, RunResult
 from kvlab.run import Comparison, stream
+from kvlab.schema import ResultFileError, load_result_text
 from kvlab.tasks import Task
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import Limits
@@ -98,6 +100,7 @@ class Dashboard:
     def __init__(self, lm: LoadedModel, limits: Limits | None = None):
         self.lm = lm
         self.limits = limits or Limits()
+        self.admission = AdmissionLimits.from_env()
         self.engines: dict[str, Engine] = {EMBEDDED: Engine(lm)}
         self.tasks: dict[str, Task] = {}  # preset label -> its task (set by the page)
 
@@ -165,7 +168,33 @@ class Dashboard:
                 f"the prompt has {n} tokens; this page allows at most "
                 f"{self.limits.max_prompt_tokens} (set KVLAB_MAX_PROMPT_TOKENS to change it)"
             )
+        try:
+            admit(self.estimate(engine, comparison, n), self.admission, engine.lm.device)
+        except AdmissionError as exc:
+            raise InputError(str(exc)) from None
         return engine, comparison, n
+
+    @staticmethod
+    def estimate(engine: Engine, comparison: Comparison, n: int) -> Estimate:
+        """The request's planned peak memory (no model work)."""
+        budgets = [spec.budget for spec in comparison.check()]
+        return estimate(engine.info, n, budgets, comparison.settings.max_new_tokens, comparison.measure is not None)
+
+    def plan(self, *inputs) -> str:
+        """One line for the page before Run: the run count and the estimate, or why it would be refused."""
+        try:
+            engine, comparison, n = self.request(*inputs)
+        except InputError as exc:
+            return f"⚠ {exc}"
+        est = self.estimate(engine, comparison, n)
+        return f"{est.summary()} · within this page's limits"
+
+    def work(self, model, prompt, papers, baselines, budgets, max_new, *rest, **kw) -> WorkSize:
+        """The request's size for a GPU lease, from the raw inputs (cheap: tokenizing only)."""
+        engine = self.engine_for(model)
+        runs = (1 + len(papers or []) + len(baselines or [])) * max(1, len(set(parse_budgets(budgets))))
+        record = rest[3] if len(rest) > 3 else True
+        return WorkSize(len(engine.lm.encode(prompt or "")), runs, int(max_new or 1), bool(record))
 
     def compare(
         self,
@@ -305,9 +334,10 @@ class Dashboard:
         if not path:
             raise gr.Error("choose a kvlab JSON export to load")
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-            result = CompareResult.from_json(data)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise gr.Error(f"this file is not a kvlab result JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+            result = load_result_text(Path(path).read_bytes())
+        except OSError as exc:
+            raise gr.Error(f"cannot read the file: {exc.strerror or exc}") from None
+        except ResultFileError as exc:
+            raise gr.Error(str(exc)) from None
         msg = f"loaded {len(result.runs)} runs from {Path(path).name} (not recomputed)"
         return (progress_html(1.0, msg), *self.render(result.to_json(), layer_choice, strip_label))

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from kvlab.gpu import gpu
 from kvlab.models import EMBEDDED, LoadedModel
 from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
-from kvlab.ui.config import CSS, GROUP_TITLES, Limits, gpu
+from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import Dashboard
 from kvlab.ui.methods import default_methods, method_groups, param_rows
 from kvlab.ui.presets import DEFAULT_PRESET, presets
@@ -35,6 +36,7 @@ class Setup:
     map_head: gr.Number
     preset: gr.Dropdown
     run_btn: gr.Button
+    plan: gr.Markdown  # the run count and memory estimate, before Run
 
     def inputs(self) -> list:
         """The inputs of ``Dashboard.compare``, in its order (before ``task``, a page state)."""
@@ -158,6 +160,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                     value=0, precision=0, minimum=0, maximum=heads - 1, label="Attention-map query head"
                 )
             run_btn = gr.Button("Run comparison", variant="primary", elem_id="kv-run")
+            plan = gr.Markdown("", elem_id="kv-plan")
     with gr.Accordion("Advanced parameters per method (papers' defaults; edit the value column)", open=False):
         param_table = gr.Dataframe(
             value=param_rows(),
@@ -170,7 +173,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
         )
     return Setup(
         model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
-        run_btn,
+        run_btn, plan,
     )  # fmt: skip
 
 
@@ -220,8 +223,19 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     setup.preset.change(dash.task_of, setup.preset, v.task, api_name=False)
     setup.prompt.input(lambda: None, None, v.task, api_name=False)  # an edited prompt is no longer the task's
     demo.load(lambda: dash.task_of(DEFAULT_PRESET), None, v.task, api_name=False)
+    s = setup
+    gr.on(
+        [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.budgets.change, s.max_new.change,
+         s.record_maps.change, s.model.change],
+        dash.plan,
+        [*s.inputs(), v.task],
+        s.plan,
+        api_name="plan",
+        trigger_mode="always_last",
+        show_progress="hidden",
+    )  # fmt: skip
     setup.run_btn.click(
-        gpu(dash.compare),
+        gpu(dash.compare, dash.work),
         [*setup.inputs(), v.task],
         [v.status, *v.rendered()],
         api_name="compare",
