@@ -210,3 +210,66 @@ def test_gpu_wrapper_is_a_no_op_without_spaces():
         return 1
 
     assert gpu(f, lambda: None) is f
+
+
+def _inputs(prompt="hello there", papers=(), baselines=("streaming",), budgets="0.5", new=2, seed=0, maps=False):
+    return ("embedded", prompt, list(papers), list(baselines), budgets, new, seed, None, maps, None, 0, None)
+
+
+def test_duplicate_budgets_run_once_each(lm):
+    dash = Dashboard(lm)
+    _, comparison, _ = dash.request(*_inputs(budgets=",".join(["0.5"] * 200 + ["0.25", "0.50"])))
+    assert [s.label for s in comparison.check()] == ["exact", "streaming@0.5", "streaming@0.25"]
+
+
+def test_over_the_memory_limit_is_refused_fast_with_the_numbers(lm):
+    import time
+
+    from kvlab.admission import AdmissionLimits
+
+    dash = Dashboard(lm)
+    dash.admission = AdmissionLimits(max_request_bytes=5 * 1024**2)
+    t0 = time.perf_counter()
+    with pytest.raises(Exception) as info:
+        dash.request(*_inputs(prompt=PROMPT, papers=["qjl", "balancekv"], budgets="0.5,0.25", maps=True))
+    assert time.perf_counter() - t0 < 1.0
+    msg = str(info.value)
+    assert "7 runs on" in msg and "exceeds the 5 MiB" in msg and "fewer runs" in msg
+    assert dash.plan(*_inputs(prompt=PROMPT, papers=["qjl"])).startswith("⚠")
+    dash.admission = AdmissionLimits(max_runs=3)
+    assert "5 runs requested" in dash.plan(*_inputs(papers=["qjl"], budgets="0.5,0.25"))
+    ok = Dashboard(lm).plan(*_inputs(papers=["qjl"], budgets="0.5,0.25"))
+    assert ok.startswith("5 runs on") and "within this page's limits" in ok
+
+
+def test_huge_seed_is_a_clear_message(lm):
+    dash = Dashboard(lm)
+    with pytest.raises(gr.Error, match=r"seed=\d+ is out of range; allowed: 0\.\."):
+        list(dash.compare(*_inputs(seed=2**80)[:-1], progress=lambda *a, **k: None))
+
+
+def test_compare_hands_back_no_tensors(lm):
+    """What the page's GPU function returns crosses a process boundary on ZeroGPU: no tensors at all."""
+    from kvlab.gpu import tensor_paths
+
+    dash = Dashboard(lm)
+    outs = list(dash.compare(*_inputs(maps=True)[:-1], progress=lambda *a, **k: None))
+    assert "done: 2 runs" in outs[-1][0]
+    assert tensor_paths(outs) == []
+
+
+def test_crafted_import_is_refused_with_one_message(client, tmp_path):
+    bad = tmp_path / "crafted.json"
+    bad.write_text('{"model": {}, "prompt": "x", "prompt_tokens": NaN, "runs": []}')
+    with pytest.raises(Exception, match="NaN is not a number"):
+        client.predict(gradio_client.handle_file(str(bad)), "mean", None, api_name="/load_json")
+
+
+def test_health_flags_show_on_the_cards(lm):
+    from kvlab.results import RunResult
+    from kvlab.ui.cards import health_html
+
+    run = RunResult("snapkv", "0.25", {}, health=[{"flag": "over_budget", "detail": "holds <b>1.2x</b>"}])
+    html_text = health_html(run)
+    assert "over_budget" in html_text and "&lt;b&gt;1.2x" in html_text and "<b>1.2x" not in html_text
+    assert health_html(RunResult("exact", None, {})) == ""
