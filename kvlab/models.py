@@ -189,6 +189,17 @@ def pick_dtype(dtype: str | None, device: str) -> torch.dtype:
 
 
 _LOADED: dict[tuple, LoadedModel] = {}
+_VIEWS: dict[tuple, LoadedModel] = {}  # (spec, device, dtype, trust_remote_code, cache dtype) -> one shared view
+
+
+def _cached(key: tuple, cache_dtype: str | None) -> LoadedModel:
+    """The loaded model of ``key`` with caches in ``cache_dtype``: one object per (key, cache dtype),
+    all sharing the same weights, so loading twice with the same settings returns the same object."""
+    info = _LOADED[key].info.with_cache_dtype(cache_dtype)
+    view = (*key, info.cache_dtype)
+    if view not in _VIEWS:
+        _VIEWS[view] = replace(_LOADED[key], info=info)
+    return _VIEWS[view]
 
 
 def load_model(
@@ -202,7 +213,8 @@ def load_model(
 
     ``cache_dtype`` (float32, float16, bfloat16; None or "auto": float16 on the CPU, the model's
     16-bit dtype on a GPU) is the dtype every cache stores keys and values in; budgets count it.
-    Loaded models are kept in memory per (spec, device, dtype) so the UI and tests share one.
+    Loaded models are kept in memory per (spec, device, dtype) so the UI and tests share one; the
+    same settings and cache dtype give back the identical object.
     Raises ModelLoadError with a one-line reason on any failure.
     """
     if cache_dtype not in (None, "", "auto") and cache_dtype not in CACHE_DTYPES:
@@ -212,7 +224,7 @@ def load_model(
     dt = pick_dtype(dtype, dev)
     key = (spec, dev, dt, trust_remote_code)
     if key in _LOADED:
-        return _LOADED[key].with_cache_dtype(cache_dtype)
+        return _cached(key, cache_dtype)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = str(embedded_model_dir()) if spec == EMBEDDED else spec
@@ -249,7 +261,7 @@ def load_model(
     )
     loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
     _LOADED[key] = loaded
-    return loaded.with_cache_dtype(cache_dtype)
+    return _cached(key, cache_dtype)
 
 
 def _explain(spec: str, exc: Exception) -> str:

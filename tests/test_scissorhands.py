@@ -80,7 +80,9 @@ def test_bytes_within_budget_while_decoding(decode_run, lm):
     target = 0.25 * exact_bytes(lm.info, len(ids))
     assert max(r.kv_bytes_per_step) <= target
     assert r.kv_bytes >= 0.97 * target  # the prompt compression fills the budget
-    per_token = 64 * 2 * 4 + 4 + 2  # K, V, int32 position, int16 record
+    # K and V: 64 dims x 2 (K, V) x 2 bytes (16-bit cache dtype) = 256; int32 position 4; int16 record 2
+    per_token = 64 * 2 * lm.info.dtype_bytes + 4 + 2
+    assert lm.info.dtype_bytes == 2 and per_token == 262
     assert r.kv_bytes == r.params["B"] * per_token * 30 * 3
     assert r.kv_bytes_breakdown["scores"] == r.params["B"] * 2 * 30 * 3
 
