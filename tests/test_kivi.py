@@ -42,7 +42,12 @@ def test_dequantized_error_within_bit_width_bound(lm, prefill_state, bits):
         assert (k_err <= kb / 2 + slack).all()
         assert (v_err <= vb / 2 + 2e-3 * torch.maximum(vx.abs(), torch.ones(()))).all()
         assert k_err.max() > kb.max() / 20  # it really is quantized
-        assert torch.equal(k_hat[:, nq:], k[:, nq:])  # the residual is exact
+        # the residual is exact as the cache stores full-precision numbers: rounded to the 16-bit cache dtype
+        # (held in it, read back widened to float32 without loss)
+        cd, res = lm.info.torch_cache_dtype, comp.layers[layer]
+        assert res.rk.view().dtype == res.rv.view().dtype == cd and k_hat.dtype == v_hat.dtype == torch.float32
+        assert torch.equal(k_hat[:, nq:], k[:, nq:].to(cd).float())
+        assert torch.equal(v_hat[:, nq:], v[:, nq:].to(cd).float())
 
 
 def test_keys_per_channel_values_per_token(lm, prefill_state):
@@ -63,8 +68,13 @@ def test_bytes_are_packed_storage(lm, prefill_state):
         codes = comp.nbytes_by_kind()["keys_codes"] + comp.nbytes_by_kind()["values_codes"]
         coords = lm.info.n_layers * lm.info.n_kv_heads * knobs["quantized_tokens"] * lm.info.head_dim
         assert codes == 2 * coords * per_elem // 8
-    two, _ = _kivi(lm, prefill_state, bits=2, residual=0)
-    assert two.nbytes() < 0.11 * exact_bytes(lm.info, n)  # (2 + 1) / 32 of fp32, plus a partial group in fp32
+    two, knobs = _kivi(lm, prefill_state, bits=2, residual=0)
+    # against the 16-bit exact cache a quantized number costs (2 code bits + (16 + 16) / 32 bits of fp16 scale and
+    # minimum) / 16 = 3/16, and the partial group left over (n - nq tokens) stays in 16 bits: 1 each. With n = 715,
+    # nq = 704: (704 * 3/16 + 11) / 715 = 143 / 715 = 0.2 exactly.
+    nq = knobs["quantized_tokens"]
+    assert two.nbytes() * 16 * n == exact_bytes(lm.info, n) * (3 * nq + 16 * (n - nq))
+    assert two.nbytes() < 0.201 * exact_bytes(lm.info, n)
 
 
 def test_residual_flushed_in_groups(lm, prefill_state):
@@ -84,26 +94,37 @@ def test_residual_flushed_in_groups(lm, prefill_state):
     assert sizes[-1][1] == nq0 + 32  # one group of 32 flushed
     assert all(r + q == n + i + 1 for i, (r, q) in enumerate(sizes))
     k_hat, v_hat = cache.dequantized()
-    assert torch.equal(k_hat[:, -1:], k) and torch.equal(v_hat[:, -1:], v)  # newest token exact
+    cd = lm.info.torch_cache_dtype  # newest token exact, as the cache stores it (16-bit)
+    assert torch.equal(k_hat[:, -1:], k.to(cd).float()) and torch.equal(v_hat[:, -1:], v.to(cd).float())
 
 
 def test_budget_maps_to_bits_and_residual(lm, prefill_state):
+    # Against the 16-bit exact cache a budget fraction f buys 16 f bits per number. KIVI-B costs B code bits
+    # (3 bits take a nibble: 4) + 32 / 32 bits of fp16 scale and minimum per group of 32: 5 bits for 4 and 3, 3 bits
+    # for 2. With the partial group (11 of n = 715 tokens) in 16 bits and no residual: KIVI-4 holds
+    # (704 * 5/16 + 11) / 715 = 0.323 of exact, KIVI-2 (704 * 3/16 + 11) / 715 = 0.2. So 0.5 (8 bits) and
+    # 0.375 (6 bits) take 4 bits, 0.25 (4 bits) takes 2, and 0.125 (2 bits) is below KIVI's smallest configuration.
     n = prefill_state.n_tokens
     seen = {}
-    for budget in ("0.5", "0.25", "0.125"):
+    for budget in ("0.5", "0.375", "0.25"):
         comp, knobs = _kivi(lm, prefill_state, budget)
         target = float(budget) * exact_bytes(lm.info, n)
-        assert comp.nbytes() <= target
+        assert comp.nbytes() <= target and knobs["fits_budget"]
         # the residual is as long as fits: one more group of full-precision tokens would not
         assert kivi_bytes(lm.info, n, knobs["bits"], 32, knobs["residual"] + 32) > target
         seen[budget] = knobs["bits"]
-    assert seen == {"0.5": 4, "0.25": 4, "0.125": 2}
+    assert seen == {"0.5": 4, "0.375": 4, "0.25": 2}
+    # no configuration fits 0.125: the plan says so and falls back to the smallest one (2 bits, no residual)
+    comp, knobs = _kivi(lm, prefill_state, "0.125")
+    assert not knobs["fits_budget"] and (knobs["bits"], knobs["residual"]) == (2, 0)
+    assert comp.nbytes() == kivi_bytes(lm.info, n, 2, 32, 0) > 0.125 * exact_bytes(lm.info, n)
 
 
 def test_full_budget_is_exact_and_more_bits_is_closer(lm, prefill_state):
     layer, state = 7, prefill_state
     q = state.queries[layer, :, -1:]
-    ref = dense_attention(q, state.keys[layer], state.values[layer], state.scaling)
+    cd = lm.info.torch_cache_dtype  # the exact cache as stored: 16-bit K/V
+    ref = dense_attention(q, state.keys[layer].to(cd), state.values[layer].to(cd), state.scaling)
     full, knobs = _kivi(lm, state, "1.0")
     assert knobs["quantized_tokens"] == 0 and torch.equal(full.attend(layer, q), ref)
     errs = {}

@@ -112,13 +112,13 @@ class KiviLayer:
     rv: _Growable
 
     def dequantized(self) -> tuple[Tensor, Tensor]:
-        """Keys and values of every token held, [Hkv, n, d] (quantized part first)."""
-        k, v = self.rk.view(), self.rv.view()
+        """Keys and values of every token held, float32 [Hkv, n, d] (quantized part first). The codes are
+        dequantized in float32, not in the residual's 16-bit cache dtype (that would round them a second
+        time); the residual is widened, which is lossless."""
+        k, v = self.rk.view().float(), self.rv.view().float()
         if self.kq is None:
             return k, v
-        return torch.cat([dequantize_groups(self.kq, k.dtype), k], -2), torch.cat(
-            [dequantize_groups(self.vq, v.dtype), v], -2
-        )
+        return torch.cat([dequantize_groups(self.kq), k], -2), torch.cat([dequantize_groups(self.vq), v], -2)
 
     def flush(self, bits: int, group: int) -> None:
         """Quantize the residual's oldest ``group`` tokens."""
@@ -215,8 +215,8 @@ class KIVI(Compressor):
         rk, rv = st.rk.view(), st.rv.view()
         if st.kq is None:
             return dense_attention(q, rk, rv, self.scaling)
-        k = torch.cat([dequantize_groups(st.kq, rk.dtype), rk], -2)
-        probs = torch.softmax(attention_logits(q.float(), k.float(), self.scaling), dim=-1)  # [Hq, t, n]
+        k = torch.cat([dequantize_groups(st.kq), rk.float()], -2)  # float32, as the logits are computed
+        probs = torch.softmax(attention_logits(q.float(), k, self.scaling), dim=-1)  # [Hq, t, n]
         pg, nq = group_queries(probs, rk.shape[0]), k.shape[-2] - rk.shape[-2]
         out = weighted_token_sum(pg[..., :nq], st.vq) + torch.matmul(pg[..., nq:], rv.float())
         return ungroup(out, q.shape[0]).to(q.dtype)
