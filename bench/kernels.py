@@ -86,8 +86,8 @@ def _cases(n: int, device, dtype):
 
     k = torch.randn(HKV, n, D, device=device, dtype=dtype)
     v = torch.randn(HKV, n, D, device=device, dtype=dtype)
-    s = make_sketch(256, D, 0, device)
-    s_out = make_sketch(128, D, 1, device)
+    s = make_sketch(1, 256, D, torch.Generator().manual_seed(0))[0].to(device)
+    s_out = make_sketch(1, 128, D, torch.Generator().manual_seed(1))[0].to(device)
     plain = qjl_quantize(k, s)
     with_out = qjl_quantize(k, s, s_out, outlier_channels(k, 32, 8), 32)
     keep = n // 4

@@ -8,7 +8,7 @@ full-precision keys or values in memory:
   Overhead", AAAI 2025 (arXiv:2406.03482), Lemma 3.2;
 * values dense, or quantized per token in groups along head_dim (QJL Sec. 4 and KIVI: Liu et al.,
   "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024, arXiv:2402.02750),
-  in kvlab.quant's layout (codes packed LSB first, float16 scale and minimum per group);
+  in kernels.quant's layout (codes packed LSB first, float16 scale and minimum per group);
 * per-token log-weights added to the logits (BalanceKV: Han et al., arXiv:2502.07861, and SubGen:
   Zandieh et al., arXiv:2402.06082 — a kept token standing for several);
 * a kept-index list (eviction methods: H2O, SnapKV, Scissorhands...) reading rows of a larger buffer.
@@ -30,8 +30,8 @@ from torch import Tensor
 from kernels import _runtime
 from kernels.formats import QJLKeys, Segment
 from kernels.qjl import qjl_scores_torch, sketch_queries
-from kvlab.ops import gather_tokens, group_queries, ungroup
-from kvlab.quant import dequantize_groups, storage_bits
+from kernels.quant import dequantize_groups, storage_bits
+from kernels.tensor_ops import gather_tokens, group_queries, ungroup
 
 if _runtime.HAVE_TRITON:
     import triton
@@ -115,7 +115,7 @@ if _runtime.HAVE_TRITON:
         v_ptr, vs_ptr, vm_ptr, rows, mask_n, offs_d, mask_d, NG,
         VG: tl.constexpr, SB: tl.constexpr, VBPG: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
     ):  # fmt: skip
-        """Values of ``rows`` from packed codes (kvlab.quant layout) -> float32 [BLOCK_N, D_PAD]."""
+        """Values of ``rows`` from packed codes (kernels.quant layout) -> float32 [BLOCK_N, D_PAD]."""
         per: tl.constexpr = 8 // SB
         grp = offs_d // VG
         mask = mask_n[:, None] & mask_d[None, :]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvlab.quant import QuantizedGroups
+from kernels.quant import QuantizedGroups
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Segment:
     """One stretch of a layer's cache, in one storage format, for ``decode_attention``.
 
     Keys: dense ``keys`` [Hkv, N, d] or ``qjl`` (QJLKeys over N tokens). Values: dense ``values``
-    [Hkv, N, d] or ``qvalues`` (kvlab.quant.QuantizedGroups of [Hkv, N, d] along dim -1, i.e. per
+    [Hkv, N, d] or ``qvalues`` (kernels.quant.QuantizedGroups of [Hkv, N, d] along dim -1, i.e. per
     token in groups along head_dim). ``index`` int [Hkv, n] picks the rows attended (kept-index
     caches of eviction methods; all N rows when None). ``log_weights`` float [Hkv, N] is added to
     the logits of each row (a kept token standing for exp(w) tokens).

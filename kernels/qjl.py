@@ -5,7 +5,7 @@ Overhead", AAAI 2025, https://arxiv.org/abs/2406.03482 — Sec. 3 (Definition 3.
 plus ||k||; Lemma 3.2: the unbiased inner-product estimate sqrt(pi/2)/m * ||k|| * <S q, sign(S k)>)
 and Sec. 4 (outlier channels sketched separately, per group of tokens).
 
-Storage format (shared with kvlab/compressors/qjl.py; packing by kvlab/quant.py):
+Storage format (shared with kvlab/compressors/qjl.py; packing by kernels/quant.py):
 
 * sign bits uint8 [Hkv, n, m/8], 8 per byte along the sketch dim, LSB first, bit 1 = (S k) >= 0;
 * key norms float16 [Hkv, n] of the part sketched;
@@ -17,7 +17,7 @@ Storage format (shared with kvlab/compressors/qjl.py; packing by kvlab/quant.py)
 Kernels (any head_dim that is a multiple of 16, any GQA group size, any m that is a multiple of 8):
 ``qjl_quantize`` (sketch, sign, pack, norms, outlier split) and ``qjl_scores`` (estimates straight
 from the packed bits for all query heads of a KV group at once). Each has a ``*_torch`` reference
-computing the same maths with kvlab.quant's helpers; the public functions dispatch (see
+computing the same maths with kernels.quant's helpers; the public functions dispatch (see
 kernels/_runtime.py).
 """
 
@@ -31,8 +31,8 @@ from torch import Tensor
 
 from kernels import _runtime
 from kernels.formats import QJLKeys
-from kvlab.ops import group_queries, ungroup
-from kvlab.quant import pack_signs, sign_table, unpack_signs
+from kernels.quant import pack_signs, sign_table, unpack_signs
+from kernels.tensor_ops import group_queries, ungroup
 
 if _runtime.HAVE_TRITON:
     import triton
@@ -43,34 +43,44 @@ BLOCK_M = 64  # sketch coordinates per tile
 
 
 # ----- helpers shared by both paths -----------------------------------------------------------
-def make_sketch(m: int, d: int, seed: int = 0, device: torch.device | str = "cpu") -> Tensor:
-    """A QJL sketch float32 [m, d]: Gaussian rows orthogonalized by QR in blocks of d, scaled by sqrt(d)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    blocks = []
-    for start in range(0, m, d):
-        q, _ = torch.linalg.qr(torch.randn(d, d, generator=gen))
-        blocks.append(q.T[: min(d, m - start)] * math.sqrt(d))
-    return torch.cat(blocks).to(device)
+def make_sketch(n_layers: int, m: int, d: int, generator: torch.Generator, orthogonalize: bool = True) -> Tensor:
+    """Sketch matrices [n_layers, m, d] float32 (QJL Definition 3.1, Sec. 4.1).
 
-
-def outlier_channels(keys: Tensor, group: int, n_outliers: int) -> Tensor:
-    """The ``n_outliers`` channels of largest norm per group of ``group`` tokens: uint8 [Hkv, n_groups, n_out].
-
-    keys: [Hkv, n, d]; the last group may be partial.
+    Gaussian entries drawn from ``generator``; with ``orthogonalize`` each block of d rows is
+    replaced by the orthonormal factor of its QR decomposition (sign-corrected so that it is Haar
+    distributed) times sqrt(d), so rows keep the Gaussian's expected squared norm d.
     """
-    hkv, n, d = keys.shape
+    n_blocks = -(-m // d)
+    g = torch.randn(n_layers, n_blocks, d, d, generator=generator)
+    if orthogonalize:
+        q, r = torch.linalg.qr(g)
+        g = (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).transpose(-1, -2) * math.sqrt(d)
+    return g.reshape(n_layers, n_blocks * d, d)[:, :m].contiguous()
+
+
+def outlier_channels(k: Tensor, group: int, n_out: int) -> Tensor:
+    """QJL Sec. 4.1: the ``n_out`` channels of largest norm in each group of ``group`` tokens.
+
+    k: [..., n, d]; a last partial group is padded with zeros. Returns uint8 [..., ceil(n / group), n_out].
+    """
+    *lead, n, d = k.shape
+    kf = k.float()
     pad = (-n) % group
-    k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad))
-    norms = k.reshape(hkv, -1, group, d).square().sum(2)
-    return norms.topk(n_outliers, dim=-1).indices.to(torch.uint8)
+    if pad:
+        kf = torch.nn.functional.pad(kf, (0, 0, 0, pad))
+    mag = kf.reshape(*lead, (n + pad) // group, group, d).norm(dim=-2)
+    return mag.topk(n_out, dim=-1).indices.to(torch.uint8)
 
 
-def outlier_mask(out_idx: Tensor, group: int, n: int, d: int) -> Tensor:
-    """bool [Hkv, n, d]: True on each token's outlier channels (from ``out_idx`` [Hkv, n_groups, n_out])."""
-    hkv, n_groups, _ = out_idx.shape
-    mask = torch.zeros(hkv, n_groups, d, dtype=torch.bool, device=out_idx.device)
-    mask.scatter_(-1, out_idx.long(), True)
-    return mask.repeat_interleave(group, dim=1)[:, :n]
+def outlier_mask(idx: Tensor, d: int, group: int, n: int | None = None) -> Tensor:
+    """Channel mask per token from per-group outlier indices: [..., n_groups, n_out] -> bool [..., n, d].
+
+    ``n`` defaults to n_groups x ``group`` (every group full).
+    """
+    mask = torch.zeros(*idx.shape[:-1], d, dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, idx.long(), True)
+    mask = mask.repeat_interleave(group, dim=-2)
+    return mask if n is None else mask[..., :n, :]
 
 
 def sketch_queries(q: Tensor, sketch: Tensor, n_kv_heads: int) -> Tensor:
@@ -90,7 +100,7 @@ def qjl_quantize_torch(
     k = keys.float()
     if out_idx is None:
         return QJLKeys(sketch, pack_signs(k @ sketch.T), k.norm(dim=-1).half(), group=group)
-    mask = outlier_mask(out_idx, group, k.shape[1], k.shape[2])
+    mask = outlier_mask(out_idx, k.shape[2], group, k.shape[1])
     inl, out = k.masked_fill(mask, 0.0), k.masked_fill(~mask, 0.0)
     return QJLKeys(
         sketch,
@@ -412,7 +422,7 @@ def qjl_estimate_split_grouped(
 
 
 def qjl_estimate_grouped(qg: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
-    """``qjl_estimate`` with the queries already grouped per KV head (kvlab.ops.group_queries):
+    """``qjl_estimate`` with the queries already grouped per KV head (kernels.tensor_ops.group_queries):
     qg [Hkv, R, d] -> float32 [Hkv, R, n]. Saves the regrouping on the per-step decode path."""
     hkv, r, d = qg.shape
     if _runtime.use_triton(qg.device):

@@ -1,6 +1,7 @@
 """Shared tensor math: grouped-query attention over dense or weighted caches, head pooling.
 
 Shapes use: Hq query heads, Hkv KV heads, g = Hq / Hkv, t queries, n keys, d head_dim.
+``group_queries``, ``ungroup`` and ``gather_tokens`` live in ``kernels.tensor_ops`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -8,18 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def group_queries(q: Tensor, n_kv_heads: int) -> Tensor:
-    """[..., Hq, t, d] -> [..., Hkv, g*t, d]: the query heads of each KV group side by side."""
-    *lead, hq, t, d = q.shape
-    g = hq // n_kv_heads
-    return q.reshape(*lead, n_kv_heads, g * t, d)
-
-
-def ungroup(out: Tensor, n_heads: int) -> Tensor:
-    """[..., Hkv, g*t, x] -> [..., Hq, t, x] (inverse of ``group_queries``)."""
-    *lead, hkv, gt, x = out.shape
-    return out.reshape(*lead, n_heads, gt * hkv // n_heads, x)
+from kernels.tensor_ops import gather_tokens, group_queries, ungroup
 
 
 def attention_logits(q: Tensor, k: Tensor, scaling: float, logw: Tensor | None = None) -> Tensor:
@@ -71,12 +61,17 @@ def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float) -> Tensor
     return torch.softmax(logits, dim=-1)
 
 
-def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
-    """Select tokens per head: x [.., H, n, d] (or [.., H, n]) with idx [.., H, m] -> [.., H, m, d] ([.., H, m])."""
-    if x.dim() == idx.dim():
-        return torch.gather(x, -1, idx)
-    return torch.gather(x, -2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
-
-
 def tensor_bytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+__all__ = [
+    "attention_logits",
+    "causal_window_probs",
+    "dense_attention",
+    "gather_tokens",
+    "group_queries",
+    "pool_heads",
+    "tensor_bytes",
+    "ungroup",
+]

@@ -63,16 +63,23 @@ def _rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _sketch(m, d, seed):
+    """One layer's QJL sketch [m, d] from ``seed``."""
+    from kernels.qjl import make_sketch
+
+    return make_sketch(1, m, d, torch.Generator().manual_seed(seed))[0]
+
+
 def _case_quant(hkv, n, d, m, m_out=None, n_out=None):
     from kernels import qjl as K
     from kvlab.quant import unpack_signs
 
     keys = _rand(hkv, n, d, seed=n) * 2
-    s, so = K.make_sketch(m, d, 1), (K.make_sketch(m_out, d, 2) if m_out else None)
+    s, so = _sketch(m, d, 1), (_sketch(m_out, d, 2) if m_out else None)
     idx = K.outlier_channels(keys, 32, n_out) if n_out else None
     ref = K.qjl_quantize_torch(keys, s, so, idx, 32)
     got = K._qjl_quantize_triton(keys, s, so, idx, 32)
-    proj = keys @ s.T if idx is None else keys.masked_fill(K.outlier_mask(idx, 32, n, d), 0) @ s.T
+    proj = keys @ s.T if idx is None else keys.masked_fill(K.outlier_mask(idx, d, 32, n), 0) @ s.T
     clear = proj.abs() > 1e-4  # signs of near-zero projections may differ by summation order
     agree = unpack_signs(got.bits, m) == unpack_signs(ref.bits, m)
     out = {
@@ -92,9 +99,9 @@ def _qjl_keys(hkv, n, d, m, outliers, seed):
 
     keys = _rand(hkv, n, d, seed=seed)
     if not outliers:
-        return keys, K.qjl_quantize_torch(keys, K.make_sketch(m, d, seed))
+        return keys, K.qjl_quantize_torch(keys, _sketch(m, d, seed))
     idx = K.outlier_channels(keys, 32, 4)
-    return keys, K.qjl_quantize_torch(keys, K.make_sketch(m, d, seed), K.make_sketch(64, d, seed + 1), idx, 32)
+    return keys, K.qjl_quantize_torch(keys, _sketch(m, d, seed), _sketch(64, d, seed + 1), idx, 32)
 
 
 def _case_scores(g, d, n, outliers, t, hkv=2):
@@ -319,7 +326,7 @@ def test_forced_triton_on_cpu_without_interpreter_says_why():
 def test_packed_format_is_lsb_first_and_sketch_orthogonal():
     from kernels import qjl as K
 
-    s = K.make_sketch(128, 64, 0)
+    s = _sketch(128, 64, 0)
     gram = s[:64] @ s[:64].T
     assert torch.allclose(gram, 64 * torch.eye(64), atol=1e-3)  # rows orthogonal, scaled by sqrt(d)
     keys = torch.zeros(1, 1, 64)
@@ -337,7 +344,7 @@ def test_qjl_reference_estimate_is_unbiased():
     keys, q = _rand(1, 4, d, seed=11), _rand(1, 1, d, seed=12)
     exact = (q @ keys.transpose(-1, -2))[0, 0]
     est = torch.stack(
-        [K.qjl_scores_torch(q, K.qjl_quantize_torch(keys, K.make_sketch(64, d, s)))[0, 0] for s in range(trials)]
+        [K.qjl_scores_torch(q, K.qjl_quantize_torch(keys, _sketch(64, d, s)))[0, 0] for s in range(trials)]
     )
     # norms are float16; the spread of one estimate is ~ sqrt(pi/2 - 1) ||q|| ||k|| / sqrt(m)
     spread = math.sqrt(math.pi / 2 - 1) * q.norm() * keys[0].norm(dim=-1) / math.sqrt(64)
@@ -352,7 +359,7 @@ def test_outlier_split_partitions_each_key():
     keys[:, :, 5] *= 20  # a loud channel must be picked as an outlier in every group
     idx = K.outlier_channels(keys, 32, 4)
     assert idx.shape == (2, 3, 4) and (idx == 5).any(-1).all()
-    qk = K.qjl_quantize_torch(keys, K.make_sketch(64, 64, 0), K.make_sketch(32, 64, 1), idx, 32)
+    qk = K.qjl_quantize_torch(keys, _sketch(64, 64, 0), _sketch(32, 64, 1), idx, 32)
     total = qk.norms.float() ** 2 + qk.out_norms.float() ** 2
     assert torch.allclose(total, keys.norm(dim=-1) ** 2, rtol=2e-3)
 
@@ -388,7 +395,7 @@ def test_compressed_reference_tracks_exact_attention():
     exact = dense_attention(q, k, v, d**-0.5)
 
     def rel(m):
-        seg = Segment(qjl=K.qjl_quantize_torch(k, K.make_sketch(m, d, 0)), qvalues=quantize_groups(v, 4, 32, -1))
+        seg = Segment(qjl=K.qjl_quantize_torch(k, _sketch(m, d, 0)), qvalues=quantize_groups(v, 4, 32, -1))
         return ((decode_attention_torch(q, [seg], d**-0.5) - exact).norm() / exact.norm()).item()
 
     assert rel(4 * d) < 0.5
@@ -413,3 +420,22 @@ def test_merge_partials_equals_one_softmax():
 
 if __name__ == "__main__" and "--cases" in sys.argv:
     print(json.dumps(run_cases()))
+
+
+def test_kernels_import_nothing_from_kvlab():
+    """The kernels package (formats, references, Triton kernels) stands alone: no ``kvlab`` module is loaded."""
+    code = (
+        "import kernels, kernels.qjl, kernels.decode_attention, kernels.formats, sys; "
+        "assert not any(m == 'kvlab' or m.startswith('kvlab.') for m in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_one_qjl_sketch_implementation():
+    """The compressor and the kernels share the sketch and the outlier helpers."""
+    import kernels.qjl
+    import kvlab.compressors.qjl
+
+    for name in ("make_sketch", "outlier_channels", "outlier_mask"):
+        assert getattr(kvlab.compressors.qjl, name) is getattr(kernels.qjl, name)

@@ -31,7 +31,7 @@ paper's budget the planner trades m and value bits (the paper reports only its c
 
 Storage format (shared with the Triton kernels, see docs/methods/qjl.md): sign bits uint8 [Hkv, n, m/8]
 LSB first (bit 1 = S k >= 0), norms float16 [Hkv, n], S float32 [m, d] per layer, outlier channel
-indices uint8 [Hkv, n_groups, n_outliers], values packed by ``kvlab.quant.pack_codes``.
+indices uint8 [Hkv, n_groups, n_outliers], values packed by ``kernels.quant.pack_codes``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from kernels import qjl_estimate_grouped, qjl_estimate_split_grouped
+from kernels.qjl import make_sketch, outlier_channels, outlier_mask
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
 from kvlab.compressors.registry import register
@@ -65,21 +66,6 @@ RESIDUAL_SHARE = 0.25  # at most this share of the byte budget goes to the full-
 
 
 # ----- the sketch and the estimator -----------------------------------------------------------
-def make_sketch(n_layers: int, m: int, d: int, generator: torch.Generator, orthogonalize: bool = True) -> Tensor:
-    """Sketch matrices [n_layers, m, d] float32 (Definition 3.1, Sec. 4.1).
-
-    Gaussian entries; with ``orthogonalize`` each block of d rows is replaced by the orthonormal
-    factor of its QR decomposition (sign-corrected so that it is Haar distributed) times sqrt(d),
-    so rows keep the Gaussian's expected squared norm d.
-    """
-    n_blocks = -(-m // d)
-    g = torch.randn(n_layers, n_blocks, d, d, generator=generator)
-    if orthogonalize:
-        q, r = torch.linalg.qr(g)
-        g = (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).transpose(-1, -2) * math.sqrt(d)
-    return g.reshape(n_layers, n_blocks * d, d)[:, :m].contiguous()
-
-
 def sketch_keys(k: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """Algorithm 1, line 3: k [L, H, n, d], S [L, m, d] -> (sign bits uint8 [L, H, n, m/8], norms fp16 [L, H, n])."""
     proj = torch.matmul(k.float(), s.unsqueeze(1).transpose(-1, -2))
@@ -122,23 +108,6 @@ def dense_key_estimate(s: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
     """The linear form of the estimator: k_hat = sqrt(pi/2)/m * ||k|| * S^T sign(S k), [..., n, d]."""
     m = s.shape[-2]
     return torch.matmul(unpack_signs(bits, m), s) * (norms.float().unsqueeze(-1) * (SQRT_HALF_PI / m))
-
-
-def outlier_channels(k: Tensor, group: int, n_out: int) -> Tensor:
-    """Sec. 4.1: the ``n_out`` channels of largest norm in each group of ``group`` tokens.
-
-    k: [L, H, n, d] with n a multiple of ``group``. Returns uint8 [L, H, n / group, n_out].
-    """
-    *lead, n, d = k.shape
-    mag = k.float().reshape(*lead, n // group, group, d).norm(dim=-2)
-    return mag.topk(n_out, dim=-1).indices.to(torch.uint8)
-
-
-def outlier_mask(idx: Tensor, d: int, group: int) -> Tensor:
-    """Channel mask per token from per-group outlier indices: [..., n_groups, n_out] -> bool [..., n, d]."""
-    mask = torch.zeros(*idx.shape[:-1], d, dtype=torch.bool, device=idx.device)
-    mask.scatter_(-1, idx.long(), True)
-    return mask.repeat_interleave(group, dim=-2)
 
 
 def quantize_keys(k: Tensor, s: Tensor, s_out: Tensor, group: int, n_out: int) -> QuantizedKeys:
@@ -589,6 +558,7 @@ __all__ = [
     "estimate_scores_split",
     "make_sketch",
     "outlier_channels",
+    "outlier_mask",
     "quantize_keys",
     "sketch_keys",
 ]
