@@ -87,7 +87,8 @@ class Worker:
 
     def __init__(self, name: str, cmd: list[str]):
         self.name = name
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ready = self._read()["ready"]
 
     def _read(self) -> dict:
@@ -222,7 +223,7 @@ def table(out: dict) -> str:
         "| side | configuration | prefill s | compression s | decode s | total s |",
         "|---|---|---|---|---|---|",
         f"| kvlab | all 5 in one run | {kl['prefill_s']:.2f} | {sum(kl['compress_s'].values()):.2f} "
-        f"| {kl['decode_s']:.2f} | {kl['total_s']:.2f} |",
+        f"| {kl['decode_s']:.2f} ({kl['decode_step_ms_median']:.0f} ms/step) | {kl['total_s']:.2f} |",
     ]
     for label, s in kl["compress_s"].items():
         lines.append(f"| kvlab | {label} | | {s:.3f} | | |")

