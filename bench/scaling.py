@@ -37,26 +37,29 @@ METHODS = "exact,qjl,subgen-kcenter,balancekv,scissorhands"
 # ----- shared with bench/kvpress_compare.py --------------------------------------------------------
 def machine() -> dict:
     """The machine a result comes from: CPU model, cores, memory, load."""
-    cpu, flags = "unknown", ""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and cpu == "unknown":
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1]
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor is enough
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    flags = info.get("flags", "").split()
     mem_gb = None
     try:
         with open("/proc/meminfo") as f:
             mem_gb = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags.split()]
     return {
-        "cpu": cpu,
-        "simd": simd,
+        "cpu": info.get("model name", "unknown"),
+        "cpu_id": " ".join(f"{k} {info[k]}" for k in ("vendor_id", "cpu family", "model", "stepping") if k in info),
+        "cpu_mhz": info.get("cpu MHz"),
+        "virtualized": "hypervisor" in flags,
+        "simd": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
         "cores": os.cpu_count(),
         "memory_gb": mem_gb,
         "python": platform.python_version(),
