@@ -167,6 +167,7 @@ def run_point(args, size: int, probes: str) -> dict:
     cmd += ["--methods", args.methods, "--budget", args.budget, "--new", str(args.new)]
     cmd += ["--threads", str(args.threads), "--repeats", str(args.repeats)]
     t0 = time.perf_counter()
+    load = [round(x, 2) for x in os.getloadavg()]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -177,6 +178,7 @@ def run_point(args, size: int, probes: str) -> dict:
         return {"target_tokens": size, "probes": probes, "error": f"exit {p.returncode}: " + " | ".join(tail)}
     out = json.loads(line.removeprefix("RESULT "))
     out["target_tokens"] = size
+    out["load_average_at_start"] = load
     out["process_s"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -263,6 +265,38 @@ def rounded(x):
     return x
 
 
+def summary(args, start: dict, points: list[dict], complete: bool) -> dict:
+    """The result: machine, settings, every point, and each stage's growth against the prefill's."""
+    import torch
+    import transformers
+
+    ok = [p for p in points if "error" not in p]
+    flagged = {}
+    for probes in sorted({p["probes"] for p in ok}):
+        series = sorted((p for p in ok if p["probes"] == probes), key=lambda p: p["prompt_tokens"])
+        flagged[probes] = growth(series, args.tolerance, args.min_s)
+    return {
+        "machine": {**start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "methods": args.methods.split(","),
+        "budget": args.budget,
+        "new_tokens": args.new,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "complete": complete,
+        "points": rounded(points),
+        "growth": flagged,
+        "faster_than_prefill": sorted(
+            {f"{r['stage']} (probes {k})" for k, rows in flagged.items() for r in rows if r["faster_than_prefill"]}
+        ),
+    }
+
+
+def write(path: str, out: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1k,2k,4k,8k", help="prompt tokens (8k: the model's positions less --new)")
@@ -292,32 +326,13 @@ def main() -> None:
             points.append(pt)
             state = pt.get("error") or f"{pt['stages']['total_s']:.1f} s, peak {pt['peak_rss_mb']:.0f} MB"
             print(f"{size} tokens, probes {probes}: {state}", file=sys.stderr, flush=True)
-    ok = [p for p in points if "error" not in p]
-    flagged = {}
-    for probes in {p["probes"] for p in ok}:
-        series = sorted((p for p in ok if p["probes"] == probes), key=lambda p: p["prompt_tokens"])
-        flagged[probes] = growth(series, args.tolerance, args.min_s)
-    import torch
-    import transformers
-
-    out = {
-        "machine": {**start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "methods": args.methods.split(","),
-        "budget": args.budget,
-        "new_tokens": args.new,
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "points": rounded(points),
-        "growth": flagged,
-        "faster_than_prefill": sorted(
-            {f"{r['stage']} (probes {k})" for k, rows in flagged.items() for r in rows if r["faster_than_prefill"]}
-        ),
-    }
+            if args.json:  # what is done so far, in case a later point does not finish
+                write(args.json, summary(args, start, points, complete=False))
+    out = summary(args, start, points, complete=True)
     table = markdown(points)
     print(table)
     print()
-    for k, rows in sorted(flagged.items()):
+    for k, rows in sorted(out["growth"].items()):
         for r in rows:
             if r["faster_than_prefill"]:
                 print(
@@ -327,8 +342,7 @@ def main() -> None:
     if not out["faster_than_prefill"]:
         print("no stage grows faster than the prefill")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write(args.json, out)
         print(f"written to {args.json}", file=sys.stderr)
 
 
