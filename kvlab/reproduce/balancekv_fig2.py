@@ -193,7 +193,7 @@ def run(ctx: Context) -> Report:
     return Report(
         NAME,
         TITLE,
-        f"python -m kvlab reproduce {NAME}" + (" --quick" if ctx.quick else ""),
+        ctx.command(NAME),
         setting,
         rows,
         {"settings": {**cfg, "n": n, "block": block}, "summary": summary, "wins": [wins, total]},

@@ -117,7 +117,7 @@ def run(ctx: Context) -> Report:
     return Report(
         NAME,
         TITLE,
-        f"python -m kvlab reproduce {NAME}" + (" --quick" if ctx.quick else ""),
+        ctx.command(NAME),
         setting,
         rows,
         {

@@ -19,6 +19,10 @@ class Context:
     lm: object = None
     overrides: dict = field(default_factory=dict)  # reproduction name -> settings to replace (tests)
 
+    def command(self, name: str) -> str:
+        """The command that makes this reproduction's table."""
+        return f"python -m kvlab reproduce {name}" + (" --quick" if self.quick else "")
+
     def settings(self, name: str, full: dict, quick: dict) -> dict:
         """The settings a reproduction runs with: full or quick, then any overrides for ``name``."""
         return {**(quick if self.quick else full), **self.overrides.get(name, {})}

@@ -160,7 +160,7 @@ def run(ctx: Context) -> Report:
     return Report(
         NAME,
         TITLE,
-        f"python -m kvlab reproduce {NAME}" + (" --quick" if ctx.quick else ""),
+        ctx.command(NAME),
         setting,
         rows,
         {"settings": cfg, "prompt_tokens": n, "model": result.model, "runs": meas},

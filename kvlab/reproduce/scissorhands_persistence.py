@@ -112,7 +112,7 @@ def run(ctx: Context) -> Report:
     return Report(
         NAME,
         TITLE,
-        f"python -m kvlab reproduce {NAME}" + (" --quick" if ctx.quick else ""),
+        ctx.command(NAME),
         setting,
         rows,
         {"settings": cfg, "tokens": l, "persistence_ratio": ratios, "early_set_fraction": sizes},

@@ -96,7 +96,7 @@ def run(ctx: Context) -> Report:
     return Report(
         NAME,
         TITLE,
-        f"python -m kvlab reproduce {NAME}" + (" --quick" if ctx.quick else ""),
+        ctx.command(NAME),
         setting,
         rows,
         {"settings": cfg, "prompt_tokens": n, "perplexity": ppl, "top1_agreement": top1},
