@@ -43,18 +43,10 @@ def kvlab_worker(args) -> None:
     import torch
     import transformers
 
-    from bench.compare_lockstep import long_prompt
-    from bench.scaling import staged_compare
-    from kvlab.budgets import Budget
-    from kvlab.engine import Engine, GenerationSettings, RunSpec
-    from kvlab.models import load_model
+    from bench.scaling import default_setup, staged_compare
+    from kvlab.engine import GenerationSettings
 
-    torch.set_num_threads(args.threads)
-    lm = load_model("embedded")
-    engine = Engine(lm)
-    budget = Budget.parse(args.budget)
-    specs = [RunSpec(m, None if m == "exact" else budget) for m in args.methods.split(",")]
-    ids = long_prompt(lm, args.tokens)
+    engine, specs, ids = default_setup(args, args.tokens)
     meta = {
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "threads": torch.get_num_threads(),

@@ -114,22 +114,29 @@ def staged_compare(engine, ids, specs, gen, probes: list) -> tuple[object, dict]
     return result, stages
 
 
-# ----- one point, in its own process ----------------------------------------------------------------
-def child(args) -> None:
+def default_setup(args, tokens: int):
+    """The engine on the embedded model, the runs of ``args.methods`` at ``args.budget`` (exact once),
+    and a prompt of about ``tokens`` tokens of CPython's reference manual."""
     import torch
 
     from bench.compare_lockstep import long_prompt
     from kvlab.budgets import Budget
-    from kvlab.engine import Engine, GenerationSettings, RunSpec
-    from kvlab.metrics import MetricsProbe, add_text_metrics
+    from kvlab.engine import Engine, RunSpec
     from kvlab.models import load_model
 
     torch.set_num_threads(args.threads)
-    lm = load_model("embedded")
-    engine = Engine(lm)
+    engine = Engine(load_model("embedded"))
     budget = Budget.parse(args.budget)
     specs = [RunSpec(m, None if m == "exact" else budget) for m in args.methods.split(",")]
-    ids = long_prompt(lm, args.child)
+    return engine, specs, long_prompt(engine.lm, tokens)
+
+
+# ----- one point, in its own process ----------------------------------------------------------------
+def child(args) -> None:
+    from kvlab.engine import GenerationSettings
+    from kvlab.metrics import MetricsProbe, add_text_metrics
+
+    engine, specs, ids = default_setup(args, args.child)
     gen = GenerationSettings(max_new_tokens=args.new)
     probes = lambda: [MetricsProbe()] if args.probes == "on" else []  # noqa: E731
 
