@@ -12,7 +12,14 @@ from kvlab.reproduce import REPRODUCTIONS, Context, get_reproduction, papers_dir
 TINY = {
     "balancekv-fig2": {"n": 320, "sink": 32, "recent": 32, "queries": 16, "rounds": [1, 2], "seeds": 1, "layers": 5},
     "qjl-estimator": {"n": 96, "ms": [16, 64], "sketches": 64, "keys": 16, "queries": 2, "layers": "ends"},
-    "qjl-3bit": {"length": 224, "max_new_tokens": 4, "seed": 0},
+    "qjl-3bit": {
+        "length": 224,
+        "max_new_tokens": 4,
+        "seed": 0,
+        "tasks": ("passkey",),
+        "task_length": 160,
+        "task_seeds": 1,
+    },
     "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 8},
     "scissorhands-persistence": {"length": 128},
     "scissorhands-ppl": {"length": 128, "ratios": [2], "max_new_tokens": 4},
@@ -79,7 +86,9 @@ def test_qjl_3bit_uses_the_papers_configuration(ctx, reports):
     q = runs["qjl"]["params"]
     assert q["m"] == 2 * ctx.info.head_dim and q["value_bits"] == 2 and q["residual"] == 128
     assert runs["qjl"]["bits_per_number"] < runs["kivi-4"]["bits_per_number"]
-    assert any("calibrated" in r.setting for r in rep.rows)
+    passkey = rep.data["tasks"]["passkey"]
+    assert passkey["accuracy"]["exact"] == 1.0  # the calibrated task: the reference finds the key
+    assert any(r.setting.startswith("passkey accuracy") for r in rep.rows)
 
 
 def test_clustergen_lines_reports_whether_exact_answers(ctx, reports):

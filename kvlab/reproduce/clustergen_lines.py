@@ -53,7 +53,7 @@ QUICK = {"length": 256, "seeds": 1, "budget": "0.5", "max_new_tokens": 16}
 def run(ctx: Context) -> Report:
     from kvlab.budgets import Budget
     from kvlab.engine import RunSpec
-    from kvlab.tasks import make_task, score_result
+    from kvlab.tasks import make_task, prompt_ids, score_result
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)
@@ -64,7 +64,7 @@ def run(ctx: Context) -> Report:
     answers = []
     for seed in range(cfg["seeds"]):
         task = make_task("lines", cfg["length"], seed, lambda t: ctx.loaded.encode(t))
-        ids = ctx.loaded.encode(task.prompt)
+        ids = prompt_ids(ctx.loaded, task)
         ctx.log(f"{NAME}: seed {seed}, {len(ids)} tokens")
         runs = [RunSpec("exact")] + [RunSpec(m, budget) for m in methods[1:]]
         result = ctx.compare(ids, runs, cfg["max_new_tokens"])
