@@ -101,7 +101,7 @@ def test_logits_are_qjl_estimates_from_the_stored_bits(lm, prefill_state, outlie
     q = state.queries[layer, :, -1:]  # [Hq, 1, d]
     k_hat, v_hat, _, _ = st.views()
     kq = st.keys
-    assert knobs["qjl_m_out"] == (64 if outliers else 0) and st.n_out == outliers
+    assert knobs["qjl_m_out"] == (knobs["qjl_m"] if outliers else 0) and st.n_out == outliers
     # QJL's own score path over the stored bits (no dense k_hat involved)
     if not outliers:
         est = estimate_scores(q, st.s, kq.bits, kq.norms)

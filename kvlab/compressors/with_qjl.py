@@ -139,8 +139,8 @@ class QJLStore(ComposedStore):
 
     @property
     def m_out(self) -> int:
-        """The outlier sketch's size: half of m, as in the reference (128 / 256); 0 without outliers."""
-        return max(M_MIN, self.sketch_rows // 16 * 8) if self.n_out else 0
+        """The outlier sketch's size: as large as the main sketch, as qjl's reference (256 / 256); 0 without outliers."""
+        return self.sketch_rows if self.n_out else 0
 
     def key_bytes(self) -> int:
         """One key: m sign bits + fp16 norm (+ the outlier sketch's bits, its norm and the channel indices)."""
@@ -239,9 +239,9 @@ QJL_PARAMS = (
     ),
     Param(
         "split_query",
-        False,
-        "with qjl_outliers: each sketch's estimate uses only its own channels of the query "
-        "(as qjl's split_query: same storage, lower variance; not in the paper)",
+        True,
+        "with qjl_outliers: each sketch's estimate uses only its own channels of the query, as qjl's "
+        "split_query and the authors' score kernel (same storage, lower variance)",
     ),
     Param("value_bits", 2, "bits per value coordinate (reference: 2)", choices=(1, 2, 3, 4, 8)),
     Param("value_group", 32, "coordinates per value quantization group along head_dim (reference: 32)", minimum=1),
