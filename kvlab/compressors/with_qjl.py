@@ -139,7 +139,7 @@ class QJLStore(ComposedStore):
 
     @property
     def m_out(self) -> int:
-        """The outlier sketch's size: as large as the main sketch, as qjl's reference (256 / 256); 0 without outliers."""
+        """The outlier sketch's size: as large as the main one, as qjl's reference (256 / 256); 0 without outliers."""
         return self.sketch_rows if self.n_out else 0
 
     def key_bytes(self) -> int:
