@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kvlab import attention as attn
-from kvlab.budgets import Budget, exact_bytes
+from kvlab.budgets import Budget, BudgetRefused, exact_bytes
 from kvlab.cache import LockstepCache, PrefillCache
 from kvlab.compressors import Compressor, PrefillState, get
 from kvlab.few_rows import few_row_linears
@@ -204,7 +204,17 @@ class Engine:
             raise InputError("no method selected; choose at least one")
         probes = probes or []
         t_start = time.perf_counter()
-        comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed)
+        comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed, gen.max_new_tokens - 1)
+        asked, refused = runs, {i: k for i, k in enumerate(knobs) if isinstance(k, BudgetRefused)}
+        for i, exc in refused.items():
+            yield Event("run_done", f"{runs[i].label}: refused: {exc}", -1, run=runs[i].label)
+        runs, comps, knobs = ([x for i, x in enumerate(xs) if i not in refused] for xs in (runs, comps, knobs))
+        if not runs:  # every run refused: nothing to prefill
+            rows = _Lockstep([], [], [], gen, len(prompt_ids), self.lm.eos_ids, [])
+            result = self._result(prompt_ids, prompt_text, rows, {"compare_s": time.perf_counter() - t_start})
+            result.runs = _with_refusals(asked, refused, [])
+            yield Event("done", f"{len(asked)} runs refused", 1.0, result=result)
+            return
 
         t0 = time.perf_counter()
         state, last_logits = self.prefill(
@@ -228,13 +238,18 @@ class Engine:
         for p in probes:
             p.finish(results)
         timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
-        yield Event("done", f"{len(runs)} runs done", 1.0, result=self._result(prompt_ids, prompt_text, rows, timings))
+        result = self._result(prompt_ids, prompt_text, rows, timings)
+        result.runs = _with_refusals(asked, refused, result.runs)
+        yield Event("done", f"{len(runs)} runs done", 1.0, result=result)
 
     # ----- the steps of ``stream`` ------------------------------------------------------------
-    def _make_compressors(self, runs: list[RunSpec], n: int, seed: int) -> tuple[list[Compressor], list[dict]]:
-        """One compressor per run, planned for ``n`` prompt tokens; returns them and their chosen knobs."""
+    def _make_compressors(
+        self, runs: list[RunSpec], n: int, seed: int, decode_steps: int
+    ) -> tuple[list[Compressor], list[dict | BudgetRefused]]:
+        """One compressor per run, planned for ``n`` prompt tokens and ``decode_steps`` decode steps;
+        returns them and their chosen knobs (or the ``BudgetRefused`` of a run that cannot hold its budget)."""
         comps = [get(spec.method)(self.info, spec.budget, spec.params, seed=seed) for spec in runs]
-        return comps, [c.plan(n) for c in comps]
+        return comps, [_plan(c, n, decode_steps) for c in comps]
 
     def _compress_all(
         self, state: PrefillState, runs: list[RunSpec], comps: list[Compressor], knobs: list[dict], prefill_s: float
@@ -459,6 +474,31 @@ class _TeacherForcing:
         forced.update({i: logits[len(active) + j] for j, i in enumerate(self.forked)})
         for p in self.probes:
             p.on_forced(step, tokens[self.exact][-1], logits[row[self.exact]], forced)
+
+
+def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused:
+    comp.decode_steps = decode_steps
+    try:
+        return comp.plan(n)
+    except BudgetRefused as exc:
+        return exc
+
+
+def _with_refusals(asked: list[RunSpec], refused: dict[int, BudgetRefused], ran: list[RunResult]) -> list[RunResult]:
+    """Every asked run's result in the asked order: the refused ones (nothing held, no tokens) among those that ran."""
+    done = iter(ran)
+    return [
+        RunResult(
+            method=spec.method,
+            budget=spec.budget.label,
+            params=_jsonable(dict(spec.params)),
+            finish_reason="refused",
+            error=str(refused[i]),
+        )
+        if i in refused
+        else next(done)
+        for i, spec in enumerate(asked)
+    ]
 
 
 def _jsonable(d: dict) -> dict:
