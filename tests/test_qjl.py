@@ -231,7 +231,7 @@ def test_any_head_dim_and_gqa_group():
 
     st = PrefillState(k, v, q, scaling=48**-0.5)
     errs = []
-    for m in (32, 512):  # 512 sign bits + 8-bit values fit 0.8 of head_dim 48's 16-bit cache with a small outlier sketch
+    for m in (32, 512):  # 512 sign bits + 8-bit values fit 0.8 of head_dim 48's 16-bit cache (small outlier sketch)
         params = {"m": m, "value_bits": 8, "residual": 32, "value_group": 16, "initial_factor": 1, "m_out_ratio": 0.125}
         c = QJL(info, Budget.parse("0.8"), params)
         c.plan(n)

@@ -205,8 +205,10 @@ class Compressor:
         return None
 
     def fits_budget(self, n_prompt: int) -> bool:
+        if self.is_full:
+            return True
         ratio = self.budget_ratio(n_prompt)
-        return self.is_full or ratio is None or ratio <= 1 + TOLERANCE
+        return ratio is None or ratio <= 1 + TOLERANCE
 
     def check_budget(self, n_prompt: int) -> None:
         """Raise ``BudgetRefused`` (with the smallest budget this method honours here) if the plan does not fit."""
@@ -376,8 +378,9 @@ class DenseCompressor(Compressor):
         """How many tokens per layer and head fit the byte budget (all of them for budget 1.0 or none)."""
         if self.is_full:
             return n_prompt
-        if self.budget.tokens is not None:
-            return min(self.budget.tokens, n_prompt)
+        if self.budget.tokens is not None:  # that many tokens, fewer when their overheads pass the tolerance
+            worth = self.budget.tokens * per_token_bytes(self.info) * (1 + TOLERANCE)
+            return max(1, min(self.budget.tokens, n_prompt, int(worth // self.per_token_bytes(with_logw))))
         target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
         return max(1, min(n_prompt, int(target // self.per_token_bytes(with_logw))))
 
