@@ -6,7 +6,8 @@ after prefill and at every decode step (``Budget.allowed_bytes``: streaming meth
 share of every token seen, prefill-only methods that of the prompt plus their generated tokens), or
 is refused with a message naming a smallest budget above the one asked; asked again at that
 budget, it is not refused and holds it. One ``Engine.stream`` per prompt length runs every method
-at every budget on one shared prefill (and one more for the retries); 3 tokens are generated.
+at every budget on one shared prefill (and one more for the retries); 3 tokens are generated (2 on
+the 2,000-token prompt, marked slow).
 """
 
 import re
@@ -50,10 +51,10 @@ def _worst(run, n: int) -> tuple[float, int]:
     return worst, ratios.index(worst)
 
 
-def _check_matrix(engine, ids):
+def _check_matrix(engine, ids, gen=GEN):
     n = len(ids)
     runs = [RunSpec(m, b) for b in BUDGETS for m in METHODS]
-    result = engine.compare(ids, runs, GEN, probes=[HealthProbe()])
+    result = engine.compare(ids, runs, gen, probes=[HealthProbe()])
     assert [(r.method, r.budget) for r in result.runs] == [(s.method, s.budget.label) for s in runs]
     retries = []
     for spec, run in zip(runs, result.runs):
@@ -72,7 +73,7 @@ def _check_matrix(engine, ids):
         assert worst <= 1 + TOLERANCE, f"{label}: {worst:.3f}x the budget at step {step}, knobs {run.params}"
         assert not [f for f in run.health if f["flag"] == "over_budget"], (label, run.health)
     if retries:  # asked again at the smallest budget each named: not refused, and held
-        again = engine.compare(ids, retries, GEN, probes=[HealthProbe()])
+        again = engine.compare(ids, retries, gen, probes=[HealthProbe()])
         for spec, run in zip(retries, again.runs):
             assert run.finish_reason != "refused", f"{spec.label} on {n} tokens: {run.error}"
             worst, step = _worst(run, n)
@@ -89,7 +90,7 @@ def test_every_method_holds_its_budget_or_refuses(engine, prompt_ids, n):
 
 @pytest.mark.slow
 def test_every_method_holds_its_budget_or_refuses_on_2000_tokens(engine, prompt_ids):
-    _check_matrix(engine, prompt_ids[:2000])
+    _check_matrix(engine, prompt_ids[:2000], GenerationSettings(max_new_tokens=2))  # one decode step
 
 
 def test_refusal_message_names_method_prompt_and_smallest_budget(lm):
@@ -105,3 +106,36 @@ def test_refusal_message_names_method_prompt_and_smallest_budget(lm):
     # a token budget is answered with a token count
     with pytest.raises(BudgetRefused, match=r"the smallest budget it can honour here is \d+t$"):
         get("kivi")(lm.info, Budget.parse("1t"), {}).plan(300)
+
+
+def test_a_refused_run_is_recorded_shown_and_exported_while_the_others_run(engine, prompt_ids):
+    import json
+
+    from kvlab import plots
+    from kvlab.run import finish
+    from kvlab.schema import load_result_text
+    from kvlab.ui.cards import cards_html
+
+    ids = prompt_ids[:16]
+    runs = [RunSpec("exact"), RunSpec("qjl", Budget.parse("0.01")), RunSpec("streaming", Budget.parse("0.5"))]
+    result = finish(engine.compare(ids, runs, GEN, probes=[HealthProbe()]))
+    exact, refused, ran = result.runs
+    assert refused.finish_reason == "refused" and refused.error.startswith("qjl cannot fit budget 0.01 on a 16-token")
+    assert refused.token_ids == [] and refused.kv_bytes == 0 and refused.label == "qjl@0.01"
+    assert ran.finish_reason == "length" and len(ran.token_ids) == GEN.max_new_tokens and not ran.error
+    assert exact.token_ids and not exact.error
+    html = cards_html(result, None)
+    assert "refused" in html and "qjl cannot fit budget 0.01" in html and html.count("kv-card ") == 3
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["runs"][1]["finish_reason"] == "refused" and data["runs"][1]["error"] == refused.error
+    back = load_result_text(json.dumps(data))
+    assert back.runs[1].error == refused.error
+    for draw in (plots.gauges, plots.bytes_per_step, plots.quality_vs_memory):
+        draw(back)  # a refused run has no bytes and no tokens: the figures skip it rather than fail
+
+
+def test_every_run_refused_needs_no_prefill(engine, prompt_ids):
+    runs = [RunSpec("kivi", Budget.parse("0.125")), RunSpec("qjl", Budget.parse("0.01"))]
+    result = engine.compare(prompt_ids[:16], runs, GEN)
+    assert [r.finish_reason for r in result.runs] == ["refused", "refused"]
+    assert "prefill_s" not in result.timings
