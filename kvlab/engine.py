@@ -205,15 +205,13 @@ class Engine:
         probes = probes or []
         t_start = time.perf_counter()
         comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed, gen.max_new_tokens - 1)
-        asked, refused = runs, {i: k for i, k in enumerate(knobs) if isinstance(k, BudgetRefused)}
-        for i, exc in refused.items():
-            yield Event("run_done", f"{runs[i].label}: refused: {exc}", -1, run=runs[i].label)
-        runs, comps, knobs = ([x for i, x in enumerate(xs) if i not in refused] for xs in (runs, comps, knobs))
+        refusals = _Refusals(runs, {i: k for i, k in enumerate(knobs) if isinstance(k, BudgetRefused)})
+        yield from refusals.events()
+        runs, comps, knobs = refusals.kept(runs), refusals.kept(comps), refusals.kept(knobs)
         if not runs:  # every run refused: nothing to prefill
             rows = _Lockstep([], [], [], gen, len(prompt_ids), self.lm.eos_ids, [])
-            result = self._result(prompt_ids, prompt_text, rows, {"compare_s": time.perf_counter() - t_start})
-            result.runs = _with_refusals(asked, refused, [])
-            yield Event("done", f"{len(asked)} runs refused", 1.0, result=result)
+            none = self._result(prompt_ids, prompt_text, rows, {"compare_s": time.perf_counter() - t_start})
+            yield Event("done", "every run refused its budget", 1.0, result=refusals.merged(none))
             return
 
         t0 = time.perf_counter()
@@ -238,8 +236,7 @@ class Engine:
         for p in probes:
             p.finish(results)
         timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
-        result = self._result(prompt_ids, prompt_text, rows, timings)
-        result.runs = _with_refusals(asked, refused, result.runs)
+        result = refusals.merged(self._result(prompt_ids, prompt_text, rows, timings))
         yield Event("done", f"{len(runs)} runs done", 1.0, result=result)
 
     # ----- the steps of ``stream`` ------------------------------------------------------------
@@ -484,21 +481,36 @@ def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused:
         return exc
 
 
-def _with_refusals(asked: list[RunSpec], refused: dict[int, BudgetRefused], ran: list[RunResult]) -> list[RunResult]:
-    """Every asked run's result in the asked order: the refused ones (nothing held, no tokens) among those that ran."""
-    done = iter(ran)
-    return [
-        RunResult(
-            method=spec.method,
-            budget=spec.budget.label,
-            params=_jsonable(dict(spec.params)),
-            finish_reason="refused",
-            error=str(refused[i]),
-        )
-        if i in refused
-        else next(done)
-        for i, spec in enumerate(asked)
-    ]
+@dataclass
+class _Refusals:
+    """Runs whose plan refused its budget (``BudgetRefused``): left out of prefill and decoding, then put
+    back in the result, in the asked order, as runs that ended ``refused`` with the reason in ``error``."""
+
+    asked: list[RunSpec]
+    refused: dict[int, BudgetRefused]
+
+    def kept(self, xs: list) -> list:
+        return [x for i, x in enumerate(xs) if i not in self.refused]
+
+    def events(self) -> Iterator[Event]:
+        for i, exc in self.refused.items():
+            yield Event("run_done", f"{self.asked[i].label}: refused: {exc}", -1, run=self.asked[i].label)
+
+    def merged(self, result: CompareResult) -> CompareResult:
+        ran = iter(result.runs)
+        result.runs = [
+            RunResult(
+                spec.method,
+                spec.budget.label,
+                _jsonable(dict(spec.params)),
+                finish_reason="refused",
+                error=str(self.refused[i]),
+            )
+            if i in self.refused
+            else next(ran)
+            for i, spec in enumerate(self.asked)
+        ]
+        return result
 
 
 def _jsonable(d: dict) -> dict:

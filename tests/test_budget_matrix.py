@@ -132,6 +132,13 @@ def test_a_refused_run_is_recorded_shown_and_exported_while_the_others_run(engin
     assert back.runs[1].error == refused.error
     for draw in (plots.gauges, plots.bytes_per_step, plots.quality_vs_memory):
         draw(back)  # a refused run has no bytes and no tokens: the figures skip it rather than fail
+    pytest.importorskip("gradio")
+    from kvlab.ui.dashboard import Dashboard
+    from kvlab.ui.export import metrics_csv
+
+    shown = Dashboard(engine.lm).render(data, "mean", None)  # every panel, as the page draws a loaded result
+    assert "qjl cannot fit budget 0.01" in shown[0]
+    assert "qjl@0.01" in metrics_csv(back)
 
 
 def test_every_run_refused_needs_no_prefill(engine, prompt_ids):
