@@ -6,13 +6,31 @@ a byte target. Each compressor maps the byte target onto its own knobs (see ``Co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvlab.models import ModelInfo
 
+TOLERANCE = 0.05  # bytes held may exceed what a budget allows by this share (kvlab.health, plan checks)
+
 
 class BudgetError(ValueError):
     pass
+
+
+class BudgetRefused(BudgetError):
+    """A method cannot hold ``budget`` on an ``n_prompt``-token prompt, even at its most degraded setting.
+
+    ``smallest`` is the smallest budget of the same kind (a fraction, or a token count) it can honour
+    there (``Compressor.plan`` finds it); asking again at that budget is not refused.
+    """
+
+    def __init__(self, method: str, budget: Budget, n_prompt: int, smallest: Budget):
+        self.method, self.budget, self.n_prompt, self.smallest = method, budget, n_prompt, smallest
+        super().__init__(
+            f"{method} cannot fit budget {budget.label} on a {n_prompt}-token prompt; "
+            f"the smallest budget it can honour here is {smallest.label}"
+        )
 
 
 @dataclass(frozen=True)
@@ -63,11 +81,31 @@ class Budget:
     def target_bytes(self, info: ModelInfo, n_tokens: int) -> int:
         return int(self.fraction_of(n_tokens) * exact_bytes(info, n_tokens))
 
+    def allowed_bytes(self, info: ModelInfo, n_prompt: int, steps: int, streaming: bool) -> float:
+        """Bytes a run may hold after ``steps`` decode steps (docs/design.md, budgets).
+
+        A streaming method holds the budget's share of every token seen (a token budget: that many
+        tokens' worth); a prefill-only method its share of the prompt plus its generated tokens in full.
+        """
+        now = exact_bytes(info, n_prompt + steps)
+        if streaming:
+            return self.fraction_of(n_prompt + steps) * now
+        prompt = exact_bytes(info, n_prompt)
+        return self.fraction_of(n_prompt) * prompt + (now - prompt)
+
     def token_budget(self, n_tokens: int) -> int:
         """Tokens per layer and KV head a full-precision eviction cache may keep (before overheads)."""
         if self.tokens is not None:
             return min(self.tokens, n_tokens)
         return max(1, min(n_tokens, int(self.fraction * n_tokens)))
+
+
+def round_up_fraction(f: float) -> float:
+    """``f`` rounded up to two significant decimals (0.3012 -> 0.31, 0.0123 -> 0.013), at most 1."""
+    if f >= 1.0:
+        return 1.0
+    places = max(2, 1 - math.floor(math.log10(max(f, 1e-9))))
+    return min(1.0, math.ceil(f * 10**places - 1e-9) / 10**places)
 
 
 def parse_budgets(text: str) -> list[Budget]:

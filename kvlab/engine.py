@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kvlab import attention as attn
-from kvlab.budgets import Budget, exact_bytes
+from kvlab.budgets import Budget, BudgetRefused, exact_bytes
 from kvlab.cache import LockstepCache, PrefillCache
 from kvlab.compressors import Compressor, PrefillState, get
 from kvlab.few_rows import few_row_linears
@@ -204,7 +204,15 @@ class Engine:
             raise InputError("no method selected; choose at least one")
         probes = probes or []
         t_start = time.perf_counter()
-        comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed)
+        comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed, gen.max_new_tokens - 1)
+        refusals = _Refusals(runs, {i: k for i, k in enumerate(knobs) if isinstance(k, BudgetRefused)})
+        yield from refusals.events()
+        runs, comps, knobs = refusals.kept(runs), refusals.kept(comps), refusals.kept(knobs)
+        if not runs:  # every run refused: nothing to prefill
+            rows = _Lockstep([], [], [], gen, len(prompt_ids), self.lm.eos_ids, [])
+            none = self._result(prompt_ids, prompt_text, rows, {"compare_s": time.perf_counter() - t_start})
+            yield Event("done", "every run refused its budget", 1.0, result=refusals.merged(none))
+            return
 
         t0 = time.perf_counter()
         state, last_logits = self.prefill(
@@ -228,13 +236,17 @@ class Engine:
         for p in probes:
             p.finish(results)
         timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
-        yield Event("done", f"{len(runs)} runs done", 1.0, result=self._result(prompt_ids, prompt_text, rows, timings))
+        result = refusals.merged(self._result(prompt_ids, prompt_text, rows, timings))
+        yield Event("done", f"{len(runs)} runs done", 1.0, result=result)
 
     # ----- the steps of ``stream`` ------------------------------------------------------------
-    def _make_compressors(self, runs: list[RunSpec], n: int, seed: int) -> tuple[list[Compressor], list[dict]]:
-        """One compressor per run, planned for ``n`` prompt tokens; returns them and their chosen knobs."""
+    def _make_compressors(
+        self, runs: list[RunSpec], n: int, seed: int, decode_steps: int
+    ) -> tuple[list[Compressor], list[dict | BudgetRefused]]:
+        """One compressor per run, planned for ``n`` prompt tokens and ``decode_steps`` decode steps;
+        returns them and their chosen knobs (or the ``BudgetRefused`` of a run that cannot hold its budget)."""
         comps = [get(spec.method)(self.info, spec.budget, spec.params, seed=seed) for spec in runs]
-        return comps, [c.plan(n) for c in comps]
+        return comps, [_plan(c, n, decode_steps) for c in comps]
 
     def _compress_all(
         self, state: PrefillState, runs: list[RunSpec], comps: list[Compressor], knobs: list[dict], prefill_s: float
@@ -459,6 +471,46 @@ class _TeacherForcing:
         forced.update({i: logits[len(active) + j] for j, i in enumerate(self.forked)})
         for p in self.probes:
             p.on_forced(step, tokens[self.exact][-1], logits[row[self.exact]], forced)
+
+
+def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused:
+    comp.decode_steps = decode_steps
+    try:
+        return comp.plan(n)
+    except BudgetRefused as exc:
+        return exc
+
+
+@dataclass
+class _Refusals:
+    """Runs whose plan refused its budget (``BudgetRefused``): left out of prefill and decoding, then put
+    back in the result, in the asked order, as runs that ended ``refused`` with the reason in ``error``."""
+
+    asked: list[RunSpec]
+    refused: dict[int, BudgetRefused]
+
+    def kept(self, xs: list) -> list:
+        return [x for i, x in enumerate(xs) if i not in self.refused]
+
+    def events(self) -> Iterator[Event]:
+        for i, exc in self.refused.items():
+            yield Event("run_done", f"{self.asked[i].label}: refused: {exc}", -1, run=self.asked[i].label)
+
+    def merged(self, result: CompareResult) -> CompareResult:
+        ran = iter(result.runs)
+        result.runs = [
+            RunResult(
+                spec.method,
+                spec.budget.label,
+                _jsonable(dict(spec.params)),
+                finish_reason="refused",
+                error=str(self.refused[i]),
+            )
+            if i in self.refused
+            else next(ran)
+            for i, spec in enumerate(self.asked)
+        ]
+        return result
 
 
 def _jsonable(d: dict) -> dict:

@@ -18,9 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvlab.budgets import Budget
-
-TOLERANCE = 0.05
+from kvlab.budgets import TOLERANCE, Budget
 
 
 def _flag(name: str, detail: str) -> dict:

@@ -29,11 +29,12 @@ class RunResult:
     kv_bytes_breakdown: dict = field(default_factory=dict)
     kv_bytes_per_step: list[int] = field(default_factory=list)  # [k] = after k decode steps
     exact_kv_bytes_per_step: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "eos" | "length"
+    finish_reason: str = ""  # "eos" | "length" | "refused" (the budget cannot be held) | "error"
     timings: RunTimings = field(default_factory=RunTimings)
     metrics: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)  # e.g. kept positions for heatmaps
     health: list = field(default_factory=list)  # flags: [{"flag": name, "detail": text}] (kvlab.health)
+    error: str = ""  # why the run ended early (a refusal or the exception), empty when it ran to the end
 
     @property
     def label(self) -> str:

@@ -114,7 +114,8 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
         "meta": comparison.task.meta,
         "prompt_tokens": result.prompt_tokens,
         "timings": result.timings,
-        "runs": [_compact(r) for r in result.runs],
+        "runs": [_compact(r) for r in result.runs if r.finish_reason != "refused"],
+        "refused": [r.error for r in result.runs if r.finish_reason == "refused"],  # budgets a method cannot hold
     }
 
 

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from kvlab.budgets import Budget, exact_bytes
+from kvlab.budgets import Budget, BudgetRefused, exact_bytes
 from kvlab.compressors import get
 from kvlab.compressors.kivi import kivi_bytes
 from kvlab.ops import dense_attention
 
 
-def _kivi(lm, state, budget="0.25", **params):
+def _kivi(lm, state, budget="0.5", **params):
     comp = get("kivi")(lm.info, Budget.parse(budget), params)
     knobs = comp.plan(state.n_tokens)
     comp.compress(state)
@@ -114,10 +114,29 @@ def test_budget_maps_to_bits_and_residual(lm, prefill_state):
         assert kivi_bytes(lm.info, n, knobs["bits"], 32, knobs["residual"] + 32) > target
         seen[budget] = knobs["bits"]
     assert seen == {"0.5": 4, "0.375": 4, "0.25": 2}
-    # no configuration fits 0.125: the plan says so and falls back to the smallest one (2 bits, no residual)
-    comp, knobs = _kivi(lm, prefill_state, "0.125")
-    assert not knobs["fits_budget"] and (knobs["bits"], knobs["residual"]) == (2, 0)
-    assert comp.nbytes() == kivi_bytes(lm.info, n, 2, 32, 0) > 0.125 * exact_bytes(lm.info, n)
+    # no configuration holds 0.125: the plan refuses, naming the smallest budget that it can hold here
+    with pytest.raises(BudgetRefused, match=r"kivi cannot fit budget 0.125 on a 715-token prompt") as refused:
+        _kivi(lm, prefill_state, "0.125")
+    smallest = refused.value.smallest
+    assert 0.125 < smallest.fraction <= 0.25
+    comp, knobs = _kivi(lm, prefill_state, smallest.label)
+    assert knobs["bits"] == 2 and comp.nbytes() <= 1.05 * smallest.fraction * exact_bytes(lm.info, n)
+
+
+def test_plan_holds_the_budget_while_the_residual_grows(lm, prefill_state):
+    # between flushes the residual grows by up to group - 1 full-precision tokens: the plan leaves room for
+    # them, so the bytes held just before the first flush still fit the budget's share of the tokens seen
+    n, budget = prefill_state.n_tokens, Budget.parse("0.25")
+    comp, knobs = _kivi(lm, prefill_state, "0.25")
+    g, shape = knobs["group"], (lm.info.n_kv_heads, 1, lm.info.head_dim)
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for step in range(g + 1):
+        for layer in range(lm.info.n_layers):
+            comp.append(layer, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), n + step)
+        worst = max(worst, comp.nbytes() / budget.allowed_bytes(lm.info, n, step + 1, True))
+    assert worst <= 1.0
+    assert comp.layers[0].rk.n < knobs["residual"] + g  # a flush happened on the way
 
 
 def test_full_budget_is_exact_and_more_bits_is_closer(lm, prefill_state):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvlab.budgets import Budget, exact_bytes, per_token_bytes
+from kvlab.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
 from kvlab.compressors.base import ParamError
 from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make_sketch, sketch_keys
 from kvlab.engine import GenerationSettings, RunSpec
@@ -107,7 +107,7 @@ def test_packed_storage_layout(lm, prefill_state):
 
 def test_bytes_per_key_and_bits_per_coordinate(lm, prefill_state):
     n = prefill_state.n_tokens
-    c = _qjl(lm, n=n, m=128, n_outliers=0, value_bits=2, residual=64)
+    c = _qjl(lm, "0.5", n=n, m=128, n_outliers=0, value_bits=2, residual=64)
     c.compress(prefill_state)
     by = c.nbytes_by_kind()
     n_q = c.layers[0].n_quantized
@@ -231,8 +231,9 @@ def test_any_head_dim_and_gqa_group():
 
     st = PrefillState(k, v, q, scaling=48**-0.5)
     errs = []
-    for m in (64, 1024):
-        c = QJL(info, Budget.parse("0.5"), {"m": m, "value_bits": 8, "residual": 32, "value_group": 16})
+    for m in (32, 512):  # 512 sign bits + 8-bit values fit 0.8 of head_dim 48's 16-bit cache (small outlier sketch)
+        params = {"m": m, "value_bits": 8, "residual": 32, "value_group": 16, "initial_factor": 1, "m_out_ratio": 0.125}
+        c = QJL(info, Budget.parse("0.8"), params)
         c.plan(n)
         c.compress(st)
         assert c.layers[1].keys.out_idx.shape[-1] == 3  # head_dim / 16
@@ -253,9 +254,17 @@ def test_bad_params_rejected(lm):
 
 def test_planned_bytes_match_budget(lm):
     n = 1000
-    # 0.1 of the 16-bit cache (25.6 bytes per token) is below QJL's smallest configuration (m = 8,
-    # 1-bit values, one 32-token window): the planner says so instead of overshooting silently
-    assert QJL(lm.info, Budget.parse("0.1")).plan(n)["fits_budget"] is False
+    # 0.1 of the 16-bit cache (25.6 bytes per token) is below QJL's default smallest configuration (m = 8,
+    # 1-bit values, one 32-token window): the flush group (the smallest window) shrinks until it fits
+    c = QJL(lm.info, Budget.parse("0.1"))
+    knobs = c.plan(n)
+    assert knobs["outlier_group"] < 32 and knobs["fits_budget"]
+    assert c.qplan.planned_bytes <= 0.1 * n * per_token_bytes(lm.info)
+    # 0.05 is below even that (8 sign bits + 2 norm bytes + 1-bit values ~ 0.08): refused, with the way out
+    with pytest.raises(BudgetRefused, match="qjl cannot fit budget 0.05 on a 1000-token prompt") as refused:
+        QJL(lm.info, Budget.parse("0.05")).plan(n)
+    smallest = refused.value.smallest.fraction
+    assert 0.05 < smallest <= 0.1 and QJL(lm.info, Budget(fraction=smallest)).plan(n)["fits_budget"]
     for b in ("0.15", "0.25", "0.5"):
         c = QJL(lm.info, Budget.parse(b))
         knobs = c.plan(n)

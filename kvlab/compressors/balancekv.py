@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvlab.budgets import exact_bytes
 from kvlab.compressors.base import DenseCompressor, Param, PrefillState
 from kvlab.compressors.registry import register
 
@@ -296,14 +297,20 @@ class BalanceKV(DenseCompressor):
         return WalkConfig(float(c["gamma"]), float(c["c"]), float(c["denom_weight"]), bool(c["center"]))
 
     def plan(self, n_prompt: int) -> dict:
-        c = self.cfg
         if self.is_full:
             self.layout = Layout(n_prompt, n_prompt, 0, 0)
         else:
-            cap = self.tokens_for_budget(n_prompt, with_logw=True)
-            self.layout = fit_layout(n_prompt, cap, c["n_sink"], c["n_recent"], c["T"])
+            self.layout = self.layout_for(n_prompt, self.tokens_for_budget(n_prompt, with_logw=True))
+        return self.layout_knobs()
+
+    def layout_for(self, n_prompt: int, cap: int) -> Layout:
+        c = self.cfg
+        return fit_layout(n_prompt, cap, c["n_sink"], c["n_recent"], c["T"])
+
+    def layout_knobs(self) -> dict:
+        """Set the walk's block for ``self.layout``; the knobs shown with the run."""
         lay = self.layout
-        self.block = max(2, min(c["block_size"], lay.n_middle >> 1 << 1) // 2 * 2)
+        self.block = max(2, min(self.cfg["block_size"], lay.n_middle >> 1 << 1) // 2 * 2)
         return {
             "T": lay.rounds,
             "n_sink": lay.n_sink,
@@ -312,6 +319,12 @@ class BalanceKV(DenseCompressor):
             "block_size": self.block,
             "kept_tokens": lay.kept,
         }
+
+    def planned_tokens(self, n_prompt: int) -> int:
+        return self.layout.kept
+
+    def planned_logw(self) -> bool:
+        return self.layout.rounds > 0 and self.layout.n_middle > 0
 
     def select(self, state: PrefillState):
         lay = self.layout
@@ -364,7 +377,42 @@ class BalanceKVStream(BalanceKV):
         knobs = super().plan(n_prompt)
         self.rounds = self.layout.rounds or int(self.cfg["T"])
         self.batch = max(2, int(self.cfg["block_size"]) // 2 * 2)
+        if not self.is_full and self.budget_ratio(n_prompt) > 1.0:
+            knobs = self._fit_stream(n_prompt)
         return {**knobs, "stream_T": self.rounds, "stream_block": self.batch}
+
+    def _fit_stream(self, n_prompt: int) -> dict:
+        """Hold the budget while decoding: generated tokens wait at full precision until a block of
+        ``batch`` is halved, so first the stream's block halves (when ``block_size`` is not given, down
+        to 2), then the prompt keeps fewer tokens (the largest capacity that fits, by bisection)."""
+        while "block_size" not in self.params_given and self.batch > 2 and self.budget_ratio(n_prompt) > 1.0:
+            self.batch = max(2, self.batch // 4 * 2)
+        lo, hi = 1, self.layout.kept
+        while lo < hi:  # the largest prompt capacity that fits (1 when none does: refused)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._fits_with(n_prompt, mid) else (lo, mid - 1)
+        self._fits_with(n_prompt, lo)
+        return self.layout_knobs()
+
+    def _fits_with(self, n_prompt: int, cap: int) -> bool:
+        self.layout = self.layout_for(n_prompt, cap)
+        self.rounds = self.layout.rounds or int(self.cfg["T"])
+        return self.budget_ratio(n_prompt) <= 1.0
+
+    def planned_logw(self) -> bool:
+        return True  # compress gives every token a log-weight (decoding halves generated tokens)
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        """The prompt's kept tokens plus the generated ones still held after j steps (each level holds
+        under ``batch``; level l has halved floor(j / (batch 2^l)) times), over the allowance, j <= horizon."""
+        j = torch.arange(self.horizon(n_prompt) + 1, dtype=torch.float64)
+        held = j.clone()
+        for level in range(self.rounds):
+            held -= self.batch // 2 * torch.floor(j / (self.batch * 2**level))
+        per_token = self.info.n_layers * self.info.n_kv_heads * self.per_token_bytes(True)
+        seen, b = n_prompt + j, self.budget  # streaming: the budget's share of every token seen
+        allowed = exact_bytes(self.info, 1) * (seen.clamp(max=b.tokens) if b.tokens is not None else b.fraction * seen)
+        return float(((self.layout.kept + held) * per_token / allowed.clamp_min(1.0)).max())
 
     def compress(self, state: PrefillState) -> None:
         super().compress(state)

@@ -3,6 +3,8 @@
 A compressor is one method at one budget for one run. The engine calls, in order:
 
 1. ``plan(n_prompt)`` — map the budget onto the method's knobs (returned, and shown with results);
+   when even the method's most degraded setting cannot hold the budget for this prompt, ``plan``
+   raises ``BudgetRefused`` naming the smallest budget it can honour (see ``Compressor.check_budget``);
 2. ``compress(state)`` — build the compressed cache from the shared exact prefill (all layers at
    once: ``state.keys`` is ``[L, Hkv, n, d]``);
 3. per decode step and layer: ``append(layer, k, v, pos)`` with the new token's key/value
@@ -13,6 +15,7 @@ A compressor is one method at one budget for one run. The engine calls, in order
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -22,7 +25,7 @@ from torch import Tensor
 
 from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
-from kvlab.budgets import Budget, per_token_bytes
+from kvlab.budgets import TOLERANCE, Budget, BudgetRefused, per_token_bytes, round_up_fraction
 from kvlab.models import ModelInfo
 from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes
 
@@ -96,8 +99,33 @@ class PrefillState:
         return causal_window_probs(q, self.keys, self.scaling)
 
 
+DEFAULT_HORIZON = 4096  # decode steps a plan holds its budget for when the engine did not say (max_new_tokens' cap)
+
+
+def _budget_checked(plan):
+    """``plan`` followed by ``check_budget`` (once, in the outermost ``plan`` of a ``super().plan()`` chain)."""
+
+    @functools.wraps(plan)
+    def checked(self, n_prompt: int) -> dict:
+        if getattr(self, "_planning", False):
+            return plan(self, n_prompt)
+        self._planning = True
+        try:
+            knobs = plan(self, n_prompt)
+        finally:
+            self._planning = False
+        self.check_budget(n_prompt)
+        return knobs
+
+    return checked
+
+
 class Compressor:
-    """Base class of every method. Subclasses set the class attributes and override the hooks."""
+    """Base class of every method. Subclasses set the class attributes and override the hooks.
+
+    Every subclass's ``plan`` is wrapped so that, once it has chosen the knobs, ``check_budget``
+    refuses a plan that cannot hold the budget (``budget_ratio`` above 1 + ``TOLERANCE``).
+    """
 
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""
@@ -108,9 +136,17 @@ class Compressor:
     streaming: ClassVar[bool] = False  # holds its budget while decoding (else generated tokens are kept)
     needs_acc_attn: ClassVar[bool] = False
 
+    decode_steps: int | None = None  # decode steps the plan must hold its budget for (the engine sets it)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "plan" in cls.__dict__:
+            cls.plan = _budget_checked(cls.__dict__["plan"])
+
     def __init__(self, info: ModelInfo, budget: Budget | None = None, params: dict | None = None, seed: int = 0):
         self.info = info
         self.budget = budget
+        self.params_given = dict(params or {})
         self.cfg = self.resolve_params(params or {})
         self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -147,8 +183,66 @@ class Compressor:
         return 0
 
     def plan(self, n_prompt: int) -> dict:
-        """Map the budget onto knobs (updating ``self.cfg``); return the knobs chosen."""
+        """Map the budget onto knobs (updating ``self.cfg``); return the knobs chosen.
+
+        A method degrades its knobs (smaller window, sketch, ...) until the plan fits the budget;
+        what cannot fit even then is refused (``BudgetRefused``, raised by ``check_budget``)."""
         return {}
+
+    # ----- holding the budget ---------------------------------------------------------------
+    def horizon(self, n_prompt: int) -> int:
+        """Decode steps the plan must hold its budget for: ``decode_steps``, else up to the model's context."""
+        steps = DEFAULT_HORIZON if self.decode_steps is None else self.decode_steps
+        return max(0, min(steps, self.info.max_positions - n_prompt))
+
+    def allowed(self, n_prompt: int, steps: int = 0) -> float:
+        """Bytes the budget allows after ``steps`` decode steps (``Budget.allowed_bytes``)."""
+        return self.budget.allowed_bytes(self.info, n_prompt, steps, self.streaming)
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        """After ``plan``: the largest ratio of the bytes the plan will hold to the bytes its budget
+        allows, after prefill and at any decode step up to ``horizon`` (None: not predicted)."""
+        return None
+
+    def fits_budget(self, n_prompt: int) -> bool:
+        if self.is_full:
+            return True
+        ratio = self.budget_ratio(n_prompt)
+        return ratio is None or ratio <= 1 + TOLERANCE
+
+    def check_budget(self, n_prompt: int) -> None:
+        """Raise ``BudgetRefused`` (with the smallest budget this method honours here) if the plan does not fit."""
+        if not self.fits_budget(n_prompt):
+            raise BudgetRefused(self.name, self.budget, n_prompt, self.smallest_budget(n_prompt))
+
+    def _fits_at(self, budget: Budget, n_prompt: int) -> bool:
+        """Whether a fresh copy of this method (same parameters) planned at ``budget`` fits it."""
+        c = type(self)(self.info, budget, self.params_given, seed=self.seed)
+        c.decode_steps, c._planning = self.decode_steps, True  # plan without the check (no recursion)
+        c.plan(n_prompt)
+        return c.fits_budget(n_prompt)
+
+    def smallest_budget(self, n_prompt: int) -> Budget:
+        """The smallest budget of the asked kind (fraction, rounded up to two significant decimals; or
+        token count) at which this method's plan fits this prompt."""
+        if self.budget.tokens is not None:
+            lo, hi = self.budget.tokens, n_prompt + self.horizon(n_prompt)
+            if not self._fits_at(Budget(tokens=hi), n_prompt):
+                return Budget(fraction=1.0)
+            while hi - lo > 1:  # lo never fits, hi always does
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if self._fits_at(Budget(tokens=mid), n_prompt) else (mid, hi)
+            return Budget(tokens=hi)
+        lo, hi = self.budget.fraction, 1.0
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self._fits_at(Budget(fraction=mid), n_prompt) else (mid, hi)
+        f = round_up_fraction(hi)
+        for _ in range(50):  # a plan's fit is not always monotone in the budget: step up until it fits
+            if f >= 1.0 or self._fits_at(Budget(fraction=f), n_prompt):
+                break
+            f = round_up_fraction(f * 1.01 + 1e-4)
+        return Budget(fraction=min(1.0, f))
 
     # ----- the cache ----------------------------------------------------------------------
     def compress(self, state: PrefillState) -> None:
@@ -284,10 +378,33 @@ class DenseCompressor(Compressor):
         """How many tokens per layer and head fit the byte budget (all of them for budget 1.0 or none)."""
         if self.is_full:
             return n_prompt
-        if self.budget.tokens is not None:
-            return min(self.budget.tokens, n_prompt)
+        if self.budget.tokens is not None:  # that many tokens, fewer when their overheads pass the tolerance
+            worth = self.budget.tokens * per_token_bytes(self.info) * (1 + TOLERANCE)
+            return max(1, min(self.budget.tokens, n_prompt, int(worth // self.per_token_bytes(with_logw))))
         target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
         return max(1, min(n_prompt, int(target // self.per_token_bytes(with_logw))))
+
+    def planned_tokens(self, n_prompt: int) -> int:
+        """After ``plan``: tokens per layer and KV head the prefill compression keeps (the capacity by default)."""
+        return min(n_prompt, getattr(self, "capacity", n_prompt))
+
+    def planned_logw(self) -> bool:
+        """After ``plan``: whether kept tokens carry a log-weight."""
+        return False
+
+    def fixed_stream_bytes(self) -> float:
+        """Bytes per layer and KV head held besides the kept tokens (e.g. counted sketches)."""
+        return 0.0
+
+    def planned_bytes(self, n_prompt: int) -> float:
+        """After ``plan``: the bytes the compressed prompt will hold (kept tokens x their cost, + fixed bytes)."""
+        per_stream = self.planned_tokens(n_prompt) * self.per_token_bytes(self.planned_logw())
+        return self.info.n_layers * self.info.n_kv_heads * (per_stream + self.fixed_stream_bytes())
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        """Kept tokens are the most held after prefill: a streaming eviction holds its capacity while the
+        allowance grows; a prefill-only method's generated tokens are allowed on top."""
+        return self.planned_bytes(n_prompt) / max(1.0, self.allowed(n_prompt, 0))
 
     def compress(self, state: PrefillState) -> None:
         idx = self.select(state)

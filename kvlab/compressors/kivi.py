@@ -11,7 +11,9 @@ Here the residual holds between ``residual`` and ``residual + group - 1`` tokens
 alike): when it reaches ``residual + group`` tokens, its oldest ``group`` are quantized. Storage is
 packed codes (``kvlab.quant``; 3-bit codes take a nibble), float16 scales and minimums, and the
 full-precision residual; positions are implicit (every token is kept). The budget picks the
-highest bit-width whose quantized cache fits, then the longest residual that still fits.
+highest bit-width whose quantized cache fits, then the longest residual that still fits, both
+held at every decode step (the residual grows by up to ``group - 1`` full-precision tokens between
+flushes); a group left at its default shrinks to 16 or 8 on prompts too short for anything else.
 """
 
 from __future__ import annotations
@@ -73,32 +75,65 @@ def quantized_len(n: int, residual: int, group: int) -> int:
     return max(0, (n - residual) // group) * group
 
 
-def kivi_bytes(info: ModelInfo, n: int, bits: int, group: int, residual: int) -> int:
-    """The bytes ``KIVI`` will hold for ``n`` tokens (for planning; the run counts its tensors)."""
-    nq, d = quantized_len(n, residual, group), info.head_dim
-    sb = storage_bits(bits)
+def kivi_held(info: ModelInfo, nq: int, r: int, bits: int, group: int) -> int:
+    """Bytes ``KIVI`` holds with ``nq`` quantized tokens (whole groups) and ``r`` full-precision ones."""
+    d, sb = info.head_dim, storage_bits(bits)
     gv = min(group, d)
     key = d * (nq // group) * (-(-group * sb // 8) + 4)  # packed codes + fp16 scale + fp16 min per group
     val = nq * (-(-d // gv)) * (-(-gv * sb // 8) + 4)
-    res = (n - nq) * d * 2 * info.dtype_bytes
-    return info.n_layers * info.n_kv_heads * (key + val + res)
+    return info.n_layers * info.n_kv_heads * (key + val + r * d * 2 * info.dtype_bytes)
 
 
-def solve_kivi(info: ModelInfo, n: int, target: int, group: int, bits: int | None, residual: int | None):
-    """(bits, residual) for ``target`` bytes: the highest bits that fit with no residual, then the
-    longest residual that still fits (unless given). Falls back to 2 bits, no residual."""
+def kivi_bytes(info: ModelInfo, n: int, bits: int, group: int, residual: int) -> int:
+    """The bytes ``KIVI`` will hold for ``n`` tokens (for planning; the run counts its tensors)."""
+    nq = quantized_len(n, residual, group)
+    return kivi_held(info, nq, n - nq, bits, group)
+
+
+def residual_after(n: int, residual: int, group: int, steps: int) -> int:
+    """Full-precision tokens held ``steps`` decode steps after compressing ``n``: the residual grows by
+    one a step and drops by ``group`` when it reaches ``residual + group``."""
+    t = n - quantized_len(n, residual, group) + steps
+    return t if t < residual + group else residual + (t - residual) % group
+
+
+def kivi_worst_ratio(info: ModelInfo, budget, n: int, bits: int, group: int, residual: int, horizon: int) -> float:
+    """The largest ratio of held to allowed bytes from prefill to ``horizon`` decode steps (streaming).
+
+    Between flushes the held bytes grow by a full token a step, faster than any budget's allowance, so
+    the ratio peaks at prefill, just before a flush (the first or the last one) or at the horizon."""
+    first = residual + group - 1 - (n - quantized_len(n, residual, group))
+    steps = {0, horizon}
+    if first <= horizon:
+        steps |= {first, first + (horizon - first) // group * group}
+    worst = 0.0
+    for j in steps:
+        r = residual_after(n, residual, group, j)
+        held = kivi_held(info, n + j - r, r, bits, group)
+        worst = max(worst, held / max(1.0, budget.allowed_bytes(info, n, j, True)))
+    return worst
+
+
+def solve_kivi(info: ModelInfo, n: int, budget, group: int, bits: int | None, residual: int | None, horizon: int):
+    """(bits, residual) for ``budget`` on an ``n``-token prompt, held for ``horizon`` decode steps: the
+    highest bits that fit with no residual, then the longest residual that still fits (unless given).
+    Returns None when nothing fits (the caller refuses or degrades the group)."""
+
+    def fits(b: int, r: int) -> bool:
+        return kivi_worst_ratio(info, budget, n, b, group, r, horizon) <= 1.0
+
     for b in (bits,) if bits else KIVI_BITS:
         if residual is not None:
-            if kivi_bytes(info, n, b, group, residual) <= target or b == (bits or KIVI_BITS[-1]):
+            if fits(b, residual):
                 return b, residual
             continue
-        if kivi_bytes(info, n, b, group, 0) <= target:
+        if fits(b, 0):
             lo, hi = 0, n  # bytes grow with the residual: binary search the largest that fits
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if kivi_bytes(info, n, b, group, mid) <= target else (lo, mid - 1)
+                lo, hi = (mid, hi) if fits(b, mid) else (lo, mid - 1)
             return b, lo
-    return bits or KIVI_BITS[-1], residual or 0
+    return None
 
 
 @dataclass
@@ -172,8 +207,7 @@ class KIVI(Compressor):
         if self.is_full:
             self.bits, self.residual = bits or KIVI_BITS[0], n_prompt if residual is None else residual
         else:
-            target = self.budget.target_bytes(info, n_prompt)
-            self.bits, self.residual = solve_kivi(info, n_prompt, target, self.group_size, bits, residual)
+            self.bits, self.residual, self.group_size = self._fit(n_prompt, bits, residual)
         predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
         return {
             "bits": self.bits,
@@ -181,9 +215,25 @@ class KIVI(Compressor):
             "residual": self.residual,
             "quantized_tokens": quantized_len(n_prompt, self.residual, self.group_size),
             "planned_fraction": round(predicted / exact_bytes(info, n_prompt), 4),
-            # below KIVI's smallest configuration (2-bit codes + fp16 scale and minimum per group) no plan fits
-            "fits_budget": self.is_full or predicted <= self.budget.target_bytes(info, n_prompt),
+            "fits_budget": self.is_full or self.fits_budget(n_prompt),
         }
+
+    def _fit(self, n: int, bits: int | None, residual: int | None) -> tuple[int, int, int]:
+        """(bits, residual, group) that hold the budget up to the horizon. A group not given shrinks
+        (32 -> 16 -> 8) when nothing fits at the given one: short prompts then quantize at all, at a
+        higher cost per token in scales and minimums. Nothing fits: the smallest setting (refused)."""
+        given = self.group_size
+        groups = [given] + ([g for g in (16, 8) if g < given] if "group" not in self.params_given else [])
+        for g in groups:
+            fit = solve_kivi(self.info, n, self.budget, g, bits, residual, self.horizon(n))
+            if fit is not None:
+                return (*fit, g)
+        return bits or KIVI_BITS[-1], residual or 0, given
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        return kivi_worst_ratio(
+            self.info, self.budget, n_prompt, self.bits, self.group_size, self.residual, self.horizon(n_prompt)
+        )
 
     def compress(self, state: PrefillState) -> None:
         n, g = state.n_tokens, self.group_size

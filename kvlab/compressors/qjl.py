@@ -316,7 +316,10 @@ class QJL(Compressor):
     @property
     def n_out(self) -> int:
         n = self.cfg["n_outliers"]
-        return max(1, self.info.head_dim // 16) if n is None else min(int(n), self.info.head_dim)
+        return self._default_n_out() if n is None else min(int(n), self.info.head_dim)
+
+    def _default_n_out(self) -> int:
+        return max(1, self.info.head_dim // 16)
 
     def _key_bytes(self, ms: list[int], m_outs: list[int]) -> float:
         """Bytes per quantized token, mean over layers: bits + fp16 norm per sketch + its share of indices."""
@@ -345,18 +348,53 @@ class QJL(Compressor):
 
     def plan(self, n_prompt: int) -> dict:
         self.full = self.is_full
-        d, group = self.info.head_dim, self.cfg["outlier_group"]
+        d = self.info.head_dim
         if self.full:
             m, bits, residual, target = self.cfg["m"] or 2 * d, self.cfg["value_bits"] or 2, None, None
         else:
             target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
-            residual = max(group, self.cfg["residual"] or self._auto_residual(target))  # >= one flush group
-            m, bits = self._fit_m_bits(n_prompt, target, residual)
+            m, bits, residual = self._fit(n_prompt, target)
         total, kb, vb, ms, m_outs = self._bytes(n_prompt, m, bits, residual or n_prompt)
         self.qplan = QJLPlan(ms, m_outs, bits, residual or 0, kb, vb, target, total)
         if self.full:  # no budget: every token stays exact, nothing is sketched
             return {"uncompressed": True, "residual": n_prompt}
-        return self.qplan.knobs(d)
+        knobs = self.qplan.knobs(d)
+        knobs["fits_budget"] = self.fits_budget(n_prompt)
+        if self.cfg["outlier_group"] != self.defaults()["outlier_group"]:
+            knobs["outlier_group"] = self.cfg["outlier_group"]
+        if self.n_out != self._default_n_out():
+            knobs["n_outliers"] = self.n_out
+        return knobs
+
+    def _fit(self, n: int, target: float) -> tuple[int, int, int]:
+        """(m, value bits, window) that hold the budget up to the horizon. When even m = 8 and 1-bit values
+        do not, the knobs not given degrade in turn: the flush group (and with it the smallest window)
+        halves down to 1 token, then the outlier sketch is dropped. Nothing fits: the last try (refused)."""
+        given = self.params_given
+        groups = [self.cfg["outlier_group"]]
+        while "outlier_group" not in given and groups[-1] > 1:
+            groups.append(groups[-1] // 2)
+        outliers = [self.cfg["n_outliers"]] + ([0] if "n_outliers" not in given and self.n_out else [])
+        for n_out in outliers:
+            for group in groups:
+                self.cfg["n_outliers"], self.cfg["outlier_group"] = n_out, group
+                residual = max(group, self.cfg["residual"] or self._auto_residual(target))  # >= one flush group
+                m, bits = self._fit_m_bits(n, residual)
+                if self._worst_ratio(n, m, bits, residual) <= 1.0:
+                    return m, bits, residual
+        return m, bits, residual
+
+    def _worst_ratio(self, n: int, m: int, bits: int, residual: int) -> float:
+        """Held over allowed bytes, at prefill and at the horizon: with the window full, the held bytes grow
+        by one quantized token a step, so the ratio is largest at one end."""
+        streams = self.info.n_layers * self.info.n_kv_heads
+        h = self.horizon(n)
+        allowed = [max(1.0, self.budget.allowed_bytes(self.info, n, j, True)) for j in (0, h)]
+        return max(streams * self._bytes(n + j, m, bits, residual)[0] / a for j, a in zip((0, h), allowed))
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        p = self.qplan
+        return self._worst_ratio(n_prompt, p.m[-1], p.value_bits, p.residual)
 
     PAPER_CONFIG = {"m_per_d": 2, "value_bits": 2, "value_group": 32, "residual": 128}
 
@@ -377,8 +415,8 @@ class QJL(Compressor):
         fit = int(target * RESIDUAL_SHARE // per_token_bytes(self.info)) // group * group
         return max(group, min(max(128, group), fit))
 
-    def _fit_m_bits(self, n: int, target: float, residual: int) -> tuple[int, int]:
-        """Pick the value width and the largest m that fit the target.
+    def _fit_m_bits(self, n: int, residual: int) -> tuple[int, int]:
+        """Pick the value width and the largest m that fit the budget (``_worst_ratio`` <= 1).
 
         Key-score noise dominates the attention error (it scales as ||q|| ||k|| / sqrt(m)), so values
         get 8 bits only when m >= 8 d still fits, 4 bits when m >= 4 d fits, else 2 bits (the reference),
@@ -388,21 +426,21 @@ class QJL(Compressor):
         choices = [(b_fixed, 0)] if b_fixed is not None else [(8, 8 * d), (4, 4 * d), (2, 2 * M_MIN), (1, 0)]
         for bits, m_needed in choices:
             if m_fixed is not None:
-                if self._bytes(n, m_fixed, bits, residual)[0] <= target or m_needed == 0:
+                if self._worst_ratio(n, m_fixed, bits, residual) <= 1.0 or m_needed == 0:
                     return m_fixed, bits
                 continue
-            m = self._largest_m(n, bits, residual, target)
+            m = self._largest_m(n, bits, residual)
             if m >= m_needed:
                 return min(m, M_MAX_PER_D * d), bits
         raise AssertionError("unreachable: the last choice accepts any m")
 
-    def _largest_m(self, n: int, bits: int, residual: int, target: float) -> int:
+    def _largest_m(self, n: int, bits: int, residual: int) -> int:
         lo, hi = M_MIN, 64 * self.info.head_dim
-        if self._bytes(n, lo, bits, residual)[0] > target:
+        if self._worst_ratio(n, lo, bits, residual) > 1.0:
             return lo
         while lo < hi:  # bytes grow with m: bisect over multiples of 8
             mid = _round8((lo + hi + 8) // 2)
-            lo, hi = (mid, hi) if self._bytes(n, mid, bits, residual)[0] <= target else (lo, mid - 8)
+            lo, hi = (mid, hi) if self._worst_ratio(n, mid, bits, residual) <= 1.0 else (lo, mid - 8)
         return lo
 
     # ----- compression -----------------------------------------------------------------------

@@ -435,12 +435,21 @@ class SubGen(Compressor):
         if self.full:
             return {"compressed": False}
         per_stream = self.budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
-        self.sg_plan = plan_subgen(
-            per_stream, info.head_dim, info.dtype_bytes, self.cfg["t"], self.cfg["s"], self.cfg["value_share"]
-        )
+        t0 = self.cfg["t"]  # not given and too large for the budget: fewer cluster samples (down to 1)
+        for t in [t0] + ([x for x in (2, 1) if x < t0] if "t" not in self.params_given else []):
+            self.sg_plan = plan_subgen(
+                per_stream, info.head_dim, info.dtype_bytes, t, self.cfg["s"], self.cfg["value_share"]
+            )
+            if self.sg_plan.planned_bytes_per_stream <= per_stream:
+                break
         p = self.sg_plan
         self.knobs = {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
         return self.knobs  # compress adds what the prompt's clustering found (delta, clusters, cap bound)
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        """Held bytes never exceed the plan's (the clusters are capped); the allowance only grows."""
+        streams = self.info.n_layers * self.info.n_kv_heads
+        return streams * self.sg_plan.planned_bytes_per_stream / max(1.0, self.allowed(n_prompt, 0))
 
     def compress(self, state: PrefillState) -> None:
         if self.full:
@@ -536,6 +545,12 @@ class SubGenKCenter(DenseCompressor):
         self.recent = min(cap, int(round(self.cfg["recent_ratio"] * cap)))
         self.k = cap - self.recent
         return {"l": self.recent, "k": self.k}
+
+    def planned_tokens(self, n_prompt: int) -> int:
+        return min(n_prompt, self.recent + self.k)
+
+    def planned_logw(self) -> bool:
+        return bool(self.cfg["weighted"])
 
     def select(self, state: PrefillState):  # compress is overridden; kept for the contract
         return [None] * state.keys.shape[0]

@@ -66,6 +66,9 @@ class Uniform(DenseCompressor):
             knobs["middle_weight"] = round((n_prompt - self.first - self.last) / max(1, self.sampled), 4)
         return knobs
 
+    def planned_logw(self) -> bool:
+        return bool(self.cfg["reweight"]) and not self.full
+
     def _compressing(self, n: int) -> bool:
         return not self.full and self.capacity < n
 

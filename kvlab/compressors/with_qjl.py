@@ -174,6 +174,9 @@ class QJLStore(ComposedStore):
             lo, hi = (self.sketch_rows, hi) if fits() else (lo, self.sketch_rows - 8)
         self.sketch_rows = lo
 
+    def fixed_stream_bytes(self) -> float:
+        return self.sketch_bytes() if self.composing() else 0.0
+
     def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
         """As the inner method's, with the counted sketch bytes taken off the byte target first."""
         fixed = self.sketch_bytes() if self.composing() and self.budget.tokens is None else 0.0

@@ -70,6 +70,8 @@ def diff_text_html(run: RunResult, exact: RunResult | None, lm: LoadedModel | No
 def _card(
     run: RunResult, exact: RunResult | None, lm: LoadedModel | None, group: str, color: str, live: bool = False
 ) -> str:
+    if run.finish_reason == "refused":
+        return _refused_card(run, group, color)
     ex_bytes = plots.exact_bytes_at_prefill(run)
     held = 100 * run.kv_bytes / ex_bytes if ex_bytes else 0.0
     if run is exact or exact is None:
@@ -93,6 +95,17 @@ def _card(
         f"<span>{100 - held:.0f}% saved</span><span>{tps}</span></div>"
         f"<div class='kv-div'>{html.escape(div)}</div>{health_html(run)}"
         f"<pre class='kv-text'>{diff_text_html(run, exact, lm)}</pre></div>"
+    )
+
+
+def _refused_card(run: RunResult, group: str, color: str) -> str:
+    """A run whose method cannot hold its budget on this prompt: why, and the budget it can hold; no text."""
+    return (
+        f"<div class='kv-card kv-{html.escape(group)} kv-refused' style='border-top-color:{color}'>"
+        f"<div class='kv-card-head'><b>{html.escape(run.label)}</b>"
+        f"<span class='kv-chip'>{html.escape(GROUP_TITLES.get(group, group))}</span>"
+        "<span class='kv-chip kv-refused-chip'>refused</span></div>"
+        f"<div class='kv-flag'>⛔ <b>budget refused</b>: {html.escape(run.error)}</div></div>"
     )
 
 

@@ -70,6 +70,11 @@ class LiveProbe:
     def finish(self, runs) -> None:
         self.comps = []
 
+    def _ran(self, specs: list[RunSpec]) -> list[RunSpec]:
+        """The specs whose runs were compressed (a refused budget never reaches the probe)."""
+        ran = {(c.name, c.budget) for c in self.comps}
+        return [s for s in specs if (s.method, s.budget) in ran] if ran else specs
+
     def partial(self, engine: Engine, specs: list[RunSpec], prompt_tokens: int) -> CompareResult:
         """What is known so far, as a result for the cards: bytes now and, when greedy, the text so far."""
         runs = [
@@ -81,7 +86,7 @@ class LiveProbe:
                 exact_kv_bytes_per_step=[exact_bytes(engine.info, prompt_tokens)],
                 text=engine.lm.decode(toks) if toks else "…",
             )
-            for spec, b, toks in zip(specs, self.bytes_now, self.tokens or [[] for _ in specs])
+            for spec, b, toks in zip(self._ran(specs), self.bytes_now, self.tokens or [[] for _ in specs])
         ]
         return CompareResult(
             model=engine.info.to_json(),
