@@ -34,6 +34,7 @@ class RunResult:
     metrics: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)  # e.g. kept positions for heatmaps
     health: list = field(default_factory=list)  # flags: [{"flag": name, "detail": text}] (kvlab.health)
+    error: str = ""  # why the run ended early (a refusal or the exception), empty when it ran to the end
 
     @property
     def label(self) -> str:

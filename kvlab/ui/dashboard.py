@@ -14,7 +14,7 @@ from pathlib import Path
 import gradio as gr
 import torch
 
-from kvlab import plots
+from kvlab import faults, plots
 from kvlab.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
 from kvlab.budgets import BudgetError, exact_bytes, parse_budgets
 from kvlab.engine import Engine, GenerationSettings, InputError, RunSpec
@@ -92,6 +92,14 @@ class LiveProbe:
             timings={},
             runs=runs,
         )
+
+
+def _ended_early(result: CompareResult) -> str:
+    """The status line's note on runs that did not run to the end (an error, the time limit)."""
+    failed = sum(r.finish_reason == "error" for r in result.runs)
+    stopped = next((r.error for r in result.runs if r.finish_reason == "time_limit"), "")
+    note = f" · {failed} ended on an error (see their cards)" if failed else ""
+    return note + (f" · {stopped}; the texts so far are kept" if stopped else "")
 
 
 class Dashboard:
@@ -249,15 +257,19 @@ class Dashboard:
                     )
                 elif ev.kind in ("prefill", "compress"):
                     yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
-        except InputError as exc:
+        except (InputError, faults.OutOfMemory) as exc:
             raise gr.Error(str(exc)) from None
-        except torch.OutOfMemoryError:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            raise gr.Error("out of GPU memory: try a shorter prompt, fewer methods or fewer new tokens") from None
+        except faults.OOM as exc:  # outside the engine (tokenizing, rendering)
+            message = str(faults.out_of_memory(exc, self.lm.device))
+        else:
+            message = None
+        if message is not None:
+            live = result = None
+            faults.release()
+            raise gr.Error(message)
         msg = (
             f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
-            f"{result.timings.get('compare_s', 0):.1f} s"
+            f"{result.timings.get('compare_s', 0):.1f} s" + _ended_early(result)
         )
         yield (progress_html(1.0, msg), *self.render(result.to_json(), "mean", None))
 
