@@ -7,6 +7,8 @@ the sweeps use.
 
 from __future__ import annotations
 
+import html
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +94,19 @@ class LiveProbe:
             timings={},
             runs=runs,
         )
+
+
+def text_error(message: str) -> gr.Error:
+    """A page error whose message is shown as text: Gradio renders a toast's message as (sanitized) HTML."""
+    return gr.Error(html.escape(message, quote=False))
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#|~!])")
+
+
+def markdown_text(message: str) -> str:
+    """``message`` for a Markdown component, shown as text: no HTML, links or emphasis from user input."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", html.escape(message, quote=False))
 
 
 def _ended_early(result: CompareResult) -> str:
@@ -193,7 +208,7 @@ class Dashboard:
         try:
             engine, comparison, n = self.request(*inputs)
         except InputError as exc:
-            return f"⚠ {exc}"
+            return f"⚠ {markdown_text(str(exc))}"
         est = self.estimate(engine, comparison, n)
         return f"{est.summary()} · within this page's limits"
 
@@ -258,7 +273,7 @@ class Dashboard:
                 elif ev.kind in ("prefill", "compress"):
                     yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
         except (InputError, faults.OutOfMemory) as exc:
-            raise gr.Error(str(exc)) from None
+            raise text_error(str(exc)) from None
         except faults.OOM as exc:  # outside the engine (tokenizing, rendering)
             message = str(faults.out_of_memory(exc, self.lm.device))
         else:
@@ -266,7 +281,7 @@ class Dashboard:
         if message is not None:
             live = result = None
             faults.release()
-            raise gr.Error(message)
+            raise text_error(message)
         msg = (
             f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
             f"{result.timings.get('compare_s', 0):.1f} s" + _ended_early(result)
@@ -348,8 +363,8 @@ class Dashboard:
         try:
             result = load_result_text(Path(path).read_bytes())
         except OSError as exc:
-            raise gr.Error(f"cannot read the file: {exc.strerror or exc}") from None
+            raise text_error(f"cannot read the file: {exc.strerror or exc}") from None
         except ResultFileError as exc:
-            raise gr.Error(str(exc)) from None
+            raise text_error(str(exc)) from None
         msg = f"loaded {len(result.runs)} runs from {Path(path).name} (not recomputed)"
         return (progress_html(1.0, msg), *self.render(result.to_json(), layer_choice, strip_label))
