@@ -59,7 +59,7 @@ class GenerationSettings:
     def validate(self) -> None:
         if not 1 <= self.max_new_tokens <= 4096:
             raise InputError(f"max_new_tokens={self.max_new_tokens} is out of range; allowed: 1..4096")
-        if self.do_sample and self.temperature <= 0:
+        if self.do_sample and not self.temperature > 0:  # NaN too
             raise InputError(f"temperature={self.temperature} must be > 0 when sampling")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p={self.top_p} must be in (0, 1]")

@@ -29,7 +29,8 @@ def _run(method: str, budget: str | None, text: str) -> dict:
 
 
 def hostile_strings() -> dict:
-    """A file that passes the schema (valid numbers, bounded sizes) with HTML and script in every string."""
+    """A file that passes the schema (valid numbers and budgets, bounded sizes) with HTML and script in every
+    other string."""
     return {
         "model": {"id": XSS, "device": XSS, "n_layers": 2},
         "prompt": XSS + LINK,
@@ -37,7 +38,7 @@ def hostile_strings() -> dict:
         "prompt_token_ids": [1, 2, 3],
         "settings": {XSS: XSS},
         "timings": {XSS: 1.0},
-        "runs": [_run("exact", None, XSS), _run(XSS, XSS, XSS + LINK), _run(LINK, "0.25", LINK)],
+        "runs": [_run("exact", None, XSS), _run(XSS, "0.5", XSS + LINK), _run(LINK, "0.25", LINK)],
     }
 
 

@@ -96,6 +96,19 @@ class LiveProbe:
         )
 
 
+def whole_number(value, what: str, default: int) -> int:
+    """``value`` (a number or its text; None or empty: ``default``) as an int, else ``InputError`` naming ``what``."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        number = float(value)
+        if number != int(number):
+            raise ValueError
+        return int(number)
+    except (TypeError, ValueError, OverflowError):
+        raise InputError(f"{what} must be a whole number, got {str(value)[:40]!r}") from None
+
+
 def text_error(message: str) -> gr.Error:
     """A page error whose message is shown as text: Gradio renders a toast's message as (sanitized) HTML."""
     return gr.Error(html.escape(message, quote=False))
@@ -161,8 +174,12 @@ class Dashboard:
         Returns the engine of the chosen model, the comparison and the prompt's token count. ``task``
         is the preset's task while its prompt is unedited (the page drops it on any edit), else None.
         """
-        if not (prompt or "").strip():
+        if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("the prompt is empty; type some text or pick a preset")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("the prompt holds characters that are not valid Unicode (lone surrogates)") from None
         chosen = ["exact"] + list(papers or []) + list(baselines or [])
         if len(chosen) == 1:
             raise InputError("no method selected; tick at least one of the papers' methods or baselines")
@@ -170,19 +187,22 @@ class Dashboard:
             bl = parse_budgets(budgets)
         except BudgetError as exc:
             raise InputError(str(exc)) from None
-        max_new = int(max_new or 0)
+        max_new = whole_number(max_new, "max new tokens", 0)
         if not 1 <= max_new <= self.limits.max_new_tokens:
             raise InputError(f"max new tokens must be in 1..{self.limits.max_new_tokens}")
         engine = self.engine_for(model)
         measure = None
         if record_maps:
-            measure = ProbeSettings(map_layer=self._map_layer(map_layer, engine), map_head=int(map_head or 0))
+            head = whole_number(map_head, "the attention-map head", 0)
+            if not 0 <= head < engine.info.n_heads:
+                raise InputError(f"map head {head} is out of range; allowed: 0..{engine.info.n_heads - 1}")
+            measure = ProbeSettings(map_layer=self._map_layer(map_layer, engine), map_head=head)
         comparison = Comparison(
             task if isinstance(task, Task) else prompt,
             chosen,
             bl,
             params=params_from_rows(param_table, chosen),
-            settings=GenerationSettings(max_new_tokens=max_new, seed=int(seed or 0)),
+            settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(seed, "the seed", 0)),
             measure=measure,
         )
         n = len(comparison.encode(engine.lm))
@@ -296,7 +316,7 @@ class Dashboard:
     def _map_layer(value, engine: Engine) -> int | None:
         if value is None or str(value).strip() in ("", "auto"):
             return None
-        layer = int(value)
+        layer = whole_number(value, "the attention-map layer", 0)
         if not 0 <= layer < engine.info.n_layers:
             raise InputError(f"map layer {layer} is out of range; allowed: 0..{engine.info.n_layers - 1}")
         return layer
