@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 PROMPT = "Summarize: the cat sat on the mat because the mat was warm and the sun was out. " * 3
-NEW_TOKENS = [6]  # at most this many new tokens per comparison (``soak`` sets it)
 BAD_IMPORT = '{"model": {}, "prompt": "<script>x</script>", "runs": [{"method": NaN}]}'
 
 
@@ -42,18 +41,17 @@ def export_dirs() -> int:
 
 
 def _inputs(papers=(), baselines=("streaming",), budgets="0.5", new=6, maps=True) -> tuple:
-    new = min(new, NEW_TOKENS[0])
     return ("embedded", PROMPT, list(papers), list(baselines), budgets, new, 0, None, maps, None, 0, None)
 
 
-def request(dash, i: int, scratch: Path) -> str:
-    """The i-th request of the cycle; returns what happened ("ok", "refused")."""
+def request(dash, i: int, scratch: Path, new: int = 6) -> str:
+    """The i-th request of the cycle (comparisons of ``new`` tokens); returns what happened ("ok", "refused")."""
     import gradio as gr
 
     kind = i % 5
     try:
         if kind == 0:
-            *_, last = dash.compare(*_inputs(baselines=["streaming", "h2o"]))
+            *_, last = dash.compare(*_inputs(baselines=["streaming", "h2o"], new=new))
             files = dash.export(last[2])
             dash.load_json(next(f for f in files if f.endswith(".json")), "mean", None)
         elif kind == 1:
@@ -63,9 +61,9 @@ def request(dash, i: int, scratch: Path) -> str:
             bad.write_text(BAD_IMPORT)
             dash.load_json(str(bad), "mean", None)
         elif kind == 3:
-            list(dash.compare(*_inputs(papers=["qjl"], baselines=["snapkv"])))
+            list(dash.compare(*_inputs(papers=["qjl"], baselines=["snapkv"], new=new)))
         else:
-            list(dash.compare(*_inputs(budgets="0.5, 0.25", new=4)))
+            list(dash.compare(*_inputs(budgets="0.5, 0.25", new=new)))
     except (gr.Error, ValueError):
         return "refused"
     return "ok"
@@ -76,7 +74,6 @@ def soak(lm, requests: int = 50, ttl_s: float = 2.0, on_request=None, new_tokens
     from kvlab.ui import Dashboard
 
     os.environ["KVLAB_EXPORT_TTL_S"] = str(ttl_s)
-    NEW_TOKENS[0] = new_tokens
     dash = Dashboard(lm)
     rss, outcomes, t0 = [], [], time.perf_counter()
     old_tmp = tempfile.tempdir
@@ -84,7 +81,7 @@ def soak(lm, requests: int = 50, ttl_s: float = 2.0, on_request=None, new_tokens
         tempfile.tempdir = tmp  # exports go here: the count is ours alone
         try:
             for i in range(requests):
-                outcomes.append(request(dash, i, Path(tmp)))
+                outcomes.append(request(dash, i, Path(tmp), new_tokens))
                 gc.collect()
                 rss.append(rss_bytes())
                 if on_request:
