@@ -234,6 +234,9 @@ class Engine:
 
         for p in probes:
             p.finish(results)
+        for r in results:  # a run that failed before its first token has nothing to measure
+            if r.finish_reason == "error" and not r.token_ids:
+                r.metrics, r.extras = {}, {}
         timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
         yield Event("done", done, 1.0, result=self._result(prompt_ids, prompt_text, rows, timings))
 

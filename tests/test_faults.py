@@ -106,6 +106,7 @@ def test_failing_methods_end_only_their_runs(engine, reference):
 
     comp = by["fail-compress"]
     assert comp.finish_reason == "error" and comp.token_ids == [] and comp.kv_bytes == 0
+    assert "top1_agreement" not in comp.metrics and "attn_map" not in comp.extras  # nothing was measured
     assert comp.error == "RuntimeError: test fault in compress of <b>fail-compress</b>"
     for where in ("attend", "append"):
         r = by[f"fail-{where}"]
