@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvlab import faults
 from kvlab.few_rows import torch_functions_plain
 from kvlab.ops import attention_logits, pool_heads
 
@@ -88,7 +89,7 @@ class LockstepDecode:
         outs = []
         for row, comp in enumerate(self.compressors):
             q = query[row]  # [Hq, 1, d]
-            out = comp.attend(layer, q)
+            out = faults.attend(row, comp, layer, q)  # a row that raises gets zeros; the engine ends its run
             for obs in self.observers:
                 obs(layer, row, q, out)
             outs.append(out)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvlab import faults
 from kvlab.few_rows import torch_functions_plain
 
 
@@ -67,5 +68,5 @@ class LockstepCache(Cache):
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         with torch_functions_plain():
             for row, comp in enumerate(self.compressors):
-                comp.append(layer_idx, key_states[row], value_states[row], self.pos)
+                faults.append(row, comp, layer_idx, key_states[row], value_states[row], self.pos)
         return key_states, value_states

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kvlab import attention as attn
+from kvlab import faults
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes
 from kvlab.cache import LockstepCache, PrefillCache
 from kvlab.compressors import Compressor, PrefillState, get
@@ -58,7 +59,7 @@ class GenerationSettings:
     def validate(self) -> None:
         if not 1 <= self.max_new_tokens <= 4096:
             raise InputError(f"max_new_tokens={self.max_new_tokens} is out of range; allowed: 1..4096")
-        if self.do_sample and self.temperature <= 0:
+        if self.do_sample and not self.temperature > 0:  # NaN too
             raise InputError(f"temperature={self.temperature} must be > 0 when sampling")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p={self.top_p} must be in (0, 1]")
@@ -143,9 +144,11 @@ def _pick(logits: Tensor, gen: GenerationSettings, generator: torch.Generator) -
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, time_limit_s: float | None = -1.0):
+        """``time_limit_s``: a comparison's time limit (None: none; the default reads ``faults.time_limit_s``)."""
         self.lm = lm
         self.info = lm.info
+        self.time_limit_s = faults.time_limit_s() if time_limit_s == -1.0 else time_limit_s
 
     # ----- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -228,16 +231,23 @@ class Engine:
 
         rows = _Lockstep(runs, comps, results, gen, len(prompt_ids), self.lm.eos_ids, probes)
         yield from self._first_tokens(rows, last_logits)
+        done = f"{len(runs)} runs done"
         for step in range(1, gen.max_new_tokens):
             if not rows.active:
+                break
+            if self.time_limit_s is not None and time.perf_counter() - t_start > self.time_limit_s:
+                done = yield from self._out_of_time(rows, step)
                 break
             yield from self._decode_step(rows, step)
 
         for p in probes:
             p.finish(results)
+        for r in results:  # a run that failed before its first token has nothing to measure
+            if r.finish_reason == "error" and not r.token_ids:
+                r.metrics, r.extras = {}, {}
         timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
         result = refusals.merged(self._result(prompt_ids, prompt_text, rows, timings))
-        yield Event("done", f"{len(runs)} runs done", 1.0, result=result)
+        yield Event("done", done, 1.0, result=result)
 
     # ----- the steps of ``stream`` ------------------------------------------------------------
     def _make_compressors(
@@ -256,7 +266,9 @@ class Engine:
         exact_now = exact_bytes(self.info, state.n_tokens)
         for i, (spec, comp) in enumerate(zip(runs, comps)):
             t0 = time.perf_counter()
-            comp.compress(state)
+            error = faults.error_of(comp.compress, state)
+            if error:  # this run ends here (see _first_tokens); its stand-in holds nothing
+                comps[i] = comp = faults.FailedCompressor(comp)
             comp_s = time.perf_counter() - t0
             r = RunResult(
                 method=spec.method,
@@ -265,6 +277,7 @@ class Engine:
                 kv_bytes=comp.nbytes(),
                 kv_bytes_breakdown=comp.nbytes_by_kind(),
                 timings=RunTimings(prefill_s=prefill_s, compress_s=comp_s),
+                error=error,
             )
             r.kv_bytes_per_step.append(r.kv_bytes)
             r.exact_kv_bytes_per_step.append(exact_now)
@@ -278,16 +291,24 @@ class Engine:
         return results
 
     def _first_tokens(self, rows: _Lockstep, logits: Tensor) -> Iterator[Event]:
-        """Every run's first token from the shared prefill's logits [V]."""
-        yield from self._ended(rows, rows.pick(range(len(rows.runs)), [logits] * len(rows.runs)))
+        """Every run's first token from the shared prefill's logits [V] (a run whose compression failed ends here)."""
+        ok = [i for i, r in enumerate(rows.results) if not r.error]
+        yield from self._ended(rows, rows.pick(ok, [logits] * len(ok)))
+        for i in sorted(set(range(len(rows.runs))) - set(ok)):
+            rows.results[i].finish_reason = "error"
+            rows.forcing.drop(i)
+            yield from self._finish(rows.results[i], [], rows.runs[i].label)
 
     def _decode_step(self, rows: _Lockstep, step: int) -> Iterator[Event]:
         """One batched forward over the running rows (plus teacher-forced rows), then each row's next token."""
         t0 = time.perf_counter()
         seen = rows.n + step - 1  # tokens already in every cache; the new one sits at this position
-        active = list(rows.active)
-        all_logits = self._forward(rows, seen)
-        logits = all_logits[: len(active)]
+        with faults.collect() as failed:
+            all_logits = self._forward(rows, seen)
+        yield from self._failed(rows, failed.errors)
+        active = list(rows.active)  # the runs that did not fail
+        rows_ok = [r for r, i in enumerate(rows.batch) if i in active] if failed.errors else slice(len(active))
+        logits = all_logits[rows_ok]
         for p in rows.probes:
             p.on_step(step, list(active), logits)
         dt = time.perf_counter() - t0
@@ -297,7 +318,7 @@ class Engine:
             r.timings.decode_s += dt
             r.kv_bytes_per_step.append(rows.comps[i].nbytes())
             r.exact_kv_bytes_per_step.append(exact_bytes(self.info, seen + 1))
-        rows.forcing.report(step, rows.tokens, active, all_logits)
+        rows.forcing.report(step, rows.tokens, rows.batch, all_logits)
         total = rows.gen.max_new_tokens - 1
         yield Event("step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total)
         yield from self._ended(rows, ended)
@@ -308,7 +329,7 @@ class Engine:
         Rows: the running runs (batch row r -> run ``rows.active[r]``), then the teacher-forced copies.
         """
         model, dev = self.lm.model, self.lm.device
-        active = rows.active
+        active = rows.batch = list(rows.active)
         row_comps = [rows.comps[i] for i in active] + rows.forcing.compressors()
         inputs = [rows.tokens[i][-1] for i in active] + rows.forcing.inputs(rows.tokens)
         cache = LockstepCache(row_comps, self.info.n_layers, seen)
@@ -323,6 +344,33 @@ class Engine:
                 use_cache=True,
             )
         return out.logits[:, -1]
+
+    def _failed(self, rows: _Lockstep, errors: dict[int, str]) -> Iterator[Event]:
+        """End the runs whose compressor raised in the forward (``errors``: batch row -> message).
+
+        A teacher-forced copy that raised is dropped (its run keeps decoding, or has ended already).
+        """
+        batch, forked = rows.batch, rows.forcing.batch_runs()
+        for row, message in sorted(errors.items()):
+            i = batch[row] if row < len(batch) else forked[row - len(batch)]
+            rows.forcing.drop(i)
+            if row >= len(batch) or i not in rows.active:
+                continue
+            rows.active.remove(i)
+            r = rows.results[i]
+            r.error, r.finish_reason = message, "error"
+            rows.comps[i] = faults.FailedCompressor(rows.comps[i])
+            yield from self._finish(r, rows.tokens[i], rows.runs[i].label)
+
+    def _out_of_time(self, rows: _Lockstep, step: int) -> Generator[Event, None, str]:
+        """Stop every running run at the time limit, keeping its tokens so far; returns the comparison's message."""
+        why = f"stopped at the time limit of {self.time_limit_s:g} s (KVLAB_TIME_LIMIT_S) before decode step {step}"
+        stopped, rows.active = list(rows.active), []
+        for i in stopped:
+            r = rows.results[i]
+            r.error, r.finish_reason = why, "time_limit"
+            yield from self._finish(r, rows.tokens[i], rows.runs[i].label)
+        return f"{why}: {len(stopped)} of {len(rows.runs)} runs stopped with the tokens so far"
 
     def _ended(self, rows: _Lockstep, ended: list[int]) -> Iterator[Event]:
         """Finish the runs that just stopped, then let teacher forcing fork the ones that left the exact path."""
@@ -379,6 +427,7 @@ class _Lockstep:
         self.generators = [torch.Generator().manual_seed(gen.seed) for _ in runs]
         self.tokens: list[list[int]] = [[] for _ in runs]
         self.active: list[int] = []
+        self.batch: list[int] = []  # the runs of the last forward's free rows, in row order
 
     def pick(self, rows, logits) -> list[int]:
         """Each row's next token from its logits [V]; updates the running runs and returns those that stopped."""
@@ -404,7 +453,7 @@ class _RowObserver:
         self.probe, self.active = probe, active
 
     def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None:
-        if row < len(self.active):  # teacher-forced rows come after the free-running ones
+        if row < len(self.active) and not faults.failed(row):  # teacher-forced rows come after the free ones
             self.probe.on_attend(layer, self.active[row], q, out)
 
 
@@ -422,7 +471,11 @@ class _LayerObserver:
 
     def on_layer(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
         r = len(self.active)
-        self.probe.on_layer(layer, self.active, self.pos, q[:r], k[:r], v[:r], out[:r])
+        ok = [row for row in range(r) if not faults.failed(row)]  # a failed row's output is zeros
+        if len(ok) < r:
+            self.probe.on_layer(layer, [self.active[row] for row in ok], self.pos, q[ok], k[ok], v[ok], out[ok])
+        else:
+            self.probe.on_layer(layer, self.active, self.pos, q[:r], k[:r], v[:r], out[:r])
 
 
 class _TeacherForcing:
@@ -438,6 +491,7 @@ class _TeacherForcing:
         self.on = exact is not None and bool(probes)
         self.aligned: set[int] = set()
         self.forked: dict[int, Compressor] = {}
+        self.batch: list[int] = []
         self.started = False
 
     def after_pick(self, tokens: list[list[int]], comps: list[Compressor], active: list[int]) -> None:
@@ -457,7 +511,20 @@ class _TeacherForcing:
                 self.forked[i] = copy.deepcopy(comps[i])
 
     def compressors(self) -> list[Compressor]:
-        return list(self.forked.values()) if self.on else []
+        """The forked copies, one batch row each (after the free rows), in ``batch_runs`` order."""
+        self.batch = list(self.forked) if self.on else []
+        return [self.forked[i] for i in self.batch]
+
+    def batch_runs(self) -> list[int]:
+        """The run of each teacher-forced row of the last forward, in row order."""
+        return self.batch
+
+    def drop(self, i: int) -> None:
+        """Stop feeding run ``i`` the exact tokens (its method raised); without the exact run, stop altogether."""
+        self.aligned.discard(i)
+        self.forked.pop(i, None)
+        if i == self.exact:
+            self.on, self.forked, self.aligned = False, {}, set()
 
     def inputs(self, tokens: list[list[int]]) -> list[int]:
         return [tokens[self.exact][-1]] * len(self.forked) if self.on else []
@@ -468,7 +535,7 @@ class _TeacherForcing:
             return
         row = {i: r for r, i in enumerate(active)}
         forced = {i: logits[row[i]] for i in self.aligned | {self.exact} if i in row}
-        forced.update({i: logits[len(active) + j] for j, i in enumerate(self.forked)})
+        forced.update({i: logits[len(active) + j] for j, i in enumerate(self.batch) if i in self.forked})
         for p in self.probes:
             p.on_forced(step, tokens[self.exact][-1], logits[row[self.exact]], forced)
 

@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvlab import faults
 from kvlab.budgets import Budget
 from kvlab.engine import Engine, Event, GenerationSettings, Probe, RunSpec, expand_runs
 from kvlab.health import HealthProbe
@@ -80,18 +81,27 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
 
     ``probes`` are extra engine probes (e.g. a live view); they run before the health flags' probe
     (always on: bytes against the budget, finite logits, a cache that did not compress) and the
-    measurements' probe.
+    measurements' probe. Out of memory ends the comparison with ``faults.OutOfMemory`` once what it
+    held is freed.
     """
     engine = as_engine(model)
     runs = comparison.check()
     ids = comparison.encode(engine.lm)
     measure = [MetricsProbe(comparison.measure)] if comparison.measure is not None else []
-    for ev in engine.stream(
-        ids, runs, comparison.settings, prompt_text=comparison.prompt, probes=[*probes, HealthProbe(), *measure]
-    ):
-        if ev.kind == "done":
-            finish(ev.result, comparison.task)
-        yield ev
+    oom = None
+    try:
+        for ev in engine.stream(
+            ids, runs, comparison.settings, prompt_text=comparison.prompt, probes=[*probes, HealthProbe(), *measure]
+        ):
+            if ev.kind == "done":
+                finish(ev.result, comparison.task)
+            yield ev
+    except faults.OOM as exc:  # raised below, once the traceback (and the tensors its frames hold) is gone
+        oom = faults.out_of_memory(exc, engine.lm.device)
+    if oom is not None:
+        measure = probes = None
+        faults.release()
+        raise oom
 
 
 def compare(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence[Probe] = ()) -> CompareResult:

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.budgets import Budget
 from kvlab.results import CompareResult
 
 
@@ -64,6 +65,8 @@ class _Check:
             self.bad(path, f"nested deeper than {self.limits.max_depth} levels")
         elif isinstance(x, bool) or x is None:
             pass
+        elif isinstance(x, _NonFinite):
+            self.bad(path, f"{x.name} is not a finite number")
         elif isinstance(x, float):
             if not math.isfinite(x):
                 self.bad(path, "not a finite number")
@@ -141,6 +144,11 @@ class _Check:
                 continue
             self.short(r, p, "method")
             self.short(r, p, "budget", nullable=True)
+            if isinstance(r.get("budget"), str) and len(r["budget"]) <= self.limits.max_name:
+                try:
+                    Budget.parse(r["budget"])
+                except ValueError as exc:
+                    self.bad(f"{p}.budget", str(exc))
             self.typed(r, p, "text", (str,), required=False)
             self.ints(r, p, "token_ids", lim.max_tokens, required=False)
             self.ints(r, p, "kv_bytes_per_step", lim.max_tokens, required=False)
@@ -156,8 +164,11 @@ class _Check:
             self.short(r, p, "finish_reason") if "finish_reason" in r else None
 
 
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not a number kvlab accepts")
+@dataclass(frozen=True)
+class _NonFinite:
+    """Where the file has ``NaN`` / ``Infinity``: kept as a marker so that the check can name its path."""
+
+    name: str
 
 
 def load_result_text(text: str | bytes, limits: ImportLimits | None = None) -> CompareResult:
@@ -166,7 +177,7 @@ def load_result_text(text: str | bytes, limits: ImportLimits | None = None) -> C
     if len(text) > lim.max_bytes:
         raise ResultFileError(f"the file has {len(text)} bytes; at most {lim.max_bytes} are accepted")
     try:
-        data = json.loads(text, parse_constant=_no_constants)
+        data = json.loads(text, parse_constant=_NonFinite)
     except (ValueError, RecursionError) as exc:
         raise ResultFileError(f"not valid JSON: {str(exc)[:200]}") from None
     check = _Check(lim)

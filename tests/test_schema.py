@@ -55,8 +55,11 @@ def test_script_in_strings_is_kept_as_text():
 @pytest.mark.parametrize(
     "mutate, expected",
     [
-        (lambda d: d["runs"][1]["metrics"].update(kl_mean=float("nan")), "NaN is not a number"),
-        (lambda d: d["runs"][1]["timings"].update(decode_s=float("inf")), "Infinity is not a number"),
+        (lambda d: d["runs"][1]["metrics"].update(kl_mean=float("nan")), "metrics.kl_mean: NaN is not a finite number"),
+        (
+            lambda d: d["runs"][1]["timings"].update(decode_s=float("inf")),
+            "timings.decode_s: Infinity is not a finite number",
+        ),
         (lambda d: d.update(runs=[d["runs"][0]] * 100), "100 runs (1..64 allowed)"),
         (lambda d: d.update(runs=[]), "0 runs"),
         (lambda d: d["runs"][1].update(token_ids=list(range(20000))), "token_ids: 20000 entries (at most 16384)"),
@@ -65,6 +68,7 @@ def test_script_in_strings_is_kept_as_text():
         (lambda d: d["runs"][1].update(method="m" * 500), "method: 500 characters"),
         (lambda d: d.update(prompt_tokens=-1), "prompt_tokens: -1 is outside"),
         (lambda d: d.update(prompt_tokens="3"), "prompt_tokens: must be int, got str"),
+        (lambda d: d["runs"][1].update(budget="<b>1.5</b>"), "runs[1].budget: budget"),
         (lambda d: d.pop("runs"), "$.runs: missing"),
         (lambda d: d["runs"][1].update(kv_bytes=-5), "kv_bytes: must be >= 0"),
         (lambda d: d["runs"][1]["extras"].update(deep=json.loads("[" * 20 + "]" * 20)), "nested deeper"),

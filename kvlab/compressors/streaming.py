@@ -25,7 +25,7 @@ class StreamingLLM(DenseCompressor):
     positions_implicit = True  # the sinks, then a contiguous window: two counts say it all
     params = (
         Param("n_sink", 4, "attention-sink tokens kept from the start", minimum=0),
-        Param("window", None, "recent tokens kept (set from the budget when not given)"),
+        Param("window", None, "recent tokens kept (set from the budget when not given)", minimum=0, kind=int),
     )
 
     def plan(self, n_prompt: int) -> dict:

@@ -93,7 +93,7 @@ def _card(
         f"<span class='kv-chip'>{html.escape(GROUP_TITLES.get(group, group))}</span>{extra}</div>"
         f"<div class='kv-stats'><span>{run.kv_bytes / 1024:,.0f} / {ex_bytes / 1024:,.0f} KiB</span>"
         f"<span>{100 - held:.0f}% saved</span><span>{tps}</span></div>"
-        f"<div class='kv-div'>{html.escape(div)}</div>{health_html(run)}"
+        f"<div class='kv-div'>{html.escape(div)}</div>{error_html(run)}{health_html(run)}"
         f"<pre class='kv-text'>{diff_text_html(run, exact, lm)}</pre></div>"
     )
 
@@ -107,6 +107,14 @@ def _refused_card(run: RunResult, group: str, color: str) -> str:
         "<span class='kv-chip kv-refused-chip'>refused</span></div>"
         f"<div class='kv-flag'>⛔ <b>budget refused</b>: {html.escape(run.error)}</div></div>"
     )
+
+
+def error_html(run: RunResult) -> str:
+    """Why the run ended early (its method raised, or the time limit), as text; nothing when it ran to the end."""
+    if not run.error:
+        return ""
+    what = "stopped" if run.finish_reason == "time_limit" else "ended on an error"
+    return f"<div class='kv-flag kv-error'>✖ <b>{what}</b>: {html.escape(str(run.error))}</div>"
 
 
 def health_html(run: RunResult) -> str:

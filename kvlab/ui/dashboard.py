@@ -7,6 +7,8 @@ the sweeps use.
 
 from __future__ import annotations
 
+import html
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import gradio as gr
 import torch
 
-from kvlab import plots
+from kvlab import faults, plots
 from kvlab.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
 from kvlab.budgets import BudgetError, exact_bytes, parse_budgets
 from kvlab.engine import Engine, GenerationSettings, InputError, RunSpec
@@ -99,6 +101,40 @@ class LiveProbe:
         )
 
 
+def whole_number(value, what: str, default: int) -> int:
+    """``value`` (a number or its text; None or empty: ``default``) as an int, else ``InputError`` naming ``what``."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return default
+    try:
+        number = float(value)
+        if number != int(number):
+            raise ValueError
+        return int(number)
+    except (TypeError, ValueError, OverflowError):
+        raise InputError(f"{what} must be a whole number, got {str(value)[:40]!r}") from None
+
+
+def text_error(message: str) -> gr.Error:
+    """A page error whose message is shown as text: Gradio renders a toast's message as (sanitized) HTML."""
+    return gr.Error(html.escape(message, quote=False))
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#|~!])")
+
+
+def markdown_text(message: str) -> str:
+    """``message`` for a Markdown component, shown as text: no HTML, links or emphasis from user input."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", html.escape(message, quote=False))
+
+
+def _ended_early(result: CompareResult) -> str:
+    """The status line's note on runs that did not run to the end (an error, the time limit)."""
+    failed = sum(r.finish_reason == "error" for r in result.runs)
+    stopped = next((r.error for r in result.runs if r.finish_reason == "time_limit"), "")
+    note = f" · {failed} ended on an error (see their cards)" if failed else ""
+    return note + (f" · {stopped}; the texts so far are kept" if stopped else "")
+
+
 class Dashboard:
     """The callbacks behind the page; holds the model(s) loaded once at start."""
 
@@ -143,8 +179,12 @@ class Dashboard:
         Returns the engine of the chosen model, the comparison and the prompt's token count. ``task``
         is the preset's task while its prompt is unedited (the page drops it on any edit), else None.
         """
-        if not (prompt or "").strip():
+        if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("the prompt is empty; type some text or pick a preset")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("the prompt holds characters that are not valid Unicode (lone surrogates)") from None
         chosen = ["exact"] + list(papers or []) + list(baselines or [])
         if len(chosen) == 1:
             raise InputError("no method selected; tick at least one of the papers' methods or baselines")
@@ -152,19 +192,22 @@ class Dashboard:
             bl = parse_budgets(budgets)
         except BudgetError as exc:
             raise InputError(str(exc)) from None
-        max_new = int(max_new or 0)
+        max_new = whole_number(max_new, "max new tokens", 0)
         if not 1 <= max_new <= self.limits.max_new_tokens:
             raise InputError(f"max new tokens must be in 1..{self.limits.max_new_tokens}")
         engine = self.engine_for(model)
         measure = None
         if record_maps:
-            measure = ProbeSettings(map_layer=self._map_layer(map_layer, engine), map_head=int(map_head or 0))
+            head = whole_number(map_head, "the attention-map head", 0)
+            if not 0 <= head < engine.info.n_heads:
+                raise InputError(f"map head {head} is out of range; allowed: 0..{engine.info.n_heads - 1}")
+            measure = ProbeSettings(map_layer=self._map_layer(map_layer, engine), map_head=head)
         comparison = Comparison(
             task if isinstance(task, Task) else prompt,
             chosen,
             bl,
             params=params_from_rows(param_table, chosen),
-            settings=GenerationSettings(max_new_tokens=max_new, seed=int(seed or 0)),
+            settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(seed, "the seed", 0)),
             measure=measure,
         )
         n = len(comparison.encode(engine.lm))
@@ -190,7 +233,7 @@ class Dashboard:
         try:
             engine, comparison, n = self.request(*inputs)
         except InputError as exc:
-            return f"⚠ {exc}"
+            return f"⚠ {markdown_text(str(exc))}"
         est = self.estimate(engine, comparison, n)
         return f"{est.summary()} · within this page's limits"
 
@@ -254,15 +297,19 @@ class Dashboard:
                     )
                 elif ev.kind in ("prefill", "compress"):
                     yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
-        except InputError as exc:
-            raise gr.Error(str(exc)) from None
-        except torch.OutOfMemoryError:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            raise gr.Error("out of GPU memory: try a shorter prompt, fewer methods or fewer new tokens") from None
+        except (InputError, faults.OutOfMemory) as exc:
+            raise text_error(str(exc)) from None
+        except faults.OOM as exc:  # outside the engine (tokenizing, rendering)
+            message = str(faults.out_of_memory(exc, self.lm.device))
+        else:
+            message = None
+        if message is not None:
+            live = result = None
+            faults.release()
+            raise text_error(message)
         msg = (
             f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
-            f"{result.timings.get('compare_s', 0):.1f} s"
+            f"{result.timings.get('compare_s', 0):.1f} s" + _ended_early(result)
         )
         yield (progress_html(1.0, msg), *self.render(result.to_json(), "mean", None))
 
@@ -274,7 +321,7 @@ class Dashboard:
     def _map_layer(value, engine: Engine) -> int | None:
         if value is None or str(value).strip() in ("", "auto"):
             return None
-        layer = int(value)
+        layer = whole_number(value, "the attention-map layer", 0)
         if not 0 <= layer < engine.info.n_layers:
             raise InputError(f"map layer {layer} is out of range; allowed: 0..{engine.info.n_layers - 1}")
         return layer
@@ -341,8 +388,8 @@ class Dashboard:
         try:
             result = load_result_text(Path(path).read_bytes())
         except OSError as exc:
-            raise gr.Error(f"cannot read the file: {exc.strerror or exc}") from None
+            raise text_error(f"cannot read the file: {exc.strerror or exc}") from None
         except ResultFileError as exc:
-            raise gr.Error(str(exc)) from None
+            raise text_error(str(exc)) from None
         msg = f"loaded {len(result.runs)} runs from {Path(path).name} (not recomputed)"
         return (progress_html(1.0, msg), *self.render(result.to_json(), layer_choice, strip_label))

@@ -1,4 +1,9 @@
-"""Export of a stored result: the JSON itself, a CSV of the metrics and a static HTML report."""
+"""Export of a stored result: the JSON itself, a CSV of the metrics and a static HTML report.
+
+Exports are written to temporary folders (``kvlab-export-*``); each export removes the folders
+older than ``KVLAB_EXPORT_TTL_S`` seconds (default 3600), and the page asks Gradio to clear its
+own file cache at the same age, so a long-running page does not pile up files.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import csv
 import html
 import io
 import json
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -93,8 +100,31 @@ def report_html(result: CompareResult, lm: LoadedModel | None = None) -> str:
     )
 
 
+PREFIX = "kvlab-export-"
+
+
+def export_ttl_s() -> int:
+    """How long an export's files are kept, in seconds (``KVLAB_EXPORT_TTL_S``, default 3600)."""
+    return max(1, int(float(os.environ.get("KVLAB_EXPORT_TTL_S", 3600))))
+
+
+def remove_old_exports(ttl_s: float | None = None, root: str | Path | None = None) -> int:
+    """Remove the export folders older than ``ttl_s`` seconds from the temp folder; returns how many."""
+    ttl = export_ttl_s() if ttl_s is None else ttl_s
+    now, removed = time.time(), 0
+    for d in Path(root or tempfile.gettempdir()).glob(PREFIX + "*"):
+        try:
+            if d.is_dir() and now - d.stat().st_mtime > ttl:
+                shutil.rmtree(d, ignore_errors=True)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def export_files(result: CompareResult, lm: LoadedModel | None) -> list[str]:
-    out = Path(tempfile.mkdtemp(prefix="kvlab-export-"))
+    remove_old_exports()
+    out = Path(tempfile.mkdtemp(prefix=PREFIX))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     paths = {
         out / f"kvlab-{stamp}.json": result.dumps(),

@@ -52,8 +52,8 @@ def params_from_rows(rows: Any, chosen: list[str]) -> dict[str, dict]:
     if hasattr(rows, "values") and hasattr(rows, "columns"):
         rows = rows.values.tolist()
     out: dict[str, dict] = {}
-    for row in rows:
-        if len(row) < 4:
+    for row in rows if isinstance(rows, (list, tuple)) else []:
+        if not isinstance(row, (list, tuple)) or len(row) < 4:
             continue
         method, name, value, default = (str(x).strip() if x is not None else "" for x in row[:4])
         if method in chosen and value and value != default and value.lower() not in ("auto", "none"):

@@ -15,6 +15,7 @@ from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import Dashboard
+from kvlab.ui.export import export_ttl_s
 from kvlab.ui.methods import default_methods, method_groups, param_rows
 from kvlab.ui.presets import DEFAULT_PRESET, presets
 
@@ -37,6 +38,7 @@ class Setup:
     preset: gr.Dropdown
     run_btn: gr.Button
     plan: gr.Markdown  # the run count and memory estimate, before Run
+    cancel_btn: gr.Button  # stops the running comparison
 
     def inputs(self) -> list:
         """The inputs of ``Dashboard.compare``, in its order (before ``task``, a page state)."""
@@ -82,7 +84,8 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
     """The page. Launch with ``launch_kwargs()`` (theme, css) and ``queue_kwargs``."""
     dash = Dashboard(lm, limits)
     preset_texts, dash.tasks = presets(lm)
-    with gr.Blocks(title="kvlab — KV-cache compression side by side") as demo:
+    ttl = export_ttl_s()
+    with gr.Blocks(title="kvlab — KV-cache compression side by side", delete_cache=(ttl, ttl)) as demo:
         gr.HTML(
             "<div class='kv-header'><h1>kvlab</h1><p>KV-cache compression methods side by side on a real "
             f"model: texts, bytes, attention error, attention maps. Model: <b>{html.escape(lm.info.id)}</b> "
@@ -159,7 +162,9 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                 map_head = gr.Number(
                     value=0, precision=0, minimum=0, maximum=heads - 1, label="Attention-map query head"
                 )
-            run_btn = gr.Button("Run comparison", variant="primary", elem_id="kv-run")
+            with gr.Row():
+                run_btn = gr.Button("Run comparison", variant="primary", elem_id="kv-run", scale=3)
+                cancel_btn = gr.Button("Cancel", variant="stop", elem_id="kv-cancel", scale=1, min_width=80)
             plan = gr.Markdown("", elem_id="kv-plan")
     with gr.Accordion("Advanced parameters per method (papers' defaults; edit the value column)", open=False):
         param_table = gr.Dataframe(
@@ -173,7 +178,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
         )
     return Setup(
         model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
-        run_btn, plan,
+        run_btn, plan, cancel_btn,
     )  # fmt: skip
 
 
@@ -206,7 +211,10 @@ def _views() -> Views:
                 export_btn = gr.Button("Export JSON + CSV + HTML report", elem_id="kv-export")
                 files = gr.File(label="Downloads", file_count="multiple", interactive=False)
             upload = gr.File(
-                label="Load a kvlab JSON export (viewed without recomputing)", file_types=[".json"], type="filepath"
+                label="Load a kvlab JSON export (viewed without recomputing)",
+                file_types=[".json"],
+                type="filepath",
+                elem_id="kv-upload",
             )
         with gr.Tab("About", id="about"):
             gr.Markdown(about_markdown())
@@ -234,14 +242,15 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
         trigger_mode="always_last",
         show_progress="hidden",
     )  # fmt: skip
-    setup.run_btn.click(
+    run = setup.run_btn.click(
         gpu(dash.compare, dash.work),
         [*setup.inputs(), v.task],
         [v.status, *v.rendered()],
         api_name="compare",
         concurrency_limit=1,
         concurrency_id="model",
-    ).then(
+    )
+    run.then(
         lambda data: gr.update(
             choices=[
                 r["method"] if not r.get("budget") else f"{r['method']}@{r['budget']}"
@@ -253,6 +262,13 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
         v.state,
         v.shown,
         api_name=False,
+    )
+    setup.cancel_btn.click(
+        lambda: progress_html(0.0, "cancelled: the comparison was stopped; change the setup and run again"),
+        None,
+        v.status,
+        cancels=[run],
+        api_name="cancel",
     )
     v.layer_pick.input(dash.view_errors, [v.state, v.layer_pick], v.err_step, api_name="view_errors")
     gr.on(
