@@ -100,6 +100,7 @@ class ScoredEvictionCompressor(DenseCompressor):
         """No eviction at all: the cache is the exact one (positions 0..n-1 implied, no scores)."""
         self.full = full
         self.positions_implicit = full
+        self.wants_probs = not full  # the scores need each step's attention, unless nothing is evicted
 
     def _priority(self, scores: Tensor) -> Tensor:
         return scores if self.evict_highest else -scores.float()
@@ -129,10 +130,6 @@ class ScoredEvictionCompressor(DenseCompressor):
         self.layers[layer].keep(idx)
         s = self.scores[layer]
         self.scores[layer] = s.new_zeros(idx.shape) if self.reset_after_eviction else gather_tokens(s, idx)
-
-    def attend(self, layer: int, q: Tensor) -> Tensor:
-        self.wants_probs = not self.full
-        return super().attend(layer, q)
 
     def after_attend(self, layer: int, probs: Tensor) -> None:
         self.observe(layer, pooled_step_attention(probs, self.info.n_kv_heads))

@@ -1,0 +1,72 @@
+"""A lockstep decode step against the model's forward alone, at the same number of rows.
+
+Runs the lockstep setup of ``compare_lockstep`` (exact + 4 methods at budget 0.25 on a ~1.9k-token
+prompt) and times, alternating ``--repeats`` times in one process: the 5-row forward alone
+(``linear_rows.forward_ms``, rerouted linears, no cache), the decode step with one batched attention
+call per layer (``kvlab/batched_attention.py``), and the decode step with the per-row attention
+(``comp.attend`` per row and layer). A step is ``decode_s / steps`` of a run that decoded every step
+(forward, appends, attention, the token pick and the byte count). Reported: medians in ms and each
+step's ratio to the forward measured in the same run, with the load average before and after.
+
+    python -m bench.decode_step [--methods ...] [--repeats 3] [--new 16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from bench.compare_lockstep import add_setup_args, emit, setup, warm_up
+from bench.linear_rows import forward_ms
+from kvlab import attention
+from kvlab.engine import GenerationSettings
+
+
+def step_ms(engine, ids, specs, new: int, batched: bool) -> float:
+    """Mean ms of one lockstep decode step (up to ``new`` - 1 steps after the prefill's first token)."""
+    attention.LockstepDecode.batched = batched
+    try:
+        res = engine.compare(ids, specs, GenerationSettings(max_new_tokens=new))
+    finally:
+        attention.LockstepDecode.batched = True
+    longest = max(res.runs, key=lambda r: len(r.token_ids))  # decoded every step (others may stop at EOS)
+    return longest.timings.decode_s / max(1, len(longest.token_ids) - 1) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_setup_args(ap)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.set_defaults(new=16, threads=1)
+    args = ap.parse_args()
+    load_before = os.getloadavg()[0]
+    lm, engine, specs, ids, _ = setup(args)
+    warm_up(engine, ids, specs)
+    rows = torch.randint(0, 1000, (len(specs), 1), generator=torch.Generator().manual_seed(0))
+    fwd, batched, per_row = [], [], []
+    for _ in range(args.repeats):
+        fwd.append(forward_ms(lm.model, rows, True))
+        batched.append(step_ms(engine, ids, specs, args.new, True))
+        per_row.append(step_ms(engine, ids, specs, args.new, False))
+    med = {k: statistics.median(v) for k, v in (("forward", fwd), ("batched", batched), ("per_row", per_row))}
+    out = {
+        "prompt_tokens": len(ids),
+        "rows": len(specs),
+        "methods": [s.label for s in specs],
+        "threads": args.threads,
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "forward_ms": [round(x, 1) for x in fwd],
+        "step_batched_ms": [round(x, 1) for x in batched],
+        "step_per_row_ms": [round(x, 1) for x in per_row],
+        "median_ms": {k: round(v, 1) for k, v in med.items()},
+        "ratio_batched_to_forward": round(med["batched"] / med["forward"], 2),
+        "ratio_per_row_to_forward": round(med["per_row"] / med["forward"], 2),
+    }
+    emit(out, args.json)
+
+
+if __name__ == "__main__":
+    main()

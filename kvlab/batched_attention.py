@@ -1,0 +1,110 @@
+"""One attention call per layer for the lockstep rows whose cache reads as dense tokens.
+
+In a lockstep decode step every row (one run) has one query per layer. A row whose cache, for that
+layer, is full-precision keys and values with optional per-token log-weights (``exact``,
+``streaming``, ``h2o``, ``snapkv``, ``pyramidkv``, ``uniform``, ``balancekv``, ``subgen-kcenter``,
+``scissorhands``, the compositions' stores read back as dense keys and values, and any other
+method whose ``dense_segments(layer)`` answers) attends together with the others: their keys and
+values are copied into one float32 batch padded to the longest row, the padding masked by a -inf
+bias, the log-weights added as the bias elsewhere, and one grouped-query softmax attention runs
+over the whole batch. The maths is ``kvlab.ops.dense_attention``'s, row by row. Rows whose method
+wants this step's probabilities (H2O / Scissorhands eviction, ``wants_probs``) get their own row of
+them (padding cut off) through ``after_attend``, as the per-row path hands them.
+
+Every other row (a quantized or sketched cache: ``qjl``, ``kivi``, ``subgen``) goes through its own
+``comp.attend(layer, q)``, the per-row reference path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvlab.ops import group_queries, ungroup
+
+
+@dataclass
+class DenseRows:
+    """The dense rows of one layer: batch row indices and each one's (k, v, logw) views.
+
+    k, v: [Hkv, n_i, d] (any float dtype); logw: [Hkv, n_i] float32 or None.
+    """
+
+    rows: list[int]
+    segments: list[tuple[Tensor, Tensor, Tensor | None]]
+
+    @classmethod
+    def collect(cls, compressors: list, layer: int) -> DenseRows:
+        rows, segments = [], []
+        for row, comp in enumerate(compressors):
+            seg = comp.dense_segments(layer)
+            if seg is not None:
+                rows.append(row)
+                segments.append(seg)
+        return cls(rows, segments)
+
+
+def padded_batch(segments: list[tuple[Tensor, Tensor, Tensor | None]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows' keys/values padded to the longest: K, V [R, Hkv, N, d] float32 and the bias [R, Hkv, N]
+    (the row's log-weights, 0 without them, -inf on the padding). Padded keys and values are zero,
+    so a masked key contributes exactly 0 to the softmax and the output."""
+    k0 = segments[0][0]
+    hkv, d = k0.shape[0], k0.shape[-1]
+    lengths = [k.shape[-2] for k, _, _ in segments]
+    n_max = max(lengths)
+    big_k = torch.empty(len(segments), hkv, n_max, d, dtype=torch.float32, device=k0.device)
+    big_v = torch.empty_like(big_k)
+    bias = torch.zeros(len(segments), hkv, n_max, dtype=torch.float32, device=k0.device)
+    for i, ((k, v, lw), n) in enumerate(zip(segments, lengths)):
+        big_k[i, :, :n].copy_(k)
+        big_v[i, :, :n].copy_(v)
+        if lw is not None:
+            bias[i, :, :n].copy_(lw)
+        if n < n_max:
+            big_k[i, :, n:].zero_()
+            big_v[i, :, n:].zero_()
+            bias[i, :, n:].fill_(float("-inf"))
+    return big_k, big_v, bias
+
+
+def batched_dense_attention(
+    q: Tensor, segments: list[tuple[Tensor, Tensor, Tensor | None]], scaling: float
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention of R rows, each over its own dense cache, in one call.
+
+    q: [R, Hq, t, d]; segments: R (k, v, logw) as in ``DenseRows``. Returns out [R, Hq, t, d] (q's
+    dtype) and probs [R, Hq, t, N] float32 (N the longest row; zero on each row's padding).
+    """
+    big_k, big_v, bias = padded_batch(segments)
+    hq, hkv = q.shape[-3], big_k.shape[-3]
+    logits = torch.matmul(group_queries(q.float() * scaling, hkv), big_k.transpose(-1, -2))  # [R, Hkv, g*t, N]
+    logits = ungroup(logits + bias.unsqueeze(-2), hq)
+    probs = torch.softmax(logits, dim=-1)
+    out = ungroup(torch.matmul(group_queries(probs, hkv), big_v), hq).to(q.dtype)
+    return out, probs
+
+
+def attend_rows(compressors: list, layer: int, query: Tensor) -> list[Tensor]:
+    """Each row's attention output [Hq, 1, d] for one layer: query [B, Hq, 1, d], row i through ``compressors[i]``.
+
+    Dense rows attend in one ``batched_dense_attention`` call (those that want the probabilities get
+    their row through ``after_attend``); the others through ``comp.attend``.
+    """
+    dense = DenseRows.collect(compressors, layer)
+    outs: list[Tensor | None] = [None] * len(compressors)
+    if dense.rows:
+        out, probs = batched_dense_attention(query[dense.rows], dense.segments, compressors[dense.rows[0]].scaling)
+        for j, row in enumerate(dense.rows):
+            comp = compressors[row]
+            outs[row] = out[j]
+            if comp.wants_probs:
+                comp.after_attend(layer, probs[j, ..., : dense.segments[j][0].shape[-2]])
+    for row, comp in enumerate(compressors):
+        if outs[row] is None:
+            outs[row] = comp.attend(layer, query[row])
+    return outs
+
+
+__all__ = ["DenseRows", "attend_rows", "batched_dense_attention", "padded_batch"]
