@@ -7,9 +7,12 @@ layer, is full-precision keys and values with optional per-token log-weights (``
 method whose ``dense_segments(layer)`` answers) attends together with the others: their keys and
 values are copied into one float32 batch padded to the longest row, the padding masked by a -inf
 bias, the log-weights added as the bias elsewhere, and one grouped-query softmax attention runs
-over the whole batch. The maths is ``kvlab.ops.dense_attention``'s, row by row. Rows whose method
-wants this step's probabilities (H2O / Scissorhands eviction, ``wants_probs``) get their own row of
-them (padding cut off) through ``after_attend``, as the per-row path hands them.
+over the whole batch; the maths is ``kvlab.ops.dense_attention``'s, row by row. Rows of very
+different lengths (an exact cache beside a compressed one) go in separate calls
+(``length_buckets``): the attention of one decode query is bound by reading the keys and values,
+so that padding would cost more than the call saves. Rows whose method wants this step's
+probabilities (H2O / Scissorhands eviction, ``wants_probs``) get their own row of them (padding
+cut off) through ``after_attend``, as the per-row path hands them.
 
 Every other row (a quantized or sketched cache: ``qjl``, ``kivi``, ``subgen``) goes through its own
 ``comp.attend(layer, q)``, the per-row reference path.
@@ -23,6 +26,8 @@ import torch
 from torch import Tensor
 
 from kvlab.ops import group_queries, ungroup
+
+MAX_PADDING = 0.5  # a call's padded keys are at most this share above its rows' own (``length_buckets``)
 
 
 @dataclass
@@ -86,25 +91,49 @@ def batched_dense_attention(
     return out, probs
 
 
+def length_buckets(lengths: list[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Split rows into calls so that padding at most multiplies a call's keys by ``1 + max_padding``.
+
+    lengths: each row's cache length. Returns lists of row indices (longest rows first). Attention over
+    a decode step's cache is bound by reading the keys and values, so padding a 400-token row to an
+    exact row's 1,900 tokens would cost more than the call it saves; rows of similar lengths share one.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets:
+            rows = buckets[-1] + [i]
+            padded = len(rows) * lengths[rows[0]]
+            if padded <= (1 + max_padding) * sum(lengths[j] for j in rows):
+                buckets[-1] = rows
+                continue
+        buckets.append([i])
+    return buckets
+
+
 def attend_rows(compressors: list, layer: int, query: Tensor) -> list[Tensor]:
     """Each row's attention output [Hq, 1, d] for one layer: query [B, Hq, 1, d], row i through ``compressors[i]``.
 
-    Dense rows attend in one ``batched_dense_attention`` call (those that want the probabilities get
-    their row through ``after_attend``); the others through ``comp.attend``.
+    Dense rows attend in ``batched_dense_attention`` calls, one per ``length_buckets`` bucket (those
+    that want the probabilities get their row through ``after_attend``); the others through ``comp.attend``.
     """
     dense = DenseRows.collect(compressors, layer)
     outs: list[Tensor | None] = [None] * len(compressors)
-    if dense.rows:
-        out, probs = batched_dense_attention(query[dense.rows], dense.segments, compressors[dense.rows[0]].scaling)
-        for j, row in enumerate(dense.rows):
+    lengths = [seg[0].shape[-2] for seg in dense.segments]
+    for bucket in length_buckets(lengths):
+        rows = [dense.rows[j] for j in bucket]
+        out, probs = batched_dense_attention(
+            query[rows], [dense.segments[j] for j in bucket], compressors[rows[0]].scaling
+        )
+        for i, (j, row) in enumerate(zip(bucket, rows)):
             comp = compressors[row]
-            outs[row] = out[j]
+            outs[row] = out[i]
             if comp.wants_probs:
-                comp.after_attend(layer, probs[j, ..., : dense.segments[j][0].shape[-2]])
+                comp.after_attend(layer, probs[i, ..., : lengths[j]])
     for row, comp in enumerate(compressors):
         if outs[row] is None:
             outs[row] = comp.attend(layer, query[row])
     return outs
 
 
-__all__ = ["DenseRows", "attend_rows", "batched_dense_attention", "padded_batch"]
+__all__ = ["DenseRows", "attend_rows", "batched_dense_attention", "length_buckets", "padded_batch"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvlab.attention import LockstepDecode
-from kvlab.batched_attention import DenseRows, attend_rows, batched_dense_attention
+from kvlab.batched_attention import DenseRows, attend_rows, batched_dense_attention, length_buckets
 from kvlab.budgets import Budget
 from kvlab.compressors import names
 from kvlab.compressors._scored import ScoredEvictionCompressor
@@ -138,3 +138,14 @@ def test_generation_equals_per_row(engine32, lm, long_text):
     for (layer, row, ob), (_, _, op) in zip(rec_b.outs, rec_p.outs):
         if row in full_precision:
             assert (ob - op).norm() <= 1e-4 * op.norm(), (layer, SPECS[row].label)
+
+
+def test_length_buckets_bound_the_padding():
+    assert length_buckets([400, 1900, 420, 380, 1800]) == [[1, 4, 2], [0, 3]]  # 5700 <= 1.5 x 4120 tokens
+    assert length_buckets([5, 5, 5]) == [[0, 1, 2]]
+    assert length_buckets([100, 10], max_padding=10.0) == [[0, 1]]
+    for lengths in ([1, 2, 3, 50, 70, 1000, 999, 2], [7]):
+        buckets = length_buckets(lengths)
+        assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+        for b in buckets:
+            assert len(b) * max(lengths[i] for i in b) <= 1.5 * sum(lengths[i] for i in b)
