@@ -65,7 +65,8 @@ def test_one_layer_equals_per_row(compressed, lm):
     batched, per_row = copy.deepcopy(compressed), copy.deepcopy(compressed)
     dense = DenseRows.collect(batched, 0)
     assert len(dense.rows) >= 14  # the dense methods and compositions, at least
-    assert len({seg[0].shape[-2] for seg in dense.segments}) >= 4  # rows of different lengths
+    lengths = [seg[0].shape[-2] for seg in dense.segments]
+    assert any(len({lengths[j] for j in b}) >= 3 for b in length_buckets(lengths))  # calls padding rows
     g = torch.Generator().manual_seed(1)
     pos = compressed[0].layers[0].n  # the exact row holds every prompt token
     for layer in range(info.n_layers):
