@@ -15,7 +15,8 @@ probabilities (H2O / Scissorhands eviction, ``wants_probs``) get their own row o
 cut off) through ``after_attend``, as the per-row path hands them.
 
 Every other row (a quantized or sketched cache: ``qjl``, ``kivi``, ``subgen``) goes through its own
-``comp.attend(layer, q)``, the per-row reference path.
+``comp.attend(layer, q)``, the per-row reference path. On CUDA every row does: a dense row's
+``attend`` is then the fused Triton decode kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels import use_triton
 from kvlab.ops import group_queries, ungroup
 
 MAX_PADDING = 0.5  # a call's padded keys are at most this share above its rows' own (``length_buckets``)
@@ -117,6 +119,8 @@ def attend_rows(compressors: list, layer: int, query: Tensor) -> list[Tensor]:
     Dense rows attend in ``batched_dense_attention`` calls, one per ``length_buckets`` bucket (those
     that want the probabilities get their row through ``after_attend``); the others through ``comp.attend``.
     """
+    if use_triton(query.device):  # CUDA: each dense row already runs the fused Triton decode kernel
+        return [comp.attend(layer, query[row]) for row, comp in enumerate(compressors)]
     dense = DenseRows.collect(compressors, layer)
     outs: list[Tensor | None] = [None] * len(compressors)
     lengths = [seg[0].shape[-2] for seg in dense.segments]
