@@ -21,13 +21,29 @@ Every other row (a quantized or sketched cache: ``qjl``, ``kivi``, ``subgen``) g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from kernels import use_triton
 from kvlab.ops import group_queries, ungroup
+
+
+def _unguarded(row: int, fn: Callable, *args: Any) -> Any:
+    return fn(*args)
+
+
+def _attend(row: int, comp, layer: int, q: Tensor) -> Tensor:
+    return comp.attend(layer, q)
+
+
+def _after_attend(comp, layer: int, probs: Tensor) -> bool:
+    comp.after_attend(layer, probs)
+    return True
+
 
 MAX_PADDING = 0.5  # a call's padded keys are at most this share above its rows' own (``length_buckets``)
 
@@ -43,10 +59,10 @@ class DenseRows:
     segments: list[tuple[Tensor, Tensor, Tensor | None]]
 
     @classmethod
-    def collect(cls, compressors: list, layer: int) -> DenseRows:
+    def collect(cls, compressors: list, layer: int, guard: Callable = _unguarded) -> DenseRows:
         rows, segments = [], []
         for row, comp in enumerate(compressors):
-            seg = comp.dense_segments(layer)
+            seg = guard(row, comp.dense_segments, layer)
             if seg is not None:
                 rows.append(row)
                 segments.append(seg)
@@ -113,15 +129,20 @@ def length_buckets(lengths: list[int], max_padding: float = MAX_PADDING) -> list
     return buckets
 
 
-def attend_rows(compressors: list, layer: int, query: Tensor) -> list[Tensor]:
+def attend_rows(
+    compressors: list, layer: int, query: Tensor, guard: Callable = _unguarded, attend: Callable = _attend
+) -> list[Tensor]:
     """Each row's attention output [Hq, 1, d] for one layer: query [B, Hq, 1, d], row i through ``compressors[i]``.
 
     Dense rows attend in ``batched_dense_attention`` calls, one per ``length_buckets`` bucket (those
-    that want the probabilities get their row through ``after_attend``); the others through ``comp.attend``.
+    that want the probabilities get their row through ``after_attend``); the others through
+    ``attend(row, comp, layer, q)`` (``comp.attend``). ``guard(row, fn, *args)`` runs each row's own
+    calls (``dense_segments``, ``after_attend``): a fault-isolating guard returns None for a row that
+    raised, which then goes to ``attend`` (that answers zeros for a failed row).
     """
     if use_triton(query.device):  # CUDA: each dense row already runs the fused Triton decode kernel
-        return [comp.attend(layer, query[row]) for row, comp in enumerate(compressors)]
-    dense = DenseRows.collect(compressors, layer)
+        return [attend(row, comp, layer, query[row]) for row, comp in enumerate(compressors)]
+    dense = DenseRows.collect(compressors, layer, guard)
     outs: list[Tensor | None] = [None] * len(compressors)
     lengths = [seg[0].shape[-2] for seg in dense.segments]
     for bucket in length_buckets(lengths):
@@ -132,11 +153,11 @@ def attend_rows(compressors: list, layer: int, query: Tensor) -> list[Tensor]:
         for i, (j, row) in enumerate(zip(bucket, rows)):
             comp = compressors[row]
             outs[row] = out[i]
-            if comp.wants_probs:
-                comp.after_attend(layer, probs[i, ..., : lengths[j]])
+            if comp.wants_probs and guard(row, _after_attend, comp, layer, probs[i, ..., : lengths[j]]) is None:
+                outs[row] = None  # the row failed: ``attend`` answers for it
     for row, comp in enumerate(compressors):
         if outs[row] is None:
-            outs[row] = comp.attend(layer, query[row])
+            outs[row] = attend(row, comp, layer, query[row])
     return outs
 
 
