@@ -78,7 +78,8 @@ def pack_signs(x: Tensor) -> Tensor:
 def unpack_signs(bits: Tensor, m: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
     """Packed sign bits uint8 [..., m/8] -> ±1 [..., m] (``m`` defaults to 8 x bytes)."""
     m = bits.shape[-1] * 8 if m is None else m
-    return sign_table(dtype, str(bits.device))[bits.long()].reshape(*bits.shape[:-1], -1)[..., :m]
+    table = sign_table(dtype, str(bits.device))  # a row lookup (embedding): ~4x faster than table[idx] on the CPU
+    return torch.nn.functional.embedding(bits.long(), table).reshape(*bits.shape[:-1], -1)[..., :m]
 
 
 @dataclass

@@ -5,7 +5,8 @@ The model's code is not patched. While the engine runs, ``config._attn_implement
 
 * ``PrefillCapture``: exact causal attention (SDPA), recording the last prompt queries and, when
   asked, the attention each key receives summed over all queries;
-* ``LockstepDecode``: row i of the batch attends through compressor i's cache.
+* ``LockstepDecode``: row i of the batch attends through compressor i's cache (with one query per
+  row, the rows whose caches read as dense tokens attend in one call: ``kvlab.batched_attention``).
 
 With no context active the function is plain SDPA, so the same model object also serves
 ``model.generate``.
@@ -24,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvlab import faults
+from kvlab.batched_attention import attend_rows
 from kvlab.few_rows import torch_functions_plain
 from kvlab.ops import attention_logits, pool_heads
 
@@ -74,6 +76,8 @@ class LockstepDecode:
     [B, Hkv, 1, d] the new token's key/value, out [B, Hq, 1, d]).
     """
 
+    batched: bool = True  # one attention call per layer for the rows that allow it (False: per row)
+
     def __init__(
         self, compressors: list, observers: list[Callable] | None = None, layer_observers: list[Callable] | None = None
     ):
@@ -86,13 +90,14 @@ class LockstepDecode:
             return self._attend(module.layer_idx, query, key, value)
 
     def _attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
-        outs = []
-        for row, comp in enumerate(self.compressors):
-            q = query[row]  # [Hq, 1, d]
-            out = faults.attend(row, comp, layer, q)  # a row that raises gets zeros; the engine ends its run
+        # a row that raises gets zeros (faults.attend); the engine then ends its run
+        if self.batched and query.shape[-2] == 1:  # one query per row: dense rows in one call
+            outs = attend_rows(self.compressors, layer, query, guard=faults.guard, attend=faults.attend)
+        else:  # the per-row reference path (also any query length other than 1)
+            outs = [faults.attend(row, comp, layer, query[row]) for row, comp in enumerate(self.compressors)]
+        for row, out in enumerate(outs):
             for obs in self.observers:
-                obs(layer, row, q, out)
-            outs.append(out)
+                obs(layer, row, query[row], out)
         out = torch.stack(outs)  # [B, Hq, 1, d]
         for obs in self.layer_observers:
             obs(layer, query, key, value, out)

@@ -18,6 +18,7 @@ more than ``capacity`` tokens, not even during attention.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -53,6 +54,26 @@ def pooled_step_attention(probs: Tensor, n_kv_heads: int) -> Tensor:
     return pool_heads(probs.squeeze(-2), n_kv_heads, head_dim=-2, reduce="mean")
 
 
+class _Room:
+    """Spare room after a [H, n] tensor's tokens: appending zeros costs a copy only when the room runs out."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self):
+        self.buf: Tensor | None = None
+
+    def extend(self, s: Tensor, m: int) -> Tensor:
+        """``s`` [H, n] followed by ``m`` zero columns: a view of ``buf`` (reallocated, with amortized
+        doubling, when ``s`` does not already start it, e.g. after an eviction made a new tensor)."""
+        n, buf = s.shape[-1], self.buf
+        if buf is None or buf.data_ptr() != s.data_ptr() or buf.stride() != s.stride() or n + m > buf.shape[-1]:
+            buf = s.new_empty(s.shape[0], max(16, 2 * (n + m)))
+            buf[:, :n] = s
+            self.buf = buf
+        buf[:, n : n + m] = 0
+        return buf[:, : n + m]
+
+
 class ScoredEvictionCompressor(DenseCompressor):
     """A dense cache with one score per kept token (per layer and KV head) and score-driven eviction."""
 
@@ -70,6 +91,7 @@ class ScoredEvictionCompressor(DenseCompressor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.scores: list[Tensor] = []
+        self._score_room: dict[int, _Room] = defaultdict(_Room)  # per layer: where scores grow without a copy
 
     # ----- what subclasses provide --------------------------------------------------------
     def initial_scores(self, state: PrefillState) -> tuple[Tensor, Tensor]:
@@ -100,6 +122,7 @@ class ScoredEvictionCompressor(DenseCompressor):
         """No eviction at all: the cache is the exact one (positions 0..n-1 implied, no scores)."""
         self.full = full
         self.positions_implicit = full
+        self.wants_probs = not full  # the scores need each step's attention, unless nothing is evicted
 
     def _priority(self, scores: Tensor) -> Tensor:
         return scores if self.evict_highest else -scores.float()
@@ -119,8 +142,7 @@ class ScoredEvictionCompressor(DenseCompressor):
         cache.append(k, v, pos)
         if self.full:
             return
-        s = self.scores[layer]
-        self.scores[layer] = torch.cat([s, s.new_zeros(s.shape[0], k.shape[1])], dim=-1)
+        self.scores[layer] = self._score_room[layer].extend(self.scores[layer], k.shape[1])
         if cache.n > self.capacity:
             self._evict(layer, self.decode_drop(cache.n))
 
@@ -129,10 +151,6 @@ class ScoredEvictionCompressor(DenseCompressor):
         self.layers[layer].keep(idx)
         s = self.scores[layer]
         self.scores[layer] = s.new_zeros(idx.shape) if self.reset_after_eviction else gather_tokens(s, idx)
-
-    def attend(self, layer: int, q: Tensor) -> Tensor:
-        self.wants_probs = not self.full
-        return super().attend(layer, q)
 
     def after_attend(self, layer: int, probs: Tensor) -> None:
         self.observe(layer, pooled_step_attention(probs, self.info.n_kv_heads))

@@ -254,6 +254,20 @@ class Compressor:
     def attend(self, layer: int, q: Tensor) -> Tensor:
         raise NotImplementedError
 
+    wants_probs: bool = False  # hand this step's attention to ``after_attend`` (dense caches)
+
+    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """This layer's cache as dense tokens, when it is one: (k, v [Hkv, n, d], logw [Hkv, n] or None).
+
+        Then ``attend`` is softmax attention over them (``ops.dense_attention``, followed by
+        ``after_attend`` when ``wants_probs``), and a lockstep step may attend for it together with
+        other rows (``kvlab.batched_attention``). None (the default): only ``attend`` knows how.
+        """
+        return None
+
+    def after_attend(self, layer: int, probs: Tensor) -> None:
+        """Hook for streaming eviction: ``probs`` [Hq, 1, n] is this step's attention over the cache."""
+
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every tensor this cache holds, as (kind, tensor); bytes are counted from these."""
         raise NotImplementedError
@@ -440,10 +454,9 @@ class DenseCompressor(Compressor):
             return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
         return dense_attention(q, k, v, self.scaling, lw)
 
-    wants_probs: ClassVar[bool] = False
-
-    def after_attend(self, layer: int, probs: Tensor) -> None:
-        """Hook for streaming eviction: ``probs`` [Hq, 1, n] is this step's attention over the cache."""
+    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        k, v, _, lw = self.layers[layer].views()
+        return k, v, lw
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:

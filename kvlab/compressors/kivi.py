@@ -271,6 +271,11 @@ class KIVI(Compressor):
         out = weighted_token_sum(pg[..., :nq], st.vq) + torch.matmul(pg[..., nq:], rv.float())
         return ungroup(out, q.shape[0]).to(q.dtype)
 
+    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
+        """Dense while nothing is quantized yet (the residual only)."""
+        st = self.layers[layer]
+        return (st.rk.view(), st.rv.view(), None) if st.kq is None else None
+
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:
             yield from layer.tensors()

@@ -529,6 +529,11 @@ class QJL(Compressor):
             out = out + weighted_token_sum(probs[..., :nq], st.values)
         return ungroup(out, hq).to(q.dtype)
 
+    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
+        """Dense while nothing is sketched yet (the full-precision window only)."""
+        st = self.layers[layer]
+        return None if st.n_quantized else (st.res_k, st.res_v, None)
+
     def _key_scores(self, st: QJLLayer, qg: Tensor) -> Tensor:
         """Estimated scores of the quantized keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, n_quantized].
 

@@ -502,6 +502,9 @@ class SubGen(Compressor):
             return dense_attention(q, k, v, self.scaling)
         return self.state.attend(layer, q, self.scaling)
 
+    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
+        return self.dense[layer].views()[:2] + (None,) if self.full else None
+
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         if self.full:
             for layer in self.dense:
