@@ -253,8 +253,13 @@ class SubGenState:
         _replace(self.mv[layer], coins, v)
         mu += vsq
 
-    def attend(self, layer: int, q: Tensor, scaling: float) -> Tensor:
-        """QueryStreamAttn: q [Hq, w, d] -> z / tau [Hq, w, d]."""
+    def attend(
+        self, layer: int, q: Tensor, scaling: float, exact_k: Tensor | None = None, exact_v: Tensor | None = None
+    ) -> Tensor:
+        """QueryStreamAttn: q [Hq, w, d] -> z / tau [Hq, w, d].
+
+        ``exact_k`` / ``exact_v`` [H, e, d]: tokens held exactly beside the stream (sink and recent
+        tokens); their exact terms join both the numerator and the denominator."""
         h = self.centers.shape[1]
         m = max(1, int(self.count[layer].max()))
         qg = group_queries(q.float(), h)  # [H, g*w, d]
@@ -266,7 +271,14 @@ class SubGenState:
         vsq = (mv * mv).sum(-1).clamp_min(1e-30)
         logw_m = torch.log(mu.clamp_min(1e-30)).unsqueeze(-1) - math.log(self.s) - torch.log(vsq)
         logits = torch.matmul(qg, mk.transpose(-1, -2)) * scaling + logw_m.unsqueeze(1)
-        out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
+        if exact_k is None or exact_k.shape[-2] == 0:
+            out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
+        else:
+            le = torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling  # [H, g*w, e]
+            shift = torch.maximum(log_tau, le.amax(-1)).unsqueeze(-1)  # a common shift cancels in the ratio
+            pe = torch.exp(le - shift)
+            num = torch.matmul(torch.exp(logits - shift), mv) + torch.matmul(pe, exact_v.float())
+            out = num / (torch.exp(log_tau.unsqueeze(-1) - shift) + pe.sum(-1, keepdim=True))
         return ungroup(out, q.shape[0]).to(q.dtype)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
@@ -280,6 +292,41 @@ class SubGenState:
         yield "sample_keys", self.mk
         yield "sample_values", self.mv
         yield "value_mass", self.mu
+
+
+@dataclass
+class ExactTokens:
+    """Tokens ``subgen`` holds exactly beside Algorithm 1: the first ``sink`` prompt tokens and a sliding
+    window of the ``recent`` latest tokens (the experiments' recent tokens, Sec. 3.2).
+
+    keys / values [L, H, sink + recent, d]; the window is a ring over slots sink .. sink + recent - 1,
+    ``head[layer]`` its oldest slot (attention does not depend on the order of the slots).
+    """
+
+    keys: Tensor
+    values: Tensor
+    sink: int
+    head: list[int]
+
+    @classmethod
+    def make(cls, keys: Tensor, values: Tensor, sink: int) -> ExactTokens:
+        return cls(keys.contiguous(), values.contiguous(), sink, [0] * keys.shape[0])
+
+    @property
+    def recent(self) -> int:
+        return self.keys.shape[2] - self.sink
+
+    def push(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """A new token k, v [H, d] enters the window; returns the token that leaves it (the new one
+        itself when there is no window), which goes on into Algorithm 1's stream."""
+        if self.recent == 0:
+            return k, v
+        slot = self.sink + self.head[layer]
+        old_k, old_v = self.keys[layer, :, slot].clone(), self.values[layer, :, slot].clone()
+        self.keys[layer, :, slot] = k.to(self.keys.dtype)
+        self.values[layer, :, slot] = v.to(self.values.dtype)
+        self.head[layer] = (self.head[layer] + 1) % self.recent
+        return old_k, old_v
 
 
 def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
@@ -367,28 +414,45 @@ def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
 # ----- the compressors -----------------------------------------------------------------------------
 @dataclass
 class SubGenPlan:
-    """Knobs from the budget: t, s, cluster cap, per-stream bytes targeted and planned."""
+    """Knobs from the budget: t, s, cluster cap, exact sink / recent tokens, per-stream bytes targeted and planned."""
 
     t: int
     s: int
     m_cap: int
     target_bytes_per_stream: int
     planned_bytes_per_stream: int
+    sink: int = 0
+    recent: int = 0
 
 
-def plan_subgen(bytes_per_stream: float, d: int, elem: int, t: int, s: int | None, value_share: float) -> SubGenPlan:
-    """Share a per-stream byte budget between M (2 s vectors) and clusters ((1 + t) vectors + a size each).
+def plan_subgen(
+    bytes_per_stream: float,
+    d: int,
+    elem: int,
+    t: int,
+    s: int | None,
+    value_share: float,
+    sink: int = 0,
+    recent_share: float = 0.0,
+) -> SubGenPlan:
+    """Share a per-stream byte budget between exact tokens (``sink`` + a ``recent_share`` of the budget's
+    tokens, 2 vectors each), M (2 s vectors) and clusters ((1 + t) vectors + a size each).
 
     Fixed per stream: the cluster counter, delta and mu (4 bytes each).
     """
     fixed = 12
-    room = max(0.0, bytes_per_stream - fixed)
+    per_token = 2 * d * elem
+    recent = int(recent_share * bytes_per_stream // per_token)
+    exact = min(sink + recent, max(0, int((bytes_per_stream - fixed) // per_token) - 2))  # leave room for M
+    sink = min(sink, exact)
+    recent = exact - sink
+    room = max(0.0, bytes_per_stream - fixed - exact * per_token)
     if s is None:
         s = max(1, int(value_share * room // (2 * d * elem)))
     per_cluster = (1 + t) * d * elem + 4
     m_cap = max(1, int((room - 2 * d * elem * s) // per_cluster))
-    planned = fixed + 2 * d * elem * s + m_cap * per_cluster
-    return SubGenPlan(t, s, m_cap, int(bytes_per_stream), planned)
+    planned = fixed + exact * per_token + 2 * d * elem * s + m_cap * per_cluster
+    return SubGenPlan(t, s, m_cap, int(bytes_per_stream), planned, sink, recent)
 
 
 @register
@@ -427,6 +491,15 @@ class SubGen(Compressor):
             maximum=1.0,
         ),
         Param("delta_scale", 1.0, "multiplies the automatic delta", minimum=0.0),
+        Param("sink", 4, "first prompt tokens held exactly, outside the stream (not in Algorithm 1)", minimum=0),
+        Param(
+            "recent_share",
+            0.25,
+            "share of the budget's tokens held exactly as a sliding window of the latest tokens (the "
+            "experiments' recent tokens, Sec. 3.2); tokens leaving it enter Algorithm 1",
+            minimum=0.0,
+            maximum=1.0,
+        ),
     )
 
     def plan(self, n_prompt: int) -> dict:
@@ -435,11 +508,20 @@ class SubGen(Compressor):
         if self.full:
             return {"compressed": False}
         per_stream = self.budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
+        cfg = self.cfg
         self.sg_plan = plan_subgen(
-            per_stream, info.head_dim, info.dtype_bytes, self.cfg["t"], self.cfg["s"], self.cfg["value_share"]
+            per_stream,
+            info.head_dim,
+            info.dtype_bytes,
+            cfg["t"],
+            cfg["s"],
+            cfg["value_share"],
+            cfg["sink"],
+            cfg["recent_share"],
         )
         p = self.sg_plan
         self.knobs = {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
+        self.knobs.update(sink=p.sink, recent=p.recent)
         return self.knobs  # compress adds what the prompt's clustering found (delta, clusters, cap bound)
 
     def compress(self, state: PrefillState) -> None:
@@ -452,9 +534,16 @@ class SubGen(Compressor):
             ]
             return
         p = self.sg_plan
-        delta = self._delta(state.keys, p.m_cap)
-        self.state = SubGenState.build(
-            state.keys, state.values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype
+        n = state.n_tokens
+        sink = min(p.sink, n - 1)
+        recent = min(p.recent, n - 1 - sink)  # at least one token goes through Algorithm 1
+        stream = slice(sink, n - recent)
+        keys, values = state.keys[:, :, stream], state.values[:, :, stream]
+        delta = self._delta(keys, p.m_cap)
+        self.state = SubGenState.build(keys, values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype)
+        held = torch.cat([torch.arange(sink), torch.arange(n - recent, n)])
+        self.exact = ExactTokens.make(
+            self.as_cached(state.keys[:, :, held]), self.as_cached(state.values[:, :, held]), sink
         )
         self.clusters = self.state.count.float().mean().item()
         bound = self.state.cap_joins > 0
@@ -485,13 +574,13 @@ class SubGen(Compressor):
         if self.full:
             self.dense[layer].append(k, v, pos)
         else:
-            self.state.append(layer, k[:, 0], v[:, 0], self.generator)
+            self.state.append(layer, *self.exact.push(layer, k[:, 0], v[:, 0]), self.generator)
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
         if self.full:
             k, v, _, _ = self.dense[layer].views()
             return dense_attention(q, k, v, self.scaling)
-        return self.state.attend(layer, q, self.scaling)
+        return self.state.attend(layer, q, self.scaling, self.exact.keys[layer], self.exact.values[layer])
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         if self.full:
@@ -499,6 +588,8 @@ class SubGen(Compressor):
                 yield from ((kind, t) for kind, t in layer.tensors() if kind != "positions")
         else:
             yield from self.state.tensors()
+            yield "keys", self.exact.keys
+            yield "values", self.exact.values
 
 
 @register
