@@ -365,21 +365,55 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
     return assign, centers, count, forced
 
 
-def leader_delta(keys: Tensor, m_cap: int, iters: int = 14) -> Tensor:
+def leader_delta(keys: Tensor, m_cap: int, iters: int = 10) -> Tensor:
     """The smallest radius (to 2^-iters of the keys' diameter bound) at which Algorithm 1's leader
     clustering of each stream opens at most ``m_cap`` clusters: bisection on the prompt.
 
     keys [B, n, d] float32. Returns delta [B]. Any delta >= the diameter gives one cluster, so the
-    upper end always fits; the clustering is run with a cap of ``m_cap`` + 1 (enough to tell "too
-    many"), all streams in lockstep.
+    upper end always fits; each step runs the clustering of all streams in lockstep (``_fits``).
     """
     hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
     lo = torch.zeros_like(hi)
     for _ in range(iters):
         mid = (lo + hi) / 2
-        fits = _cluster_stream(keys, mid, m_cap + 1)[2] <= m_cap
+        fits = _fits(keys, mid, m_cap)
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
     return hi
+
+
+def _fits(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -> Tensor:
+    """Whether leader clustering (``_cluster_stream``) of each stream opens at most ``m_cap``
+    clusters: keys [B, n, d], delta [B] -> bool [B].
+
+    A stream is decided once it opens cluster m_cap + 1; it then leaves the lockstep batch, so the
+    rest of the prompt is clustered only for the streams still undecided (a step of the bisection
+    whose radius is too small stops early for most streams).
+    """
+    b, n, d = keys.shape
+    cap = m_cap + 1
+    live = torch.arange(b, device=keys.device)  # streams still undecided, as rows of the full batch
+    rest, delta2 = keys, (delta * delta).unsqueeze(-1)  # rest: the live streams' keys from token ``start`` on
+    start = 0
+    centers = keys.new_zeros(b, cap, d)
+    csq = torch.full((b, cap), float("inf"), dtype=keys.dtype, device=keys.device)
+    count = torch.zeros(b, dtype=torch.long, device=keys.device)
+    over = torch.zeros(b, dtype=torch.bool, device=keys.device)
+    for a in range(0, n, chunk):
+        x = rest[:, a - start : a - start + chunk]
+        xsq = (x * x).sum(-1)
+        used = max(1, int(count.max()))
+        best, near = _sqdist(x, xsq, centers[:, :used], csq[:, :used]).min(-1)
+        _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2)
+        done = count >= cap
+        if 4 * int(done.sum()) >= live.numel():  # drop the decided streams once they are a quarter
+            over[live[done]] = True
+            keep = ~done
+            live, delta2, centers, csq, count = live[keep], delta2[keep], centers[keep], csq[keep], count[keep]
+            rest, start = rest[keep, a + chunk - start :], a + chunk
+            if live.numel() == 0:
+                break
+    over[live[count >= cap]] = True
+    return ~over
 
 
 def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
