@@ -80,14 +80,31 @@ class KCenter:
     radius: Tensor
 
 
+KCENTER_BYTES = 8 << 20  # keys of the streams one greedy k-center pass works on together
+
+
 def greedy_kcenter(x: Tensor, k: int) -> KCenter:
-    """Gonzalez' greedy k-center (a 2-approximation) on every stream at once.
+    """Gonzalez' greedy k-center (a 2-approximation) on every stream.
 
     x: [B, n, d]. Starts from token 0; each round adds the point farthest from the chosen centers.
     Returns the chosen token indices, each point's nearest center (index into ``centers``) and the
     final cover radius. A chosen point belongs to its own cluster and is never chosen twice, so
     every cluster has at least one member even when keys repeat (k distinct tokens for k <= n).
+
+    Each round reads all keys of its streams, so the streams go in groups of at most
+    ``KCENTER_BYTES`` of keys (at least two streams, which keeps the batched products' rounding),
+    the k rounds of a group reading from cache rather than memory.
     """
+    b, n, d = x.shape
+    step = max(2, KCENTER_BYTES // max(1, n * d * x.element_size()))
+    if step >= b:
+        return _greedy_kcenter(x, k)
+    parts = [_greedy_kcenter(x[i : i + step], k) for i in range(0, b, step)]
+    return KCenter(*(torch.cat(t) for t in zip(*((p.centers, p.assign, p.radius) for p in parts))))
+
+
+def _greedy_kcenter(x: Tensor, k: int) -> KCenter:
+    """``greedy_kcenter`` on all streams of x [B, n, d] in lockstep."""
     b, n, _ = x.shape
     k = min(k, n)
     xsq = (x * x).sum(-1)
