@@ -219,12 +219,15 @@ class SubGenState:
         m_cap: int,
         gen: torch.Generator,
         dtype: torch.dtype = torch.float16,
+        clustering: Clustering | None = None,
     ) -> SubGenState:
         """Run Algorithm 1 over a prompt: keys, values [L, H, n, d]; delta [L, H]. The kept vectors
-        (representatives, cluster samples, M's keys and values) are stored in ``dtype``."""
+        (representatives, cluster samples, M's keys and values) are stored in ``dtype``.
+        ``clustering``: the prompt's cluster pass at this delta when already known (``leader_delta``)."""
         n_layers, h, n, d = keys.shape
         flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, d).float()
-        assign, centers, count, forced = _cluster_stream(flat_k, delta.reshape(-1).float(), m_cap)
+        c = clustering or Clustering(*_cluster_stream(flat_k, delta.reshape(-1).float(), m_cap))
+        assign, centers, count, forced = c.assign, c.centers, c.count, c.forced
         sizes = torch.zeros(assign.shape[0], m_cap, dtype=torch.long).scatter_add_(1, assign, torch.ones_like(assign))
         pick = uniform_reservoirs(assign, m_cap, t, gen)
         samples = gather_tokens(flat_k, pick.clamp_min(0).flatten(1)).view(-1, m_cap, t, d)
@@ -382,25 +385,50 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
     return assign, centers, count, forced
 
 
-def leader_delta(keys: Tensor, m_cap: int, iters: int = 10) -> Tensor:
+@dataclass
+class Clustering:
+    """The cluster pass over B streams' prompt keys: assign [B, n], centers [B, m_cap, d], count [B],
+    forced [B] (keys that joined a cluster farther than delta because of the cap)."""
+
+    assign: Tensor
+    centers: Tensor
+    count: Tensor
+    forced: Tensor
+
+
+def leader_delta(keys: Tensor, m_cap: int, iters: int = 10) -> tuple[Tensor, Clustering]:
     """The smallest radius (to 2^-iters of the keys' diameter bound) at which Algorithm 1's leader
     clustering of each stream opens at most ``m_cap`` clusters: bisection on the prompt.
 
-    keys [B, n, d] float32. Returns delta [B]. Any delta >= the diameter gives one cluster, so the
-    upper end always fits; each step runs the clustering of all streams in lockstep (``_fits``).
+    keys [B, n, d] float32. Returns delta [B] and the clustering at that delta (the pass that
+    accepted it, so it is not run again). Any delta >= the diameter gives one cluster, so the upper
+    end always fits; each step runs the clustering of all streams in lockstep (``_fits``).
     """
+    b, n, d = keys.shape
     hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
     lo = torch.zeros_like(hi)
+    found = Clustering(
+        torch.zeros(b, n, dtype=torch.long), keys.new_zeros(b, m_cap, d), torch.zeros(b, dtype=torch.long), None
+    )
+    have = torch.zeros(b, dtype=torch.bool)
     for _ in range(iters):
         mid = (lo + hi) / 2
-        fits = _fits(keys, mid, m_cap)
+        fits = _fits(keys, mid, m_cap, found)
+        have |= fits
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-    return hi
+    found.forced = torch.zeros(b, dtype=torch.long)  # a stream that fits never reaches the cap
+    if not bool(have.all()):  # no step fitted: the clustering at the initial upper end
+        rows = (~have).nonzero().squeeze(-1)
+        rest = Clustering(*_cluster_stream(keys[rows], hi[rows], m_cap))
+        for name in ("assign", "centers", "count", "forced"):
+            getattr(found, name)[rows] = getattr(rest, name)
+    return hi, found
 
 
-def _fits(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -> Tensor:
+def _fits(keys: Tensor, delta: Tensor, m_cap: int, out: Clustering | None = None, chunk: int = 256) -> Tensor:
     """Whether leader clustering (``_cluster_stream``) of each stream opens at most ``m_cap``
-    clusters: keys [B, n, d], delta [B] -> bool [B].
+    clusters: keys [B, n, d], delta [B] -> bool [B]. The clustering of the streams that fit is
+    written into ``out`` (its assign, centers and count rows), when given.
 
     A stream is decided once it opens cluster m_cap + 1; it then leaves the lockstep batch, so the
     rest of the prompt is clustered only for the streams still undecided (a step of the bisection
@@ -415,21 +443,30 @@ def _fits(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -> Tensor:
     csq = torch.full((b, cap), float("inf"), dtype=keys.dtype, device=keys.device)
     count = torch.zeros(b, dtype=torch.long, device=keys.device)
     over = torch.zeros(b, dtype=torch.bool, device=keys.device)
+    assign = torch.zeros(b, n, dtype=torch.long, device=keys.device) if out is not None else None
     for a in range(0, n, chunk):
         x = rest[:, a - start : a - start + chunk]
         xsq = (x * x).sum(-1)
         used = max(1, int(count.max()))
         best, near = _sqdist(x, xsq, centers[:, :used], csq[:, :used]).min(-1)
         _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2)
+        if out is not None:
+            assign[:, a : a + chunk] = near
         done = count >= cap
         if 4 * int(done.sum()) >= live.numel():  # drop the decided streams once they are a quarter
             over[live[done]] = True
             keep = ~done
             live, delta2, centers, csq, count = live[keep], delta2[keep], centers[keep], csq[keep], count[keep]
             rest, start = rest[keep, a + chunk - start :], a + chunk
+            if out is not None:
+                assign = assign[keep]
             if live.numel() == 0:
                 break
     over[live[count >= cap]] = True
+    if out is not None:
+        ok = count < cap
+        rows = live[ok]
+        out.assign[rows], out.centers[rows], out.count[rows] = assign[ok], centers[ok, :m_cap], count[ok]
     return ~over
 
 
@@ -590,8 +627,10 @@ class SubGen(Compressor):
         recent = min(p.recent, n - 1 - sink)  # at least one token goes through Algorithm 1
         stream = slice(sink, n - recent)
         keys, values = state.keys[:, :, stream], state.values[:, :, stream]
-        delta = self._delta(keys, p.m_cap)
-        self.state = SubGenState.build(keys, values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype)
+        delta, clustering = self._delta(keys, p.m_cap)
+        self.state = SubGenState.build(
+            keys, values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype, clustering
+        )
         held = torch.cat([torch.arange(sink), torch.arange(n - recent, n)])
         self.exact = ExactTokens.make(
             self.as_cached(state.keys[:, :, held]), self.as_cached(state.values[:, :, held]), sink
@@ -606,14 +645,16 @@ class SubGen(Compressor):
             cap_bound_streams=round(float(bound.float().mean()), 4),
         )
 
-    def _delta(self, keys: Tensor, m_cap: int) -> Tensor:
+    def _delta(self, keys: Tensor, m_cap: int) -> tuple[Tensor, Clustering | None]:
         """delta [L, H]: the given one, or per stream the smallest radius at which leader clustering
-        of the prompt keys opens at most ``m_cap`` clusters (``leader_delta``), times ``delta_scale``."""
+        of the prompt keys opens at most ``m_cap`` clusters (``leader_delta``), times ``delta_scale``;
+        and the prompt's clustering at that delta when the search already made it (else None)."""
         if self.cfg["delta"] is not None:
-            return torch.full(keys.shape[:2], float(self.cfg["delta"]))
+            return torch.full(keys.shape[:2], float(self.cfg["delta"])), None
         n_layers, h, n, d = keys.shape
-        radius = leader_delta(keys.reshape(n_layers * h, n, d).float(), m_cap)
-        return (radius * self.cfg["delta_scale"]).view(n_layers, h)
+        radius, clustering = leader_delta(keys.reshape(n_layers * h, n, d).float(), m_cap)
+        scale = self.cfg["delta_scale"]
+        return (radius * scale).view(n_layers, h), clustering if scale == 1.0 else None
 
     def cap_bound(self) -> dict:
         """How often the cluster cap bound so far (prompt and decoding): keys that joined a cluster
