@@ -14,6 +14,12 @@ arXiv:2402.06082 (2024); later version "ClusterGen" (same authors, same Algorith
 * QueryStreamAttn: ``z = sum_M mu / (s ||v||^2) exp(<q, k>) v``, ``tau = sum_D n_i / t sum_S exp(<q, k>)``,
   output ``z / tau`` (logits scaled by 1/sqrt(d) as the model does; a common shift cancels in the ratio).
 
+Beside the stream, ``subgen`` holds the first ``sink`` prompt tokens (attention sinks; kvlab's
+choice) and a sliding window of the latest tokens (``recent_share`` of the budget's tokens; the
+experiments' recent tokens, Sec. 3.2) exactly; a token leaving the window enters Algorithm 1, and
+the exact terms join the numerator and the denominator. ``sink=0, recent_share=0`` is Algorithm 1
+alone (its attention error on the embedded model is ~2.2 against ~0.6: docs/methods/subgen.md).
+
 The pass runs over the prompt at compress time and keeps running on every generated token. It is
 sequential only in the cluster assignment, which runs over all L x Hkv streams together, in chunks
 of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
@@ -24,7 +30,8 @@ token.
 The radius delta. The paper assumes a clusterable stream: m clusters of radius delta, m sublinear in
 n, the cluster count never capped. kvlab picks delta per stream (layer, KV head) so that leader
 clustering of the prompt opens about ``m_cap`` clusters, ``m_cap`` being what the byte budget pays
-for: the smallest such radius, by bisection on the prompt (``leader_delta``). Deviation, for the
+for: the smallest such radius, by bisection on the prompt (``leader_delta``, whose accepting
+pass also gives the prompt's clustering). Deviation, for the
 budget: the cluster count is still capped at ``m_cap`` while decoding; once a stream has ``m_cap``
 clusters, a far key joins its nearest cluster anyway (the uniform reservoir still estimates that
 cluster's sum without bias; only the variance grows). The plan reports the delta, the clusters
