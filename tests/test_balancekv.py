@@ -10,6 +10,7 @@ from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors.balancekv import (
     BalanceKV,
     WalkConfig,
+    balance_blocks,
     balance_kv,
     balance_signs,
     block_kernel,
@@ -203,3 +204,17 @@ def test_streaming_merge_and_reduce(prefill_state, lm):
         )
         unif.append(((zu - a).norm(dim=-1) / a.norm(dim=-1)).mean().item())
     assert sum(ours) < sum(unif)
+
+
+@pytest.mark.parametrize("cfg", [WalkConfig(), WalkConfig(c=0.5)], ids=["gamma", "paper-c"])
+def test_walk_on_kernel_rows_matches_the_full_kernel_walk(prefill_state, cfg):
+    """``balance_blocks`` (kernel rows made chunk by chunk) signs real blocks exactly as the walk on the
+    full [b, b] block kernels does, with and without token weights, from the same random draws."""
+    k, v = _blocks(prefill_state.keys, SINK, 2, 128), _blocks(prefill_state.values, SINK, 2, 128)
+    g = torch.Generator().manual_seed(3)
+    logw = torch.rand(k.shape[:-1], generator=g, dtype=torch.float64) * 2
+    for lw in (None, logw):
+        full = balance_signs(*block_kernel(k, v, lw, cfg), cfg, torch.Generator().manual_seed(0))
+        rows = balance_blocks(k, v, lw, cfg, torch.Generator().manual_seed(0))
+        assert torch.equal(full, rows)
+        assert 0.2 < float((rows > 0).float().mean()) < 0.8  # a real walk, not all one sign

@@ -104,9 +104,12 @@ def _reference_records(state, w, scaling, n_kv):
     return rec
 
 
-def test_prefill_drops_tokens_with_highest_records(prefill_state, lm):
+@pytest.mark.parametrize("rows", [None, 7], ids=["streams-per-block", "7-query-rows-per-block"])
+def test_prefill_drops_tokens_with_highest_records(prefill_state, lm, monkeypatch, rows):
     state = prefill_state
     n = state.n_tokens
+    if rows:  # blocks of a few query rows, as for long windows
+        monkeypatch.setattr("kvlab.compressors.scissorhands._PROBS_CHUNK_BYTES", rows * 3 * n * 4)
     comp = get("scissorhands")(lm.info, None, {"B": 100})
     knobs = comp.plan(n)
     assert knobs == {"B": 100, "m": 50, "w": 50, "r": 25, "w_decode": 50}

@@ -44,7 +44,6 @@ from kvlab.compressors.base import DenseCompressor, Param, PrefillState
 from kvlab.compressors.registry import register
 
 MAX_ROUNDS = 14
-WALK_BYTES = 16 << 20  # block kernels built at once by balance_kv (about the CPU's last-level cache)
 
 
 # ----- SoftmaxBalance, vectorized over blocks ----------------------------------------------------
@@ -80,7 +79,7 @@ def block_kernel(k: Tensor, v: Tensor, logw: Tensor | None, cfg: WalkConfig) -> 
     return kern, log_scale
 
 
-def walk_step(kern: Tensor, log_scale: Tensor, cfg: WalkConfig) -> Tensor:
+def walk_step(kern: Tensor | None, log_scale: Tensor, cfg: WalkConfig) -> Tensor:
     """The walk's step per block for the shifted kernel, [..., 1].
 
     Reference form: gamma * exp(log_scale) (capped at e^80: p is clipped to 0 or 1 long before).
@@ -120,6 +119,48 @@ def balance_signs(
     return signs
 
 
+def balance_blocks(
+    k: Tensor, v: Tensor, logw: Tensor | None, cfg: WalkConfig, generator: torch.Generator, chunk: int = 16
+) -> Tensor:
+    """``balance_signs(*block_kernel(k, v, logw, cfg), cfg, generator)`` without the [..., b, b] kernels.
+
+    k, v: [..., b, d]; logw: [..., b] or None. Returns signs [..., b]. The walk only reads the kernel
+    rows of a chunk of positions against the positions before them, so those rows ([..., chunk, e])
+    are made when the chunk comes up: half the products and exponentials of the full kernel, and
+    every block of every layer walks together in one pass. The shift is the block's largest
+    diagonal exponent, which is its largest exponent (<k_i, k_j> + w_i + w_j <= (K_ii + K_jj) / 2),
+    so the kernel and the step equal ``block_kernel``'s up to float rounding.
+    """
+    k, v = k.float(), v.float()
+    if cfg.center:
+        k = k - k.mean(-2, keepdim=True)
+    k = k * k.shape[-1] ** -0.25
+    lw = torch.zeros(k.shape[:-1], device=k.device) if logw is None else logw.float()
+    diag = (k * k).sum(-1) + 2 * lw  # K_ii = <k_i, k_i> / sqrt(d) + 2 log w_i
+    log_scale = diag.amax(-1, keepdim=True)
+    if cfg.c > 0:  # R^2: the largest diagonal entry of the shifted kernel
+        r2 = (torch.exp(diag - log_scale) * ((v * v).sum(-1) + cfg.denom_weight)).amax(-1, keepdim=True)
+        step = 1.0 / (2.0 * cfg.c * r2.clamp_min(1e-30))
+    else:
+        step = walk_step(None, log_scale, cfg)
+    b = k.shape[-2]
+    room = 0.5 - torch.rand(k.shape[:-1], generator=generator).to(k.device)  # 1/2 - u
+    signs = k.new_zeros(k.shape[:-1])
+    shifted = lw - log_scale
+    for a in range(0, b, chunk):
+        e = min(a + chunk, b)
+        rows = torch.matmul(k[..., a:e, :], k[..., :e, :].transpose(-1, -2))  # [..., e - a, e]
+        rows.add_(lw[..., a:e, None]).add_(shifted[..., None, :e]).exp_()
+        rows.mul_(torch.matmul(v[..., a:e, :], v[..., :e, :].transpose(-1, -2)).add_(cfg.denom_weight))
+        y_eta = (rows[..., :a] @ signs[..., :a, None]).squeeze(-1)  # [..., e - a]
+        sub = rows[..., a:e].contiguous()
+        part = signs[..., a:e]
+        for i in range(e - a):
+            y = y_eta[..., i : i + 1] + (sub[..., i, :] * part).sum(-1, keepdim=True)  # unsigned tokens are 0
+            part[..., i : i + 1] = torch.where(step * y < room[..., a + i : a + i + 1], 1.0, -1.0)
+    return signs
+
+
 def halve(signs: Tensor) -> tuple[Tensor, Tensor]:
     """Keep exactly b/2 tokens of each signed block, with their weight multipliers.
 
@@ -141,8 +182,7 @@ def halve(signs: Tensor) -> tuple[Tensor, Tensor]:
 
 def _halve_blocks(k: Tensor, v: Tensor, logw: Tensor, idx: Tensor, cfg: WalkConfig, gen: torch.Generator):
     """One round over equal blocks: k, v [..., nb, b, d], logw/idx [..., nb, b] -> the kept half of each."""
-    signs = balance_signs(*block_kernel(k, v, logw, cfg), cfg, gen)
-    order, mult = halve(signs)
+    order, mult = halve(balance_blocks(k, v, logw, cfg, gen))
     return idx.gather(-1, order), logw.gather(-1, order) + mult.log()
 
 
@@ -183,18 +223,9 @@ def balance_kv(
     """T rounds of blockwise SoftmaxBalance on keys/values [..., m, d].
 
     Returns the kept token indices [..., ceil(m / 2^T)] (increasing) and their log-weights (float32).
-    The leading dim (layers) goes a few slices at a time, so that the block kernels ([..., m/b, b, b]
-    float32) stay within ``WALK_BYTES``: at 1.9k tokens, 256-token blocks, all 30 layers at once
-    (150 MB of kernels) took 0.71-0.76 s, three at a time (15 MB) 0.39-0.41 s.
+    All layers, heads and blocks walk together (``balance_blocks`` makes only a chunk of kernel rows
+    at a time, so nothing of size [b, b] per block is held).
     """
-    if keys.dim() > 2:
-        step = max(1, WALK_BYTES // (keys[0].shape[:-1].numel() * block * 4))
-        if step < keys.shape[0]:
-            parts = [
-                balance_kv(keys[i : i + step], values[i : i + step], rounds, block, cfg, gen)
-                for i in range(0, keys.shape[0], step)
-            ]
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     m = keys.shape[-2]
     idx = torch.arange(m, device=keys.device).expand(*keys.shape[:-2], m)
     logw = torch.zeros(idx.shape, dtype=torch.float64, device=keys.device)

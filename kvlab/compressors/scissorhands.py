@@ -111,22 +111,32 @@ class Scissorhands(ScoredEvictionCompressor):
         """Records over the last ``prompt_window`` prompt queries (rank) and over the last
         ``carry_window`` of them (carried into decoding), each [L, Hkv, n] int32.
 
-        Computed per (layer, KV head) stream, in chunks of streams whose [g, w, n] attention fits
-        ``_PROBS_CHUNK_BYTES``: small enough to stay in cache.
+        Computed per (layer, KV head) stream and block of window queries, a block's [g, rows, n]
+        attention at most ``_PROBS_CHUNK_BYTES`` (small enough to stay in cache): several streams
+        per block when the whole window fits, else a few query rows of one stream at a time (a
+        window of thousands of queries never makes a [g, w, n] temporary).
         """
         w, n, carry = self.prompt_window, state.n_tokens, self.carry_window
         n_layers, hkv, _, d = state.keys.shape
         g = self.info.n_heads // hkv
         queries = state.queries[:, :, state.queries.shape[-2] - w :].reshape(n_layers * hkv, g, w, d)
         keys = state.keys.reshape(n_layers * hkv, 1, n, d)
-        step = max(1, _PROBS_CHUNK_BYTES // max(1, g * w * n * 4))
-        rank, kept = [], []
+        row_bytes = g * n * 4
+        rows = max(1, min(w, _PROBS_CHUNK_BYTES // row_bytes))  # query rows per block
+        step = max(1, _PROBS_CHUNK_BYTES // (row_bytes * w)) if rows == w else 1  # streams per block
+        rank = torch.zeros(n_layers * hkv, n, dtype=torch.int32)
+        kept = rank if carry == w else torch.zeros_like(rank)
         for a in range(0, n_layers * hkv, step):
-            probs = causal_window_probs(queries[a : a + step], keys[a : a + step], state.scaling)  # [S, g, w, n]
-            flags = self.low_score_flags(probs, n - w, n_kv_heads=1)[:, 0]  # [S, w, n]
-            rank.append(flags.sum(-2, dtype=torch.int32))
-            kept.append(rank[-1] if carry == w else flags[..., w - carry :, :].sum(-2, dtype=torch.int32))
-        return torch.cat(rank).view(n_layers, hkv, n), torch.cat(kept).view(n_layers, hkv, n)
+            for r in range(0, w, rows):
+                q = queries[a : a + step, :, r : r + rows]  # queries at positions n - w + r ...
+                probs = causal_window_probs(q, keys[a : a + step, :, : n - w + r + q.shape[-2]], state.scaling)
+                flags = self.low_score_flags(probs, n - w + r, n_kv_heads=1)[:, 0]  # [S, rows, n']
+                m = flags.shape[-1]
+                rank[a : a + step, :m] += flags.sum(-2, dtype=torch.int32)
+                if kept is not rank and r + q.shape[-2] > w - carry:
+                    lo = max(0, w - carry - r)  # the block's rows inside the carried window
+                    kept[a : a + step, :m] += flags[..., lo:, :].sum(-2, dtype=torch.int32)
+        return rank.view(n_layers, hkv, n), kept.view(n_layers, hkv, n)
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         self.position = pos  # the query of this step sits at the new token's position

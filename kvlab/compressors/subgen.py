@@ -14,6 +14,12 @@ arXiv:2402.06082 (2024); later version "ClusterGen" (same authors, same Algorith
 * QueryStreamAttn: ``z = sum_M mu / (s ||v||^2) exp(<q, k>) v``, ``tau = sum_D n_i / t sum_S exp(<q, k>)``,
   output ``z / tau`` (logits scaled by 1/sqrt(d) as the model does; a common shift cancels in the ratio).
 
+Beside the stream, ``subgen`` holds the first ``sink`` prompt tokens (attention sinks; kvlab's
+choice) and a sliding window of the latest tokens (``recent_share`` of the budget's tokens; the
+experiments' recent tokens, Sec. 3.2) exactly; a token leaving the window enters Algorithm 1, and
+the exact terms join the numerator and the denominator. ``sink=0, recent_share=0`` is Algorithm 1
+alone (its attention error on the embedded model is ~2.2 against ~0.6: docs/methods/subgen.md).
+
 The pass runs over the prompt at compress time and keeps running on every generated token. It is
 sequential only in the cluster assignment, which runs over all L x Hkv streams together, in chunks
 of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
@@ -24,7 +30,8 @@ token.
 The radius delta. The paper assumes a clusterable stream: m clusters of radius delta, m sublinear in
 n, the cluster count never capped. kvlab picks delta per stream (layer, KV head) so that leader
 clustering of the prompt opens about ``m_cap`` clusters, ``m_cap`` being what the byte budget pays
-for: the smallest such radius, by bisection on the prompt (``leader_delta``). Deviation, for the
+for: the smallest such radius, by bisection on the prompt (``leader_delta``, whose accepting
+pass also gives the prompt's clustering). Deviation, for the
 budget: the cluster count is still capped at ``m_cap`` while decoding; once a stream has ``m_cap``
 clusters, a far key joins its nearest cluster anyway (the uniform reservoir still estimates that
 cluster's sum without bias; only the variance grows). The plan reports the delta, the clusters
@@ -80,14 +87,31 @@ class KCenter:
     radius: Tensor
 
 
+KCENTER_BYTES = 8 << 20  # keys of the streams one greedy k-center pass works on together
+
+
 def greedy_kcenter(x: Tensor, k: int) -> KCenter:
-    """Gonzalez' greedy k-center (a 2-approximation) on every stream at once.
+    """Gonzalez' greedy k-center (a 2-approximation) on every stream.
 
     x: [B, n, d]. Starts from token 0; each round adds the point farthest from the chosen centers.
     Returns the chosen token indices, each point's nearest center (index into ``centers``) and the
     final cover radius. A chosen point belongs to its own cluster and is never chosen twice, so
     every cluster has at least one member even when keys repeat (k distinct tokens for k <= n).
+
+    Each round reads all keys of its streams, so the streams go in groups of at most
+    ``KCENTER_BYTES`` of keys (at least two streams, which keeps the batched products' rounding),
+    the k rounds of a group reading from cache rather than memory.
     """
+    b, n, d = x.shape
+    step = max(2, KCENTER_BYTES // max(1, n * d * x.element_size()))
+    if step >= b:
+        return _greedy_kcenter(x, k)
+    parts = [_greedy_kcenter(x[i : i + step], k) for i in range(0, b, step)]
+    return KCenter(*(torch.cat(t) for t in zip(*((p.centers, p.assign, p.radius) for p in parts))))
+
+
+def _greedy_kcenter(x: Tensor, k: int) -> KCenter:
+    """``greedy_kcenter`` on all streams of x [B, n, d] in lockstep."""
     b, n, _ = x.shape
     k = min(k, n)
     xsq = (x * x).sum(-1)
@@ -202,12 +226,15 @@ class SubGenState:
         m_cap: int,
         gen: torch.Generator,
         dtype: torch.dtype = torch.float16,
+        clustering: Clustering | None = None,
     ) -> SubGenState:
         """Run Algorithm 1 over a prompt: keys, values [L, H, n, d]; delta [L, H]. The kept vectors
-        (representatives, cluster samples, M's keys and values) are stored in ``dtype``."""
+        (representatives, cluster samples, M's keys and values) are stored in ``dtype``.
+        ``clustering``: the prompt's cluster pass at this delta when already known (``leader_delta``)."""
         n_layers, h, n, d = keys.shape
         flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, d).float()
-        assign, centers, count, forced = _cluster_stream(flat_k, delta.reshape(-1).float(), m_cap)
+        c = clustering or Clustering(*_cluster_stream(flat_k, delta.reshape(-1).float(), m_cap))
+        assign, centers, count, forced = c.assign, c.centers, c.count, c.forced
         sizes = torch.zeros(assign.shape[0], m_cap, dtype=torch.long).scatter_add_(1, assign, torch.ones_like(assign))
         pick = uniform_reservoirs(assign, m_cap, t, gen)
         samples = gather_tokens(flat_k, pick.clamp_min(0).flatten(1)).view(-1, m_cap, t, d)
@@ -253,8 +280,13 @@ class SubGenState:
         _replace(self.mv[layer], coins, v)
         mu += vsq
 
-    def attend(self, layer: int, q: Tensor, scaling: float) -> Tensor:
-        """QueryStreamAttn: q [Hq, w, d] -> z / tau [Hq, w, d]."""
+    def attend(
+        self, layer: int, q: Tensor, scaling: float, exact_k: Tensor | None = None, exact_v: Tensor | None = None
+    ) -> Tensor:
+        """QueryStreamAttn: q [Hq, w, d] -> z / tau [Hq, w, d].
+
+        ``exact_k`` / ``exact_v`` [H, e, d]: tokens held exactly beside the stream (sink and recent
+        tokens); their exact terms join both the numerator and the denominator."""
         h = self.centers.shape[1]
         m = max(1, int(self.count[layer].max()))
         qg = group_queries(q.float(), h)  # [H, g*w, d]
@@ -266,7 +298,14 @@ class SubGenState:
         vsq = (mv * mv).sum(-1).clamp_min(1e-30)
         logw_m = torch.log(mu.clamp_min(1e-30)).unsqueeze(-1) - math.log(self.s) - torch.log(vsq)
         logits = torch.matmul(qg, mk.transpose(-1, -2)) * scaling + logw_m.unsqueeze(1)
-        out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
+        if exact_k is None or exact_k.shape[-2] == 0:
+            out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
+        else:
+            le = torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling  # [H, g*w, e]
+            shift = torch.maximum(log_tau, le.amax(-1)).unsqueeze(-1)  # a common shift cancels in the ratio
+            pe = torch.exp(le - shift)
+            num = torch.matmul(torch.exp(logits - shift), mv) + torch.matmul(pe, exact_v.float())
+            out = num / (torch.exp(log_tau.unsqueeze(-1) - shift) + pe.sum(-1, keepdim=True))
         return ungroup(out, q.shape[0]).to(q.dtype)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
@@ -280,6 +319,41 @@ class SubGenState:
         yield "sample_keys", self.mk
         yield "sample_values", self.mv
         yield "value_mass", self.mu
+
+
+@dataclass
+class ExactTokens:
+    """Tokens ``subgen`` holds exactly beside Algorithm 1: the first ``sink`` prompt tokens and a sliding
+    window of the ``recent`` latest tokens (the experiments' recent tokens, Sec. 3.2).
+
+    keys / values [L, H, sink + recent, d]; the window is a ring over slots sink .. sink + recent - 1,
+    ``head[layer]`` its oldest slot (attention does not depend on the order of the slots).
+    """
+
+    keys: Tensor
+    values: Tensor
+    sink: int
+    head: list[int]
+
+    @classmethod
+    def make(cls, keys: Tensor, values: Tensor, sink: int) -> ExactTokens:
+        return cls(keys.contiguous(), values.contiguous(), sink, [0] * keys.shape[0])
+
+    @property
+    def recent(self) -> int:
+        return self.keys.shape[2] - self.sink
+
+    def push(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """A new token k, v [H, d] enters the window; returns the token that leaves it (the new one
+        itself when there is no window), which goes on into Algorithm 1's stream."""
+        if self.recent == 0:
+            return k, v
+        slot = self.sink + self.head[layer]
+        old_k, old_v = self.keys[layer, :, slot].clone(), self.values[layer, :, slot].clone()
+        self.keys[layer, :, slot] = k.to(self.keys.dtype)
+        self.values[layer, :, slot] = v.to(self.values.dtype)
+        self.head[layer] = (self.head[layer] + 1) % self.recent
+        return old_k, old_v
 
 
 def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
@@ -318,21 +392,89 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
     return assign, centers, count, forced
 
 
-def leader_delta(keys: Tensor, m_cap: int, iters: int = 14) -> Tensor:
+@dataclass
+class Clustering:
+    """The cluster pass over B streams' prompt keys: assign [B, n], centers [B, m_cap, d], count [B],
+    forced [B] (keys that joined a cluster farther than delta because of the cap)."""
+
+    assign: Tensor
+    centers: Tensor
+    count: Tensor
+    forced: Tensor
+
+
+def leader_delta(keys: Tensor, m_cap: int, iters: int = 10) -> tuple[Tensor, Clustering]:
     """The smallest radius (to 2^-iters of the keys' diameter bound) at which Algorithm 1's leader
     clustering of each stream opens at most ``m_cap`` clusters: bisection on the prompt.
 
-    keys [B, n, d] float32. Returns delta [B]. Any delta >= the diameter gives one cluster, so the
-    upper end always fits; the clustering is run with a cap of ``m_cap`` + 1 (enough to tell "too
-    many"), all streams in lockstep.
+    keys [B, n, d] float32. Returns delta [B] and the clustering at that delta (the pass that
+    accepted it, so it is not run again). Any delta >= the diameter gives one cluster, so the upper
+    end always fits; each step runs the clustering of all streams in lockstep (``_fits``).
     """
+    b, n, d = keys.shape
     hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
     lo = torch.zeros_like(hi)
+    found = Clustering(
+        torch.zeros(b, n, dtype=torch.long), keys.new_zeros(b, m_cap, d), torch.zeros(b, dtype=torch.long), None
+    )
+    have = torch.zeros(b, dtype=torch.bool)
     for _ in range(iters):
         mid = (lo + hi) / 2
-        fits = _cluster_stream(keys, mid, m_cap + 1)[2] <= m_cap
+        fits = _fits(keys, mid, m_cap, found)
+        have |= fits
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-    return hi
+    found.forced = torch.zeros(b, dtype=torch.long)  # a stream that fits never reaches the cap
+    if not bool(have.all()):  # no step fitted: the clustering at the initial upper end
+        rows = (~have).nonzero().squeeze(-1)
+        rest = Clustering(*_cluster_stream(keys[rows], hi[rows], m_cap))
+        for name in ("assign", "centers", "count", "forced"):
+            getattr(found, name)[rows] = getattr(rest, name)
+    return hi, found
+
+
+def _fits(keys: Tensor, delta: Tensor, m_cap: int, out: Clustering | None = None, chunk: int = 256) -> Tensor:
+    """Whether leader clustering (``_cluster_stream``) of each stream opens at most ``m_cap``
+    clusters: keys [B, n, d], delta [B] -> bool [B]. The clustering of the streams that fit is
+    written into ``out`` (its assign, centers and count rows), when given.
+
+    A stream is decided once it opens cluster m_cap + 1; it then leaves the lockstep batch, so the
+    rest of the prompt is clustered only for the streams still undecided (a step of the bisection
+    whose radius is too small stops early for most streams).
+    """
+    b, n, d = keys.shape
+    cap = m_cap + 1
+    live = torch.arange(b, device=keys.device)  # streams still undecided, as rows of the full batch
+    rest, delta2 = keys, (delta * delta).unsqueeze(-1)  # rest: the live streams' keys from token ``start`` on
+    start = 0
+    centers = keys.new_zeros(b, cap, d)
+    csq = torch.full((b, cap), float("inf"), dtype=keys.dtype, device=keys.device)
+    count = torch.zeros(b, dtype=torch.long, device=keys.device)
+    over = torch.zeros(b, dtype=torch.bool, device=keys.device)
+    assign = torch.zeros(b, n, dtype=torch.long, device=keys.device) if out is not None else None
+    for a in range(0, n, chunk):
+        x = rest[:, a - start : a - start + chunk]
+        xsq = (x * x).sum(-1)
+        used = max(1, int(count.max()))
+        best, near = _sqdist(x, xsq, centers[:, :used], csq[:, :used]).min(-1)
+        _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2)
+        if out is not None:
+            assign[:, a : a + chunk] = near
+        done = count >= cap
+        if 4 * int(done.sum()) >= live.numel():  # drop the decided streams once they are a quarter
+            over[live[done]] = True
+            keep = ~done
+            live, delta2, centers, csq, count = live[keep], delta2[keep], centers[keep], csq[keep], count[keep]
+            rest, start = rest[keep, a + chunk - start :], a + chunk
+            if out is not None:
+                assign = assign[keep]
+            if live.numel() == 0:
+                break
+    over[live[count >= cap]] = True
+    if out is not None:
+        ok = count < cap
+        rows = live[ok]
+        out.assign[rows], out.centers[rows], out.count[rows] = assign[ok], centers[ok, :m_cap], count[ok]
+    return ~over
 
 
 def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
@@ -367,28 +509,45 @@ def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
 # ----- the compressors -----------------------------------------------------------------------------
 @dataclass
 class SubGenPlan:
-    """Knobs from the budget: t, s, cluster cap, per-stream bytes targeted and planned."""
+    """Knobs from the budget: t, s, cluster cap, exact sink / recent tokens, per-stream bytes targeted and planned."""
 
     t: int
     s: int
     m_cap: int
     target_bytes_per_stream: int
     planned_bytes_per_stream: int
+    sink: int = 0
+    recent: int = 0
 
 
-def plan_subgen(bytes_per_stream: float, d: int, elem: int, t: int, s: int | None, value_share: float) -> SubGenPlan:
-    """Share a per-stream byte budget between M (2 s vectors) and clusters ((1 + t) vectors + a size each).
+def plan_subgen(
+    bytes_per_stream: float,
+    d: int,
+    elem: int,
+    t: int,
+    s: int | None,
+    value_share: float,
+    sink: int = 0,
+    recent_share: float = 0.0,
+) -> SubGenPlan:
+    """Share a per-stream byte budget between exact tokens (``sink`` + a ``recent_share`` of the budget's
+    tokens, 2 vectors each), M (2 s vectors) and clusters ((1 + t) vectors + a size each).
 
     Fixed per stream: the cluster counter, delta and mu (4 bytes each).
     """
     fixed = 12
-    room = max(0.0, bytes_per_stream - fixed)
+    per_token = 2 * d * elem
+    recent = int(recent_share * bytes_per_stream // per_token)
+    exact = min(sink + recent, max(0, int((bytes_per_stream - fixed) // per_token) - 2))  # leave room for M
+    sink = min(sink, exact)
+    recent = exact - sink
+    room = max(0.0, bytes_per_stream - fixed - exact * per_token)
     if s is None:
         s = max(1, int(value_share * room // (2 * d * elem)))
     per_cluster = (1 + t) * d * elem + 4
     m_cap = max(1, int((room - 2 * d * elem * s) // per_cluster))
-    planned = fixed + 2 * d * elem * s + m_cap * per_cluster
-    return SubGenPlan(t, s, m_cap, int(bytes_per_stream), planned)
+    planned = fixed + exact * per_token + 2 * d * elem * s + m_cap * per_cluster
+    return SubGenPlan(t, s, m_cap, int(bytes_per_stream), planned, sink, recent)
 
 
 @register
@@ -427,6 +586,15 @@ class SubGen(Compressor):
             maximum=1.0,
         ),
         Param("delta_scale", 1.0, "multiplies the automatic delta", minimum=0.0),
+        Param("sink", 4, "first prompt tokens held exactly, outside the stream (not in Algorithm 1)", minimum=0),
+        Param(
+            "recent_share",
+            0.25,
+            "share of the budget's tokens held exactly as a sliding window of the latest tokens (the "
+            "experiments' recent tokens, Sec. 3.2); tokens leaving it enter Algorithm 1",
+            minimum=0.0,
+            maximum=1.0,
+        ),
     )
 
     def plan(self, n_prompt: int) -> dict:
@@ -435,15 +603,24 @@ class SubGen(Compressor):
         if self.full:
             return {"compressed": False}
         per_stream = self.budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
-        t0 = self.cfg["t"]  # not given and too large for the budget: fewer cluster samples (down to 1)
+        cfg = self.cfg
+        t0 = cfg["t"]  # not given and too large for the budget: fewer cluster samples (down to 1)
         for t in [t0] + ([x for x in (2, 1) if x < t0] if "t" not in self.params_given else []):
             self.sg_plan = plan_subgen(
-                per_stream, info.head_dim, info.dtype_bytes, t, self.cfg["s"], self.cfg["value_share"]
+                per_stream,
+                info.head_dim,
+                info.dtype_bytes,
+                t,
+                cfg["s"],
+                cfg["value_share"],
+                cfg["sink"],
+                cfg["recent_share"],
             )
             if self.sg_plan.planned_bytes_per_stream <= per_stream:
                 break
         p = self.sg_plan
         self.knobs = {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
+        self.knobs.update(sink=p.sink, recent=p.recent)
         return self.knobs  # compress adds what the prompt's clustering found (delta, clusters, cap bound)
 
     def budget_ratio(self, n_prompt: int) -> float | None:
@@ -461,9 +638,18 @@ class SubGen(Compressor):
             ]
             return
         p = self.sg_plan
-        delta = self._delta(state.keys, p.m_cap)
+        n = state.n_tokens
+        sink = min(p.sink, n - 1)
+        recent = min(p.recent, n - 1 - sink)  # at least one token goes through Algorithm 1
+        stream = slice(sink, n - recent)
+        keys, values = state.keys[:, :, stream], state.values[:, :, stream]
+        delta, clustering = self._delta(keys, p.m_cap)
         self.state = SubGenState.build(
-            state.keys, state.values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype
+            keys, values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype, clustering
+        )
+        held = torch.cat([torch.arange(sink), torch.arange(n - recent, n)])
+        self.exact = ExactTokens.make(
+            self.as_cached(state.keys[:, :, held]), self.as_cached(state.values[:, :, held]), sink
         )
         self.clusters = self.state.count.float().mean().item()
         bound = self.state.cap_joins > 0
@@ -475,14 +661,16 @@ class SubGen(Compressor):
             cap_bound_streams=round(float(bound.float().mean()), 4),
         )
 
-    def _delta(self, keys: Tensor, m_cap: int) -> Tensor:
+    def _delta(self, keys: Tensor, m_cap: int) -> tuple[Tensor, Clustering | None]:
         """delta [L, H]: the given one, or per stream the smallest radius at which leader clustering
-        of the prompt keys opens at most ``m_cap`` clusters (``leader_delta``), times ``delta_scale``."""
+        of the prompt keys opens at most ``m_cap`` clusters (``leader_delta``), times ``delta_scale``;
+        and the prompt's clustering at that delta when the search already made it (else None)."""
         if self.cfg["delta"] is not None:
-            return torch.full(keys.shape[:2], float(self.cfg["delta"]))
+            return torch.full(keys.shape[:2], float(self.cfg["delta"])), None
         n_layers, h, n, d = keys.shape
-        radius = leader_delta(keys.reshape(n_layers * h, n, d).float(), m_cap)
-        return (radius * self.cfg["delta_scale"]).view(n_layers, h)
+        radius, clustering = leader_delta(keys.reshape(n_layers * h, n, d).float(), m_cap)
+        scale = self.cfg["delta_scale"]
+        return (radius * scale).view(n_layers, h), clustering if scale == 1.0 else None
 
     def cap_bound(self) -> dict:
         """How often the cluster cap bound so far (prompt and decoding): keys that joined a cluster
@@ -494,13 +682,13 @@ class SubGen(Compressor):
         if self.full:
             self.dense[layer].append(k, v, pos)
         else:
-            self.state.append(layer, k[:, 0], v[:, 0], self.generator)
+            self.state.append(layer, *self.exact.push(layer, k[:, 0], v[:, 0]), self.generator)
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
         if self.full:
             k, v, _, _ = self.dense[layer].views()
             return dense_attention(q, k, v, self.scaling)
-        return self.state.attend(layer, q, self.scaling)
+        return self.state.attend(layer, q, self.scaling, self.exact.keys[layer], self.exact.values[layer])
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
         return self.dense[layer].views()[:2] + (None,) if self.full else None
@@ -511,6 +699,8 @@ class SubGen(Compressor):
                 yield from ((kind, t) for kind, t in layer.tensors() if kind != "positions")
         else:
             yield from self.state.tensors()
+            yield "keys", self.exact.keys
+            yield "values", self.exact.values
 
 
 @register
