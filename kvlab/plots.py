@@ -230,9 +230,12 @@ def kept_of(run: RunResult) -> list[int] | None:
 
 
 MAX_COLUMNS = 1100  # about the pixel width of the attention figure: longer prompts are max-pooled to this
-GAMMA = 0.5  # colour = (weight / scale) ** GAMMA: a square-root scale lifts the small weights off white
+GAMMA = 0.6  # colour = (weight / scale) ** GAMMA: a power scale lifts the small weights off white
+QUANTILE = 0.995  # the weight shown at full colour: this quantile of exact's weights for the same query
+TICKS = (0.0, 0.1, 0.5, 1.0)  # colourbar ticks, as weight / scale
 WEIGHTS = [[0.0, "#ffffff"], [0.15, "#fde4b0"], [0.4, "#f99a3e"], [0.7, "#d4380d"], [1.0, "#5c0a0a"]]
 HELD = [[0.0, "#eef2f6"], [1.0, "#4a7bab"]]  # the kept row: light where evicted, blue where kept
+ALL_HELD = 0.35  # the kept row's shade for a method that holds every position in compressed form
 
 
 def answer_of(result: CompareResult) -> list[int]:
@@ -282,14 +285,14 @@ def _rows(m: list | None, n: int) -> np.ndarray | None:
 
 
 def _scale(exact: np.ndarray) -> np.ndarray:
-    """Per query: exact's 99th-percentile weight [Q, 1], the value shown at full colour (sinks exceed it)."""
-    return np.maximum(np.quantile(exact, 0.99, axis=-1, keepdims=True), 1e-6)
+    """Per query: exact's ``QUANTILE`` weight [Q, 1], the value shown at full colour (sinks exceed it)."""
+    return np.maximum(np.quantile(exact, QUANTILE, axis=-1, keepdims=True), 1e-6)
 
 
 def _held(run: RunResult, pooling: Pooling) -> np.ndarray:
     """The kept row [1, columns]: the share of each column's positions the run keeps (1 when nothing is evicted)."""
     kept = kept_of(run)
-    held = np.ones((1, pooling.n), dtype=np.float32)
+    held = np.full((1, pooling.n), ALL_HELD, dtype=np.float32)
     if kept is not None:
         held[:] = 0
         idx = np.array([p for p in kept if 0 <= p < pooling.n], dtype=np.int64)
@@ -300,13 +303,15 @@ def _held(run: RunResult, pooling: Pooling) -> np.ndarray:
 def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -> go.Figure:
     """Per run, exact's weights and the method's own estimate for the last decode queries, over the prompt.
 
-    One subplot per run: on top exact's attention of the run's queries over the full prompt, below the
+    One panel per run: on top exact's attention of the run's queries over the full prompt, below the
     weights the method itself assigns (``Compressor.estimated_weights``: softmax over the kept
     tokens, QJL's sketched scores, SubGen's cluster estimates), and between them one kept row (light
     where the method evicted the positions). Two traces per run whatever the evictions. Colour: each
-    weight divided by exact's 99th-percentile weight of the same query, capped at 1, square-root
-    scale. Prompts longer than ``MAX_COLUMNS`` positions are max-pooled. The task's answer, when
-    recorded, is marked by one dotted line.
+    weight divided by exact's 99.5th-percentile weight of the same query (``QUANTILE``), capped at
+    1, raised to the power ``GAMMA`` (0.6). Prompts longer than ``MAX_COLUMNS`` positions are
+    max-pooled. The task's answer, when recorded, is marked by one dotted line. The figure is
+    assembled as one dict (no per-panel plotly updates): its cost is the pooling, not the number
+    of runs or evicted spans.
     """
     site = map_site(result)
     title = "Attention over the prompt" + (f" · layer {site[0]}, head {site[1]}" if site else "")
@@ -317,84 +322,111 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
         return no_data(title, why, height=300)
     n = result.prompt_tokens or len(attn_map(runs[0])["exact"][0])
     pooling = Pooling.of(n)
-    fig = make_subplots(rows=len(runs), cols=1, shared_xaxes=True, vertical_spacing=min(0.06, 0.5 / len(runs)))
-    x = pooling.x()
-    for i, r in enumerate(runs, start=1):
-        m = attn_map(r)
-        exact = _rows(m["exact"], n)
-        q = exact.shape[0]
-        method = _rows(m.get("method"), n)
-        scale = _scale(exact)
-        weights = np.full((2 * q + 1, pooling.columns), np.nan, dtype=np.float32)
-        weights[:q] = pooling.pool(exact)
-        if method is not None:
-            weights[q + 1 :] = pooling.pool(method[:q])
-        scales = np.concatenate([scale, [[np.nan]], scale])
-        steps = list(m.get("steps") or range(1, q + 1))
-        who = [f"exact · step {s}" for s in steps] + [f"kept · {r.label}"] + [f"{r.label} · step {s}" for s in steps]
-        fig.add_trace(
-            go.Heatmap(
-                z=np.minimum(weights / scales, 1.0) ** GAMMA,
-                x=x,
-                y=who,
-                customdata=weights,
-                colorscale=WEIGHTS,
-                zmin=0,
-                zmax=1,
-                showscale=i == 1,
-                colorbar=dict(
-                    title=dict(text="weight ÷ exact's<br>99th pct. (√)", side="right"),
-                    len=min(1.0, 300 / (120 + 150 * len(runs))),
-                    y=1.0,
-                    yanchor="top",
-                    tickvals=[0, 0.5, 1],
-                    ticktext=["0", "¼", "≥1"],
-                ),
-                hovertemplate="%{y}<br>pos %{x}<br>w = %{customdata:.4f}<extra></extra>",
-                hoverongaps=False,
-            ),
-            row=i,
-            col=1,
-        )
-        fig.add_trace(
-            go.Heatmap(
-                z=_held(r, pooling),
-                x=x,
-                y=[who[q]],
-                colorscale=HELD,
-                zmin=0,
-                zmax=1,
-                showscale=False,
-                hovertemplate="pos %{x}<br>kept: %{z:.0%}<extra>" + r.label + "</extra>",
-            ),
-            row=i,
-            col=1,
-        )
-        label = r.label if method is not None else f"{r.label} (no per-token weights)"
-        fig.update_yaxes(
-            type="category",
-            tickvals=[who[q // 2], who[q], who[q + 1 + q // 2]],
-            ticktext=["exact", "kept", label],
-            autorange="reversed",
+    height = 110 + PANEL_PX * len(runs)
+    gap = min(0.06, 24 / height)
+    span = (1 - gap * (len(runs) - 1)) / len(runs)
+    data, layout = [], {}
+    for i, r in enumerate(runs):
+        top = 1 - i * (span + gap)
+        data += _panel(r, pooling, i + 1, colorbar_len=min(1.0, 300 / height))
+        layout[f"yaxis{i + 1}"] = dict(domain=[max(0.0, top - span), min(1.0, top)], **_panel_axis(r, data[-2]))
+        layout[f"xaxis{i + 1}"] = dict(
+            anchor=f"y{i + 1}",
+            matches="x" if i else None,
+            showticklabels=i == len(runs) - 1,
             showgrid=False,
             zeroline=False,
-            row=i,
-            col=1,
+            range=[-0.5 * pooling.width, n],
         )
-    fig.update_xaxes(showgrid=False, zeroline=False, range=[-0.5 * pooling.width, n])
-    fig.update_xaxes(title="prompt position" + pooling.caption(), row=len(runs), col=1)
+    layout[f"xaxis{len(runs)}"]["title"] = dict(text="prompt position" + pooling.caption())
     answer = answer_of(result)
     if answer:
         mid = (answer[0] + answer[-1]) / 2
-        line = dict(color="#1f5fbf", width=1.5, dash="dot")
-        fig.add_shape(type="line", x0=mid, x1=mid, y0=0, y1=1, xref="x", yref="paper", line=line)
-        fig.add_annotation(
-            text="answer", x=mid, y=1.0, xref="x", yref="paper", yanchor="bottom", showarrow=False,
-            font=dict(size=11, color="#1f5fbf"),
-        )  # fmt: skip
-    fig = _layout(fig, 120 + 150 * len(runs), title)
-    fig.update_layout(margin=dict(l=150, r=20, t=60, b=60))
+        layout["shapes"] = [dict(type="line", x0=mid, x1=mid, y0=0, y1=1, xref="x", yref="paper", line=ANSWER_LINE)]
+        layout["annotations"] = [
+            dict(
+                text="answer", x=mid, y=1.0, xref="x", yref="paper", yanchor="bottom", showarrow=False,
+                font=dict(size=11, color=ANSWER_LINE["color"]),
+            )
+        ]  # fmt: skip
+    fig = go.Figure(dict(data=data, layout=layout))
+    fig = _layout(fig, height, title)
+    fig.update_layout(margin=dict(l=160, r=20, t=60, b=60))
     return fig
+
+
+PANEL_PX = 150  # height of one run's panel
+ANSWER_LINE = dict(color="#1f5fbf", width=1.5, dash="dot")
+
+
+def _panel(run: RunResult, pooling: Pooling, k: int, colorbar_len: float) -> list[dict]:
+    """One run's two traces (axes x{k}, y{k}): weights (exact's rows, a gap, the method's) and the kept row."""
+    m = attn_map(run)
+    exact = _rows(m["exact"], pooling.n)
+    method = _rows(m.get("method"), pooling.n)
+    q = exact.shape[0]
+    weights = np.full((2 * q + 1, pooling.columns), np.nan, dtype=np.float32)
+    weights[:q] = pooling.pool(exact)
+    if method is not None:
+        weights[q + 1 :] = pooling.pool(method[:q])
+    scale = _scale(exact)
+    scales = np.concatenate([scale, [[np.nan]], scale])
+    axes = dict(xaxis=f"x{k}", yaxis=f"y{k}")
+    x = pooling.x()
+    weight_trace = dict(
+        type="heatmap",
+        z=np.minimum(weights / scales, 1.0) ** GAMMA,
+        x=x,
+        y=np.arange(2 * q + 1),
+        customdata=weights,
+        colorscale=WEIGHTS,
+        zmin=0,
+        zmax=1,
+        showscale=k == 1,
+        colorbar=dict(
+            title=dict(text=f"weight ÷ exact's<br>{100 * QUANTILE:g}th percentile<br>(power {GAMMA:g})", side="right"),
+            len=colorbar_len,
+            y=1.0,
+            yanchor="top",
+            tickvals=[t**GAMMA for t in TICKS],
+            ticktext=[f"{t:g}" for t in TICKS[:-1]] + ["≥ 1"],
+        ),
+        hovertemplate="position %{x}<br>weight %{customdata:.4f}<extra>" + run.label + "</extra>",
+        hoverongaps=False,
+        **axes,
+    )
+    held_trace = dict(
+        type="heatmap",
+        z=_held(run, pooling),
+        x=x,
+        y=[q],
+        colorscale=HELD,
+        zmin=0,
+        zmax=1,
+        showscale=False,
+        hovertemplate=(
+            "position %{x}<br>kept: %{z:.0%}" if kept_of(run) is not None else "every position held, compressed"
+        )
+        + "<extra>"
+        + run.label
+        + "</extra>",
+        **axes,
+    )
+    return [weight_trace, held_trace]
+
+
+def _panel_axis(run: RunResult, weight_trace: dict) -> dict:
+    """A panel's y axis: its rows top to bottom (exact's queries, the kept row, the method's), labelled."""
+    q = len(weight_trace["y"]) // 2
+    label = run.label if attn_map(run).get("method") else f"{run.label} (no per-token weights)"
+    kept = "kept" if kept_of(run) is not None else "all held"
+    return dict(
+        tickvals=[(q - 1) / 2, q, q + 1 + (q - 1) / 2],
+        ticktext=["exact", kept, label],
+        autorange="reversed",
+        showgrid=False,
+        zeroline=False,
+    )
 
 
 # ----- quality vs memory ------------------------------------------------------------------------
