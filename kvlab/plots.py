@@ -277,11 +277,12 @@ class Pooling:
 
 
 def _rows(m: list | None, n: int) -> np.ndarray | None:
-    """A map's rows as float32 [Q, n] (None entries, i.e. non-finite values, become 0)."""
-    if not m:
+    """A map's rows as float32 [Q, n] (None entries, i.e. non-finite values, become 0); None if not a map."""
+    try:
+        rows = [[0.0 if w is None else float(w) for w in row[:n]] + [0.0] * (n - len(row)) for row in m or []]
+    except (TypeError, ValueError):  # an imported file with something else in its map
         return None
-    a = np.array([[0.0 if w is None else w for w in row[:n]] for row in m], dtype=np.float32)
-    return np.pad(a, ((0, 0), (0, n - a.shape[1]))) if a.shape[1] < n else a
+    return np.array(rows, dtype=np.float32) if rows else None
 
 
 def _scale(exact: np.ndarray) -> np.ndarray:
@@ -290,7 +291,8 @@ def _scale(exact: np.ndarray) -> np.ndarray:
 
 
 def _held(run: RunResult, pooling: Pooling) -> np.ndarray:
-    """The kept row [1, columns]: the share of each column's positions the run keeps (1 when nothing is evicted)."""
+    """The kept row [1, columns]: the share of each column's positions the run keeps (``ALL_HELD`` when it
+    evicts nothing)."""
     kept = kept_of(run)
     held = np.full((1, pooling.n), ALL_HELD, dtype=np.float32)
     if kept is not None:
@@ -316,19 +318,21 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
     site = map_site(result)
     title = "Attention over the prompt" + (f" · layer {site[0]}, head {site[1]}" if site else "")
     runs = [r for r in compressed_runs(result) if labels is None or r.label in labels]
-    runs = [r for r in runs if attn_map(r) is not None]
-    if not runs:
+    n = result.prompt_tokens
+    maps = [(r, _rows(attn_map(r)["exact"], n)) for r in runs if attn_map(r) is not None]
+    maps = [(r, exact) for r, exact in maps if exact is not None]
+    runs = [r for r, _ in maps]
+    if not runs or not n:
         why = "no attention maps in this result (turn the measurements on and run again)"
         return no_data(title, why, height=300)
-    n = result.prompt_tokens or len(attn_map(runs[0])["exact"][0])
     pooling = Pooling.of(n)
     height = 110 + PANEL_PX * len(runs)
     gap = min(0.06, 24 / height)
     span = (1 - gap * (len(runs) - 1)) / len(runs)
     data, layout = [], {}
-    for i, r in enumerate(runs):
+    for i, (r, exact) in enumerate(maps):
         top = 1 - i * (span + gap)
-        data += _panel(r, pooling, i + 1, colorbar_len=min(1.0, 300 / height))
+        data += _panel(r, exact, pooling, i + 1, colorbar_len=min(1.0, 300 / height))
         layout[f"yaxis{i + 1}"] = dict(domain=[max(0.0, top - span), min(1.0, top)], **_panel_axis(r, data[-2]))
         layout[f"xaxis{i + 1}"] = dict(
             anchor=f"y{i + 1}",
@@ -359,15 +363,14 @@ PANEL_PX = 150  # height of one run's panel
 ANSWER_LINE = dict(color="#1f5fbf", width=1.5, dash="dot")
 
 
-def _panel(run: RunResult, pooling: Pooling, k: int, colorbar_len: float) -> list[dict]:
-    """One run's two traces (axes x{k}, y{k}): weights (exact's rows, a gap, the method's) and the kept row."""
+def _panel(run: RunResult, exact: np.ndarray, pooling: Pooling, k: int, colorbar_len: float) -> list[dict]:
+    """One run's two traces (axes x{k}, y{k}): weights (exact's rows [Q, n], a gap, the method's) and the kept row."""
     m = attn_map(run)
-    exact = _rows(m["exact"], pooling.n)
     method = _rows(m.get("method"), pooling.n)
     q = exact.shape[0]
     weights = np.full((2 * q + 1, pooling.columns), np.nan, dtype=np.float32)
     weights[:q] = pooling.pool(exact)
-    if method is not None:
+    if method is not None and method.shape[0] >= q:
         weights[q + 1 :] = pooling.pool(method[:q])
     scale = _scale(exact)
     scales = np.concatenate([scale, [[np.nan]], scale])
