@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from kvlab.compressors.base import DenseCompressor
 from kvlab.ops import attention_logits, group_queries, ungroup
 
 
@@ -93,26 +95,39 @@ def shadow_attention(
     return ungroup(out, hq), probs
 
 
-def method_weights(comp, layer: int, q: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The method's attention weights over the tokens it keeps: (positions [Hkv, m], probs [Hq, 1, m]).
-
-    Uses ``comp.attention_weights(layer, q)`` when the method defines it, else the dense store of a
-    ``DenseCompressor`` (with its log-weights); None for caches without token positions.
-    """
-    if hasattr(comp, "attention_weights"):
-        return comp.attention_weights(layer, q)
-    layers = getattr(comp, "layers", None)
-    if not layers or not hasattr(layers[layer], "views"):
+def method_weights(comp, layer: int, q: Tensor, head: int, n: int) -> Tensor | None:
+    """The method's own weights (``Compressor.estimated_weights``) of query head ``head`` over the
+    first n positions (the prompt): q [Hq, 1, d] -> [n] on the CPU, or None when it has none."""
+    w = comp.estimated_weights(layer, q)
+    if w is None:
         return None
-    k, _, pos, lw = layers[layer].views()
-    return pos, torch.softmax(attention_logits(q.float(), k.float(), comp.scaling, lw), dim=-1)
+    row = w[head, :n].float().cpu()
+    return torch.cat([row, row.new_zeros(n - row.shape[0])]) if row.shape[0] < n else row
 
 
-def _on_prompt(pos: Tensor, w: Tensor, n: int) -> Tensor:
-    """Scatter weights ``w`` [m] at positions ``pos`` [m] onto the n prompt positions (generated ones dropped)."""
-    out = torch.zeros(n)
-    keep = pos < n
-    return out.index_put_((pos[keep].long().cpu(),), w[keep].float().cpu(), accumulate=True)
+def evicts(comp) -> bool:
+    """Whether the method drops tokens (a dense store of kept tokens), rather than holding every one compressed."""
+    return isinstance(comp, DenseCompressor)
+
+
+def answer_positions(ids: list[int], answer: str | None, decode) -> list[int]:
+    """Prompt positions of the first occurrence of ``answer``'s text (e.g. a needle's number), [] if absent.
+
+    ``decode``: token ids -> text. Positions are found on the decoded text, so a number split into
+    several tokens (or glued to its neighbours) is found as the tokens that cover it.
+    """
+    if not answer:
+        return []
+    ends, text = [], ""
+    for t in ids:
+        text += decode([t])
+        ends.append(len(text))
+    found = re.search(rf"(?<![0-9A-Za-z]){re.escape(answer)}(?![0-9A-Za-z])", text)
+    if found is None:
+        return []
+    first = next(i for i, e in enumerate(ends) if e > found.start())
+    last = next(i for i, e in enumerate(ends) if e >= found.end())
+    return list(range(first, last + 1))
 
 
 def kept_density(comp, n_layers: int, n: int) -> Tensor | None:
@@ -217,11 +232,7 @@ class MetricsProbe:
     def _record_map(self, rows: list[int], s: int, q: Tensor, probs: Tensor) -> None:
         h, n = self.cfg.map_head, self.n
         for r, i in enumerate(rows):
-            mw = method_weights(self.comps[i], self.layer, q[r])
-            method = None
-            if mw is not None:
-                kv_head = h * mw[0].shape[0] // q.shape[1]
-                method = _on_prompt(mw[0][kv_head], mw[1][h, 0], n)
+            method = method_weights(self.comps[i], self.layer, q[r], h, n)
             self.maps[i].append((s + 1, probs[r, h, 0, :n].cpu(), method))
 
     def on_forced(self, step: int, token: int, exact_logits: Tensor, forced: dict[int, Tensor]) -> None:
@@ -263,7 +274,7 @@ class MetricsProbe:
         comp, h = self.comps[i], self.cfg.map_head
         entries = list(self.maps[i])
         has_method = bool(entries) and all(m is not None for _, _, m in entries)
-        kept = comp.kept_positions(self.layer)
+        kept = comp.kept_positions(self.layer) if evicts(comp) else None  # else: every position held, compressed
         if kept is not None:
             kv = h * kept.shape[0] // comp.info.n_heads
             kept = sorted(p for p in kept[kv].tolist() if p < self.n)

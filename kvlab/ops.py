@@ -61,6 +61,27 @@ def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float) -> Tensor
     return torch.softmax(logits, dim=-1)
 
 
+def on_positions(probs: Tensor, pos: Tensor, n: int | None = None) -> Tensor:
+    """Weights of held keys spread onto token positions: probs [Hq, m], pos [Hkv, m] -> [Hq, n].
+
+    ``pos`` holds each KV head's key positions (query head h reads KV head h // g); a position
+    held twice gets the sum. ``n`` defaults to the largest position + 1.
+    """
+    hq, hkv = probs.shape[0], pos.shape[0]
+    idx = pos.long().repeat_interleave(hq // hkv, dim=0)
+    n = int(pos.max()) + 1 if n is None else n
+    return probs.float().new_zeros(hq, n).scatter_add_(1, idx, probs.float())
+
+
+def weights_on_positions(q: Tensor, k: Tensor, pos: Tensor, scaling: float, logw: Tensor | None = None) -> Tensor:
+    """Softmax weights of one query over held keys, by token position.
+
+    q [Hq, 1, d]; k [Hkv, m, d] at positions pos [Hkv, m]; logw [Hkv, m] or None. Returns [Hq, n].
+    """
+    probs = torch.softmax(attention_logits(q.float(), k.float(), scaling, logw), dim=-1)[:, 0]
+    return on_positions(probs, pos)
+
+
 def tensor_bytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -71,7 +92,9 @@ __all__ = [
     "dense_attention",
     "gather_tokens",
     "group_queries",
+    "on_positions",
     "pool_heads",
     "tensor_bytes",
     "ungroup",
+    "weights_on_positions",
 ]

@@ -17,8 +17,10 @@ and ``kept_of``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -227,87 +229,207 @@ def kept_of(run: RunResult) -> list[int] | None:
     return [int(x) for x in kept]
 
 
-def _log_weights(z: list[list[float]]) -> list[list[float]]:
-    """log10 of attention weights (floored at 1e-4): sink tokens take most of the mass on a linear scale."""
-    return [[math.log10(max(float(w), 1e-4)) for w in row] for row in z]
+MAX_COLUMNS = 1100  # about the pixel width of the attention figure: longer prompts are max-pooled to this
+GAMMA = 0.6  # colour = (weight / scale) ** GAMMA: a power scale lifts the small weights off white
+QUANTILE = 0.995  # the weight shown at full colour: this quantile of exact's weights for the same query
+TICKS = (0.0, 0.1, 0.5, 1.0)  # colourbar ticks, as weight / scale
+WEIGHTS = [[0.0, "#ffffff"], [0.15, "#fde4b0"], [0.4, "#f99a3e"], [0.7, "#d4380d"], [1.0, "#5c0a0a"]]
+HELD = [[0.0, "#eef2f6"], [1.0, "#4a7bab"]]  # the kept row: light where evicted, blue where kept
+ALL_HELD = 0.35  # the kept row's shade for a method that holds every position in compressed form
+
+
+def answer_of(result: CompareResult) -> list[int]:
+    """Prompt positions of the task's answer (e.g. the needle's number) recorded with the result, or []."""
+    pos = (result.settings or {}).get("answer_positions")
+    if not isinstance(pos, list):
+        return []
+    return [p for p in pos if isinstance(p, int) and not isinstance(p, bool) and 0 <= p < result.prompt_tokens]
+
+
+@dataclass
+class Pooling:
+    """Prompt positions grouped into at most ``MAX_COLUMNS`` columns of ``width`` positions each."""
+
+    n: int
+    width: int
+
+    @classmethod
+    def of(cls, n: int, max_columns: int = MAX_COLUMNS) -> Pooling:
+        return cls(n, max(1, math.ceil(n / max_columns)))
+
+    @property
+    def columns(self) -> int:
+        return math.ceil(self.n / self.width)
+
+    def x(self) -> np.ndarray:
+        """Each column's first prompt position."""
+        return np.arange(self.columns) * self.width
+
+    def pool(self, rows: np.ndarray, how: str = "max") -> np.ndarray:
+        """[r, n] -> [r, columns]: the max (or mean) of each column's positions (NaN rows stay NaN)."""
+        pad = self.columns * self.width - self.n
+        fill = -np.inf if how == "max" else np.nan
+        x = np.pad(rows, ((0, 0), (0, pad)), constant_values=fill).reshape(rows.shape[0], self.columns, self.width)
+        return x.max(-1) if how == "max" else np.nanmean(x, -1)
+
+    def caption(self) -> str:
+        return "" if self.width == 1 else f" · each column: the largest weight of {self.width} positions"
+
+
+def _rows(m: list | None, n: int) -> np.ndarray | None:
+    """A map's rows as float32 [Q, n] (None entries, i.e. non-finite values, become 0); None if not a map."""
+    try:
+        rows = [[0.0 if w is None else float(w) for w in row[:n]] + [0.0] * (n - len(row)) for row in m or []]
+    except (TypeError, ValueError):  # an imported file with something else in its map
+        return None
+    return np.array(rows, dtype=np.float32) if rows else None
+
+
+def _scale(exact: np.ndarray) -> np.ndarray:
+    """Per query: exact's ``QUANTILE`` weight [Q, 1], the value shown at full colour (sinks exceed it)."""
+    return np.maximum(np.quantile(exact, QUANTILE, axis=-1, keepdims=True), 1e-6)
+
+
+def _held(run: RunResult, pooling: Pooling) -> np.ndarray:
+    """The kept row [1, columns]: the share of each column's positions the run keeps (``ALL_HELD`` when it
+    evicts nothing)."""
+    kept = kept_of(run)
+    held = np.full((1, pooling.n), ALL_HELD, dtype=np.float32)
+    if kept is not None:
+        held[:] = 0
+        idx = np.array([p for p in kept if 0 <= p < pooling.n], dtype=np.int64)
+        held[0, idx] = 1
+    return pooling.pool(held, "mean")
 
 
 def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -> go.Figure:
-    """Exact vs each method side by side: weights of the last decode queries over the prompt positions.
+    """Per run, exact's weights and the method's own estimate for the last decode queries, over the prompt.
 
-    Left: exact attention for the run's own queries (full cache); right: the method's weights at the
-    positions it keeps. Grey bands mark prompt positions the method evicted.
+    One panel per run: on top exact's attention of the run's queries over the full prompt, below the
+    weights the method itself assigns (``Compressor.estimated_weights``: softmax over the kept
+    tokens, QJL's sketched scores, SubGen's cluster estimates), and between them one kept row (light
+    where the method evicted the positions). Two traces per run whatever the evictions. Colour: each
+    weight divided by exact's 99.5th-percentile weight of the same query (``QUANTILE``), capped at
+    1, raised to the power ``GAMMA`` (0.6). Prompts longer than ``MAX_COLUMNS`` positions are
+    max-pooled. The task's answer, when recorded, is marked by one dotted line. The figure is
+    assembled as one dict (no per-panel plotly updates): its cost is the pooling, not the number
+    of runs or evicted spans.
     """
     site = map_site(result)
     title = "Attention over the prompt" + (f" · layer {site[0]}, head {site[1]}" if site else "")
     runs = [r for r in compressed_runs(result) if labels is None or r.label in labels]
-    runs = [r for r in runs if attn_map(r) is not None]
-    if not runs:
+    n = result.prompt_tokens
+    maps = [(r, _rows(attn_map(r)["exact"], n)) for r in runs if attn_map(r) is not None]
+    maps = [(r, exact) for r, exact in maps if exact is not None]
+    runs = [r for r, _ in maps]
+    if not runs or not n:
         why = "no attention maps in this result (turn the measurements on and run again)"
         return no_data(title, why, height=300)
-    n = len(runs)
-    fig = make_subplots(
-        rows=n,
-        cols=2,
-        shared_xaxes=True,
-        horizontal_spacing=0.05,
-        vertical_spacing=min(0.08, 0.3 / n),
-        subplot_titles=[t for r in runs for t in (f"exact · queries of {r.label}", r.label)],
-    )
-    for i, r in enumerate(runs, start=1):
-        m = attn_map(r)
-        steps = m.get("steps") or list(range(len(m["exact"])))
-        for col, z in ((1, m["exact"]), (2, m.get("method"))):
-            if z is None:
-                k = 2 * (i - 1) + col  # subplot index: axes x{k}, y{k} (paper coordinates render everywhere)
-                xd, yd = fig.layout[f"xaxis{k}"].domain, fig.layout[f"yaxis{k}"].domain
-                fig.add_annotation(
-                    text="no token-level weights for this cache (sketched or clustered keys)",
-                    showarrow=False,
-                    x=sum(xd) / 2,
-                    y=sum(yd) / 2,
-                    xref="paper",
-                    yref="paper",
-                    xanchor="center",
-                    font=dict(size=12, color="#666"),
-                )
-                fig.update_xaxes(visible=False, row=i, col=col)
-                fig.update_yaxes(visible=False, row=i, col=col)
-                continue
-            fig.add_trace(
-                go.Heatmap(
-                    z=_log_weights(z),
-                    y=steps,
-                    customdata=z,
-                    colorscale="Magma",
-                    zmin=-4,
-                    zmax=0,
-                    showscale=(i == 1 and col == 1),
-                    colorbar=dict(title="log10 w", len=0.5, y=1.0, yanchor="top"),
-                    hovertemplate="pos %{x}<br>step %{y}<br>w=%{customdata:.4f}<extra>" + r.label + "</extra>",
-                ),
-                row=i,
-                col=col,
+    pooling = Pooling.of(n)
+    height = 110 + PANEL_PX * len(runs)
+    gap = min(0.06, 24 / height)
+    span = (1 - gap * (len(runs) - 1)) / len(runs)
+    data, layout = [], {}
+    for i, (r, exact) in enumerate(maps):
+        top = 1 - i * (span + gap)
+        data += _panel(r, exact, pooling, i + 1, colorbar_len=min(1.0, 300 / height))
+        layout[f"yaxis{i + 1}"] = dict(domain=[max(0.0, top - span), min(1.0, top)], **_panel_axis(r, data[-2]))
+        layout[f"xaxis{i + 1}"] = dict(
+            anchor=f"y{i + 1}",
+            matches="x" if i else None,
+            showticklabels=i == len(runs) - 1,
+            showgrid=False,
+            zeroline=False,
+            range=[-0.5 * pooling.width, n],
+        )
+    layout[f"xaxis{len(runs)}"]["title"] = dict(text="prompt position" + pooling.caption())
+    answer = answer_of(result)
+    if answer:
+        mid = (answer[0] + answer[-1]) / 2
+        layout["shapes"] = [dict(type="line", x0=mid, x1=mid, y0=0, y1=1, xref="x", yref="paper", line=ANSWER_LINE)]
+        layout["annotations"] = [
+            dict(
+                text="answer", x=mid, y=1.0, xref="x", yref="paper", yanchor="bottom", showarrow=False,
+                font=dict(size=11, color=ANSWER_LINE["color"]),
             )
-        kept = kept_of(r)
-        if kept is not None:
-            for a, b in _runs_of(sorted(set(range(result.prompt_tokens)) - set(kept))):
-                fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#7fa7c9", opacity=0.45, line_width=0, row=i, col=2)
-        fig.update_yaxes(title="step", row=i, col=1)
-    fig.update_xaxes(title="prompt position", row=n, col=1)
-    fig.update_xaxes(title="prompt position (blue bands: evicted)", row=n, col=2)
-    return _layout(fig, 80 + 170 * n, title)
+        ]  # fmt: skip
+    fig = go.Figure(dict(data=data, layout=layout))
+    fig = _layout(fig, height, title)
+    fig.update_layout(margin=dict(l=160, r=20, t=60, b=60))
+    return fig
 
 
-def _runs_of(xs: list[int]) -> list[tuple[int, int]]:
-    """Consecutive integers grouped into (first, last) spans."""
-    out: list[tuple[int, int]] = []
-    for x in xs:
-        if out and x == out[-1][1] + 1:
-            out[-1] = (out[-1][0], x)
-        else:
-            out.append((x, x))
-    return out
+PANEL_PX = 150  # height of one run's panel
+ANSWER_LINE = dict(color="#1f5fbf", width=1.5, dash="dot")
+
+
+def _panel(run: RunResult, exact: np.ndarray, pooling: Pooling, k: int, colorbar_len: float) -> list[dict]:
+    """One run's two traces (axes x{k}, y{k}): weights (exact's rows [Q, n], a gap, the method's) and the kept row."""
+    m = attn_map(run)
+    method = _rows(m.get("method"), pooling.n)
+    q = exact.shape[0]
+    weights = np.full((2 * q + 1, pooling.columns), np.nan, dtype=np.float32)
+    weights[:q] = pooling.pool(exact)
+    if method is not None and method.shape[0] >= q:
+        weights[q + 1 :] = pooling.pool(method[:q])
+    scale = _scale(exact)
+    scales = np.concatenate([scale, [[np.nan]], scale])
+    axes = dict(xaxis=f"x{k}", yaxis=f"y{k}")
+    x = pooling.x()
+    weight_trace = dict(
+        type="heatmap",
+        z=np.minimum(weights / scales, 1.0) ** GAMMA,
+        x=x,
+        y=np.arange(2 * q + 1),
+        customdata=weights,
+        colorscale=WEIGHTS,
+        zmin=0,
+        zmax=1,
+        showscale=k == 1,
+        colorbar=dict(
+            title=dict(text=f"weight ÷ exact's<br>{100 * QUANTILE:g}th percentile<br>(power {GAMMA:g})", side="right"),
+            len=colorbar_len,
+            y=1.0,
+            yanchor="top",
+            tickvals=[t**GAMMA for t in TICKS],
+            ticktext=[f"{t:g}" for t in TICKS[:-1]] + ["≥ 1"],
+        ),
+        hovertemplate="position %{x}<br>weight %{customdata:.4f}<extra>" + run.label + "</extra>",
+        hoverongaps=False,
+        **axes,
+    )
+    held_trace = dict(
+        type="heatmap",
+        z=_held(run, pooling),
+        x=x,
+        y=[q],
+        colorscale=HELD,
+        zmin=0,
+        zmax=1,
+        showscale=False,
+        hovertemplate=(
+            "position %{x}<br>kept: %{z:.0%}" if kept_of(run) is not None else "every position held, compressed"
+        )
+        + "<extra>"
+        + run.label
+        + "</extra>",
+        **axes,
+    )
+    return [weight_trace, held_trace]
+
+
+def _panel_axis(run: RunResult, weight_trace: dict) -> dict:
+    """A panel's y axis: its rows top to bottom (exact's queries, the kept row, the method's), labelled."""
+    q = len(weight_trace["y"]) // 2
+    label = run.label if attn_map(run).get("method") else f"{run.label} (no per-token weights)"
+    kept = "kept" if kept_of(run) is not None else "all held"
+    return dict(
+        tickvals=[(q - 1) / 2, q, q + 1 + (q - 1) / 2],
+        ticktext=["exact", kept, label],
+        autorange="reversed",
+        showgrid=False,
+        zeroline=False,
+    )
 
 
 # ----- quality vs memory ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from kvlab import faults
 from kvlab.budgets import Budget
 from kvlab.engine import Engine, Event, GenerationSettings, Probe, RunSpec, expand_runs
 from kvlab.health import HealthProbe
-from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics
+from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
 from kvlab.models import LoadedModel
 from kvlab.results import CompareResult
 from kvlab.tasks import Task, prompt_ids, prompt_text, score_result
@@ -95,6 +95,9 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
         ):
             if ev.kind == "done":
                 finish(ev.result, comparison.task)
+                if comparison.task is not None and comparison.measure is not None:  # where the maps mark the answer
+                    answer = answer_positions(ids, comparison.task.answer, engine.lm.decode)
+                    ev.result.settings["answer_positions"] = answer
             yield ev
     except faults.OOM as exc:  # raised below, once the traceback (and the tensors its frames hold) is gone
         oom = faults.out_of_memory(exc, engine.lm.device)

@@ -100,8 +100,9 @@ def test_measurements_reach_the_panels(compared, lm):
     assert layer["type"] == "heatmap" and len(layer["z"]) == 2 and len(layer["z"][0]) == lm.info.n_layers
     heat_fig = json.loads(heat["plot"])
     assert "layer 3, head 1" in heat_fig["layout"]["title"]["text"]
-    assert sum(d["type"] == "heatmap" for d in heat_fig["data"]) == 4  # exact + method for two runs
-    assert heat_fig["layout"]["shapes"], "evicted positions are marked"
+    assert sum(d["type"] == "heatmap" for d in heat_fig["data"]) == 4  # weights + kept row for two runs
+    held = [d for d in heat_fig["data"] if d.get("colorscale") and len(d.get("y", [])) == 1]
+    assert len(held) == 2 and all("kept" in d["y"][0] for d in held), "evicted positions are marked"
     assert "kv-evicted" in strip and "kv-kept" in strip and "<img" not in strip
     qvm_fig = json.loads(qvm["plot"])
     assert [len(d["x"]) for d in qvm_fig["data"]] == [2]  # streaming at two budgets
@@ -132,7 +133,7 @@ def test_heatmaps_filter_methods(client, compared):
     path = next(f for f in client.predict(api_name="/export") if f.endswith(".json"))
     fig = plots.attention_heatmaps(CompareResult.load(path), ["streaming@0.25"])
     assert sum(d.type == "heatmap" for d in fig.data) == 2
-    assert [a.text for a in fig.layout.annotations[:2]] == ["exact · queries of streaming@0.25", "streaming@0.25"]
+    assert list(fig.layout.yaxis.ticktext) == ["exact", "kept", "streaming@0.25"]
 
 
 def test_export_and_load_round_trip(client, compared, tmp_path):

@@ -27,7 +27,7 @@ from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
 from kvlab.budgets import TOLERANCE, Budget, BudgetRefused, per_token_bytes, round_up_fraction
 from kvlab.models import ModelInfo
-from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes
+from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes, weights_on_positions
 
 
 class ParamError(ValueError):
@@ -286,6 +286,15 @@ class Compressor:
             out[kind] = out.get(kind, 0) + tensor_bytes(t)
         return out
 
+    def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
+        """The method's own attention weights for one query, by token position (for the attention maps).
+
+        q [Hq, 1, d] (post-RoPE). Returns [Hq, n] over positions 0..n-1 (every token seen so far; 0
+        where nothing stands for a position), each row summing to 1; None when the cache has no
+        per-token estimate.
+        """
+        return None
+
 
 class _Growable:
     """A tensor that grows along dim -2 (tokens) with amortized doubling; ``view`` is the used part."""
@@ -466,6 +475,11 @@ class DenseCompressor(Compressor):
 
     def kept_positions(self, layer: int) -> Tensor | None:
         return self.layers[layer].views()[2]
+
+    def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
+        """Softmax over the kept tokens (with their log-weights), at their positions; 0 where evicted."""
+        k, _, pos, lw = self.layers[layer].views()
+        return weights_on_positions(q, k, pos, self.scaling, lw)
 
 
 __all__ = ["Compressor", "DenseCompressor", "DenseLayer", "Param", "ParamError", "PrefillState", "field"]

@@ -279,3 +279,8 @@ class KIVI(Compressor):
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:
             yield from layer.tensors()
+
+    def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
+        """Softmax over the dequantized keys (every token, in order). q [Hq, 1, d] -> [Hq, n]."""
+        k, _ = self.layers[layer].dequantized()
+        return torch.softmax(attention_logits(q.float(), k, self.scaling), dim=-1)[:, 0]

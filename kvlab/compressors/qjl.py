@@ -583,6 +583,16 @@ class QJL(Compressor):
         pos = torch.arange(st.n_seen - r, st.n_seen, dtype=torch.int32, device=st.res_k.device)
         return pos.expand(st.res_k.shape[0], r)
 
+    def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
+        """The softmax ``attend`` takes: sketched score estimates (quantized tokens, positions
+        0..n_quantized-1), exact scores (the recent window, the positions after). q [Hq, 1, d] -> [Hq, n]."""
+        st = self.layers[layer]
+        qg = group_queries(q.float(), st.res_k.shape[0])
+        logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
+        if st.n_quantized:
+            logits = torch.cat([self._key_scores(st, qg), logits], -1)
+        return ungroup(torch.softmax(logits * self.scaling, dim=-1), q.shape[0])[:, 0]
+
 
 def _round8(x: float) -> int:
     return max(M_MIN, int(x) // 8 * 8)

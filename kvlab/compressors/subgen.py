@@ -61,7 +61,7 @@ from torch import Tensor
 
 from kvlab.compressors.base import Compressor, DenseCompressor, DenseLayer, Param, PrefillState
 from kvlab.compressors.registry import register
-from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup
+from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
 
 PAPER = (
     "Zandieh, Han, Mirrokni, Karbasi, SubGen: Token Generation in Sublinear Time and Memory, "
@@ -202,6 +202,7 @@ class SubGenState:
     mv: Tensor
     mu: Tensor
     cap_joins: Tensor  # [L, H] keys that joined a cluster farther than delta because of the cap (not held)
+    assign: list[Tensor] | None = None  # per layer [H, n_seen] int32: each token's cluster (for the maps; not held)
 
     @property
     def m_cap(self) -> int:
@@ -252,6 +253,7 @@ class SubGenState:
             gather_tokens(flat_v, mpick).view(*lead, s, d).to(dtype),
             mu.view(lead),
             forced.view(lead),
+            list(assign.to(torch.int32).view(*lead, n)),
         )
 
     def append(self, layer: int, k: Tensor, v: Tensor, gen: torch.Generator) -> None:
@@ -267,6 +269,8 @@ class SubGenState:
         rows = torch.arange(k.shape[0], device=k.device)
         centers[rows[opened], j[opened]] = k[opened].to(centers.dtype)
         count += opened.to(count.dtype)
+        if self.assign is not None:
+            self.assign[layer] = torch.cat([self.assign[layer], j.to(torch.int32).unsqueeze(-1)], -1)
         sizes = self.sizes[layer]
         sizes[rows, j] += 1
         cluster = self.samples[layer, rows, j]  # [H, t, d] (a copy: written back below)
@@ -319,6 +323,23 @@ class SubGenState:
         yield "sample_keys", self.mk
         yield "sample_values", self.mv
         yield "value_mass", self.mu
+
+    def estimated_weights(self, layer: int, q: Tensor, scaling: float) -> Tensor:
+        """The softmax weights QueryStreamAttn's denominator implies, by token position: q [Hq, 1, d] -> [Hq, n].
+
+        tau = sum_i n_i / t sum_{S_i} exp(<q, k>); a token of cluster i gets (1 / t) sum_{S_i} exp(<q, k>) / tau,
+        its cluster's mean sampled score (the rows sum to 1: the sizes count the tokens assigned).
+        """
+        h, m = self.centers.shape[1], max(1, int(self.count[layer].max()))
+        qg = group_queries(q.float(), h)  # [H, g, d]
+        samples = self.samples[layer, :, :m].float()  # [H, m, t, d]
+        scores = torch.einsum("hgd,hmtd->hgmt", qg, samples) * scaling
+        per_member = torch.logsumexp(scores, -1) - math.log(self.t)  # [H, g, m]
+        logw = torch.log(self.sizes[layer, :, :m].float()).unsqueeze(1)  # -inf for unused clusters
+        log_tau = torch.logsumexp(per_member + logw, -1, keepdim=True)
+        idx = self.assign[layer].long().unsqueeze(1).expand(-1, qg.shape[1], -1)  # [H, g, n]
+        w = torch.gather(torch.exp(per_member - log_tau), -1, idx)
+        return ungroup(w, q.shape[0])[:, 0]
 
 
 @dataclass
@@ -701,6 +722,13 @@ class SubGen(Compressor):
             yield from self.state.tensors()
             yield "keys", self.exact.keys
             yield "values", self.exact.values
+
+    def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
+        """Each token weighted by its cluster's sampled scores (``SubGenState.estimated_weights``)."""
+        if self.full:
+            k, _, pos, _ = self.dense[layer].views()
+            return weights_on_positions(q, k, pos, self.scaling)
+        return self.state.estimated_weights(layer, q, self.scaling)
 
 
 @register

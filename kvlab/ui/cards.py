@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import html
 
+import numpy as np
+
 from kvlab import plots
 from kvlab.compressors import methods
 from kvlab.figures import finite
@@ -188,10 +190,16 @@ def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedM
     return "<div class='kv-strip'>" + "".join(parts) + "</div>"
 
 
+BAR_STOPS = 400  # colour stops of a density bar at most
+
+
 def _density_bar(run: RunResult, n: int) -> str:
     dens = (run.extras or {}).get("kept_density")
     if not dens:
         return ""
+    if len(dens) > BAR_STOPS:  # a long prompt: the mean of each stretch of positions (the bar is ~1,000 px)
+        pooling = plots.Pooling.of(len(dens), BAR_STOPS)
+        dens = pooling.pool(np.array([[float(d or 0.0) for d in dens]]), "mean")[0].tolist()
     grad = ",".join(
         f"rgba(31,119,180,{0.08 + 0.92 * float(d):.2f}) {100 * i / len(dens):.2f}% {100 * (i + 1) / len(dens):.2f}%"
         for i, d in enumerate(dens)
