@@ -93,11 +93,12 @@ def test_subgen_weights_spread_each_cluster_over_its_tokens(lm, prefill_state):
     layer = 21
     q = state.queries[layer][:, -1:]
     w = sg.estimated_weights(layer, q)
-    assign = sg.state.assign[layer]  # [Hkv, n]
+    assign = sg.state.assign[layer]  # [Hkv, n_stream]: the tokens between the sinks and the recent window
     assert w.shape == (lm.info.n_heads, n) and torch.allclose(w.sum(-1), torch.ones(w.shape[0]), atol=1e-4)
+    stream = w[:, sg.exact.sink : sg.exact.sink + assign.shape[-1]]
     h, kv = 4, 4 // (lm.info.n_heads // lm.info.n_kv_heads)
     for c in assign[kv].unique()[:20]:
-        members = w[h, assign[kv] == c]
+        members = stream[h, assign[kv] == c]
         assert torch.allclose(members, members[0].expand_as(members))
     exact = torch.softmax(attention_logits(q.float(), state.keys[layer].float(), state.scaling), -1)[:, 0]
     top = exact.topk(16, -1).indices

@@ -324,11 +324,15 @@ class SubGenState:
         yield "sample_values", self.mv
         yield "value_mass", self.mu
 
-    def estimated_weights(self, layer: int, q: Tensor, scaling: float) -> Tensor:
-        """The softmax weights QueryStreamAttn's denominator implies, by token position: q [Hq, 1, d] -> [Hq, n].
+    def estimated_weights(
+        self, layer: int, q: Tensor, scaling: float, exact_k: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The softmax weights QueryStreamAttn's denominator implies: q [Hq, 1, d] -> stream tokens [Hq, n]
+        (in stream order) and the exactly held tokens ``exact_k`` [H, e, d] -> [Hq, e] (None without them).
 
-        tau = sum_i n_i / t sum_{S_i} exp(<q, k>); a token of cluster i gets (1 / t) sum_{S_i} exp(<q, k>) / tau,
-        its cluster's mean sampled score (the rows sum to 1: the sizes count the tokens assigned).
+        tau = sum_i n_i / t sum_{S_i} exp(<q, k>) (+ the exact tokens' exp(<q, k>)); a stream token of
+        cluster i gets (1 / t) sum_{S_i} exp(<q, k>) / tau, its cluster's mean sampled score (the rows
+        sum to 1: the sizes count the tokens assigned).
         """
         h, m = self.centers.shape[1], max(1, int(self.count[layer].max()))
         qg = group_queries(q.float(), h)  # [H, g, d]
@@ -336,10 +340,16 @@ class SubGenState:
         scores = torch.einsum("hgd,hmtd->hgmt", qg, samples) * scaling
         per_member = torch.logsumexp(scores, -1) - math.log(self.t)  # [H, g, m]
         logw = torch.log(self.sizes[layer, :, :m].float()).unsqueeze(1)  # -inf for unused clusters
-        log_tau = torch.logsumexp(per_member + logw, -1, keepdim=True)
+        terms = per_member + logw
+        le = None
+        if exact_k is not None and exact_k.shape[-2]:
+            le = torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling  # [H, g, e]
+            terms = torch.cat([terms, le], -1)
+        log_z = torch.logsumexp(terms, -1, keepdim=True)
         idx = self.assign[layer].long().unsqueeze(1).expand(-1, qg.shape[1], -1)  # [H, g, n]
-        w = torch.gather(torch.exp(per_member - log_tau), -1, idx)
-        return ungroup(w, q.shape[0])[:, 0]
+        w = torch.gather(torch.exp(per_member - log_z), -1, idx)
+        we = None if le is None else ungroup(torch.exp(le - log_z), q.shape[0])[:, 0]
+        return ungroup(w, q.shape[0])[:, 0], we
 
 
 @dataclass
@@ -728,7 +738,12 @@ class SubGen(Compressor):
         if self.full:
             k, _, pos, _ = self.dense[layer].views()
             return weights_on_positions(q, k, pos, self.scaling)
-        return self.state.estimated_weights(layer, q, self.scaling)
+        ex = self.exact
+        stream, held = self.state.estimated_weights(layer, q, self.scaling, ex.keys[layer])
+        if held is None:
+            return stream
+        window = torch.roll(held[:, ex.sink :], -ex.head[layer], dims=-1)  # ring slots -> oldest first
+        return torch.cat([held[:, : ex.sink], stream, window], -1)  # by position: sinks, stream, window
 
 
 @register
