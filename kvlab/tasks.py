@@ -178,7 +178,12 @@ def passkey(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth:
     # continues "The pass key is" with anything but the key (the older "{key} is the pass key"
     # taught the model to answer "the pass key").
     needle = f"The pass key is {key}. Remember it. The pass key is {key}. "
-    head = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
+    # The instruction names the pass key (an instruction about "important info" let the model explain
+    # the words "pass key" instead of copying the key when the key sat near the start of 2k prompts).
+    head = (
+        "There is a pass key hidden inside a lot of irrelevant text. "
+        "Find it and memorize it. I will ask you for it.\n\n"
+    )
     question = "\n\nWhat is the pass key?"
     prefix = "The pass key is"
 
