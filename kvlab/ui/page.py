@@ -15,6 +15,7 @@ from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import Dashboard
+from kvlab.ui.grid import grid_tab
 from kvlab.ui.methods import default_methods, method_groups, param_rows
 from kvlab.ui.presets import DEFAULT_PRESET, presets
 
@@ -208,6 +209,8 @@ def _views() -> Views:
             upload = gr.File(
                 label="Load a kvlab JSON export (viewed without recomputing)", file_types=[".json"], type="filepath"
             )
+        with gr.Tab("Needle grid", id="grid"):
+            grid_tab()
         with gr.Tab("About", id="about"):
             gr.Markdown(about_markdown())
     return Views(
