@@ -88,6 +88,20 @@ def test_grid_from_older_cells_and_bad_files():
         grids_from_results({"config": {}, "cells": [doc]})
 
 
+def test_grid_tab_loads_a_sweep_and_refuses_other_files(tiny_sweep, tmp_path):
+    import gradio as gr
+
+    from kvlab.ui.grid import load_grid
+
+    summary, fig = load_grid(str(tiny_sweep / "results.json"))
+    assert "query-aware" in summary and "2 runs" in summary and len(fig.data) == 2
+    for text, why in (("{not json", "not JSON"), ('{"runs": []}', "no 'cells'")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(gr.Error, match=why):
+            load_grid(str(bad))
+
+
 def test_sweep_rejects_depths_outside_0_1(capsys):
     assert main(["sweep", "--task", "needle", "--depths", "0,2", "--methods", "exact"]) == 2
     assert "--depths" in capsys.readouterr().err

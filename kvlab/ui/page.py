@@ -1,5 +1,5 @@
 """The page: setup, progress and cards, then one tab per view (memory, errors, attention, quality vs
-memory, export / import, about). Every event has an ``api_name``; model work runs one at a time.
+memory, export / import, needle grid, about). Every event has an ``api_name``; model work runs one at a time.
 """
 
 from __future__ import annotations
