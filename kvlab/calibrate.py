@@ -51,52 +51,67 @@ def calibrate(
 ) -> dict:
     """Exact's accuracy on ``task`` for every length over seeds 0..seeds-1; every sample kept.
 
-    ``partial`` is called with the results so far after every sample (a long run can be cut short).
+    Seeds are the outer loop (seed 0 at every length, then seed 1, ...), so a run cut short has
+    about as many seeds at every length. ``partial`` is called with the results so far after every
+    sample; their ``results`` rows count the samples done (``seeds`` is how many ran).
     """
     from kvlab.tasks import make_task, prompt_ids
 
-    per_length, samples = [], []
+    samples: list[dict] = []
+    seconds = dict.fromkeys(lengths, 0.0)
     data = {
         "task": task,
         "model": lm.info.id,
         "decoding": "greedy, full cache (transformers generate)",
         "max_new_tokens": max_new_tokens,
         "depths": list(depths),
-        "results": per_length,
+        "results": [],
         "samples": samples,
     }
-    for n in lengths:
-        hits, tokens, t0 = 0, [], time.perf_counter()
-        by_depth: dict[str, list[int]] = {}
-        for seed in range(seeds):
-            depth = depths[seed % len(depths)]
+    for seed in range(seeds):
+        depth = depths[seed % len(depths)]
+        for n in lengths:
+            t0 = time.perf_counter()
             t = make_task(task, n, seed, lm.encode, depth)
             ids = prompt_ids(lm, t)
             text = generate_greedy(lm, ids, max_new_tokens)
             hit = t.score(text) if t.answer is not None else None
-            hits += bool(hit)
-            tokens.append(len(ids))
-            by_depth.setdefault(f"{depth:g}", [0, 0])
-            by_depth[f"{depth:g}"][0] += bool(hit)
-            by_depth[f"{depth:g}"][1] += 1
+            seconds[n] += time.perf_counter() - t0
             samples.append(
                 {"length": n, "seed": seed, "depth": depth, "prompt_tokens": len(ids), "answer": t.answer}
                 | {"text": text, "hit": hit}
             )
+            data["results"] = summarize(samples, lengths, seconds)
             log(f"[calibrate] {task} {n} seed {seed} depth {depth:g}: {'ok ' if hit else 'miss'} {text!r}")
             partial(data)
-        per_length.append(
+    return data
+
+
+def summarize(samples: list[dict], lengths: list[int], seconds: dict[int, float] | None = None) -> list[dict]:
+    """One row per length with samples: accuracy, hits, seeds run, mean prompt tokens, hits by depth."""
+    out = []
+    for n in lengths:
+        mine = [s for s in samples if s["length"] == n]
+        if not mine:
+            continue
+        hits = sum(bool(s["hit"]) for s in mine)
+        by_depth: dict[str, dict] = {}
+        for s in sorted(mine, key=lambda s: s["depth"]):
+            d = by_depth.setdefault(f"{s['depth']:g}", {"hits": 0, "seeds": 0})
+            d["hits"] += bool(s["hit"])
+            d["seeds"] += 1
+        out.append(
             {
                 "length": n,
-                "accuracy": hits / seeds,
+                "accuracy": hits / len(mine),
                 "hits": hits,
-                "seeds": seeds,
-                "prompt_tokens_mean": sum(tokens) / len(tokens),
-                "by_depth": {d: {"hits": h, "seeds": k} for d, (h, k) in by_depth.items()},
-                "seconds": round(time.perf_counter() - t0, 1),
+                "seeds": len(mine),
+                "prompt_tokens_mean": sum(s["prompt_tokens"] for s in mine) / len(mine),
+                "by_depth": by_depth,
+                "seconds": round((seconds or {}).get(n, 0.0), 1),
             }
         )
-    return data
+    return out
 
 
 def format_calibration(data: dict) -> str:

@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", type=int, default=1, help="seeds per length (0..N-1)")
     s.add_argument("--max-new-tokens", type=int, default=16)
     s.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (passkey, needle, multikey)")
+    s.add_argument("--depths", default="", help="needle depths, e.g. 0,0.5,1: a depth x length grid")
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
     s.add_argument("--model", default="embedded")
     s.add_argument("--device", default="auto")
@@ -260,6 +261,12 @@ def cmd_sweep(args) -> int:
         raise CliError(str(exc)) from None
     if args.seeds < 1 or not lengths:
         raise CliError("--seeds must be >= 1 and --lengths must name at least one length")
+    try:
+        depths = [float(x) for x in args.depths.split(",") if x.strip()]
+    except ValueError:
+        depths = [-1.0]
+    if not all(0 <= d <= 1 for d in [*depths, args.depth]):
+        raise CliError(f"--depth/--depths {args.depths or args.depth!r}: numbers in [0, 1], e.g. 0,0.25,0.5,0.75,1")
     cfg = SweepConfig(
         args.task,
         lengths,
@@ -271,6 +278,7 @@ def cmd_sweep(args) -> int:
         args.depth,
         args.model,
         args.out,
+        depths=sorted(set(depths)),
     )
 
     def engine_factory():

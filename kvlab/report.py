@@ -6,7 +6,9 @@ the sweep's cells:
   built-in tasks) against the share of the exact cache's bytes held, one line per method through
   its budgets;
 * attention error per layer — mean relative error per layer, one line per method@budget;
-* bytes per step — KiB held after each decode step at the longest length, one line per run.
+* bytes per step — KiB held after each decode step at the longest length, one line per run;
+* needle grid (a sweep over several depths) — accuracy per depth x length, one heatmap per
+  method@budget (``kvlab.grids``).
 """
 
 from __future__ import annotations
@@ -95,7 +97,17 @@ def figures(recs: list[dict]) -> dict[str, go.Figure]:
             items, "Attention relative error per layer (mean over steps and cells)", lines=True
         ),
         "bytes": shared.bytes_figure(at_longest, f"Bytes held per decode step (length {longest})"),
-    }
+    } | _grid(recs)
+
+
+def _grid(recs: list[dict]) -> dict[str, go.Figure]:
+    """The needle grid figure when the cells cover several depths (else nothing)."""
+    from kvlab import grids
+
+    items = grids.grids(recs)
+    if not items or len(items[0].depths) < 2:
+        return {}
+    return {"grid": grids.grid_figure(items, "Needle grid: found per depth x length (hits/seeds)")}
 
 
 def write_report(cfg, recs: list[dict], path: str | Path) -> Path:

@@ -1,6 +1,6 @@
-"""Sweeps: a task over lengths x seeds, every method at every budget, with JSON + CSV + HTML report.
+"""Sweeps: a task over lengths x depths x seeds, every method at every budget, with JSON + CSV + HTML report.
 
-Each grid cell is one generated prompt (task, length, seed); its methods and budgets run together
+Each grid cell is one generated prompt (task, length, needle depth, seed); its methods and budgets run together
 in one lockstep comparison. A cell's result is written to ``<out>/cells/<key>.json`` as soon as it
 is done, and a re-run skips cells whose file exists (the key includes a hash of everything that
 changes the result). Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
@@ -16,12 +16,13 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 CSV_FIELDS = (
     "task",
     "length",
+    "depth",
     "seed",
     "prompt_tokens",
     "label",
@@ -55,10 +56,17 @@ class SweepConfig:
     depth: float = 0.5
     model: str = "embedded"
     out: str = "sweep-out"
+    depths: list[float] = field(default_factory=list)  # needle depths of a depth x length grid; empty: [depth]
+    protocol: str = "query-aware"  # the question inside the compressed prompt
+
+    @property
+    def grid_depths(self) -> list[float]:
+        return list(self.depths) or [self.depth]
 
     def key(self) -> str:
         """Hash of everything besides the cell that changes a cell's result."""
-        parts = {k: v for k, v in asdict(self).items() if k not in ("lengths", "seeds", "out")}
+        skip = ("lengths", "seeds", "out", "depths", "depth")
+        parts = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -67,14 +75,15 @@ class Cell:
     task: str
     length: int
     seed: int
+    depth: float = 0.5
 
     @property
     def name(self) -> str:
-        return f"{self.task}-{self.length}-s{self.seed}"
+        return f"{self.task}-{self.length}-d{self.depth:g}-s{self.seed}"
 
 
 def cells(cfg: SweepConfig) -> list[Cell]:
-    return [Cell(cfg.task, n, s) for n in cfg.lengths for s in range(cfg.seeds)]
+    return [Cell(cfg.task, n, s, d) for n in cfg.lengths for d in cfg.grid_depths for s in range(cfg.seeds)]
 
 
 def cell_path(cfg: SweepConfig, cell: Cell) -> Path:
@@ -101,7 +110,7 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     from kvlab.tasks import make_task
 
     comparison = Comparison(
-        make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cfg.depth),
+        make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cell.depth),
         cfg.methods,
         cfg.budgets,
         settings=GenerationSettings(max_new_tokens=cfg.max_new_tokens),
@@ -179,8 +188,8 @@ def load_cells(cfg: SweepConfig) -> list[dict]:
     return recs
 
 
-def rows(recs: list[dict]) -> Iterator[dict]:
-    """One flat row per (cell, run), the CSV's columns."""
+def rows(recs: list[dict], cfg_depth: float = 0.5) -> Iterator[dict]:
+    """One flat row per (cell, run), the CSV's columns (``cfg_depth``: the depth of cells that name none)."""
     for rec in recs:
         c = rec["cell"]
         for r in rec["runs"]:
@@ -188,6 +197,7 @@ def rows(recs: list[dict]) -> Iterator[dict]:
             yield {
                 "task": c["task"],
                 "length": c["length"],
+                "depth": c.get("depth", cfg_depth),
                 "seed": c["seed"],
                 "prompt_tokens": rec["prompt_tokens"],
                 "label": r["label"],
@@ -218,11 +228,11 @@ def merge(cfg: SweepConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     recs = load_cells(cfg)
-    (out / "results.json").write_text(json.dumps({"config": asdict(cfg), "cells": recs}))
+    (out / "results.json").write_text(json.dumps({"config": asdict(cfg), "protocol": cfg.protocol, "cells": recs}))
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
-        w.writerows(rows(recs))
+        w.writerows(rows(recs, cfg.depth))
     return write_report(cfg, recs, out / "report.html")
 
 

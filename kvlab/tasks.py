@@ -9,9 +9,10 @@ a task on which the reference fails cannot tell the compression methods apart.
 * ``needle`` — one fact sentence ("The special magic number for <word> is <number>.") placed at a
   chosen depth in real prose: CPython's reference manual (``pydoc_data.topics``), as in the
   needle-in-a-haystack test and RULER's ``niah_single`` (Hsieh et al., "RULER", 2024).
-* ``multikey`` — the harder one: four such sentences for four different words spread through the
-  prose, and the question asks for one of them (RULER's ``niah_multikey``). The others are
-  distractors, so exact is good but not perfect and compression has room to hurt.
+* ``multikey`` — the harder one: nine such sentences for nine different words at depths 0.1,
+  0.2, ..., 0.9 of the prose, and the question asks for one of them (RULER's ``niah_multikey``,
+  with more keys). The others are distractors, so exact is good but not perfect and compression
+  has room to hurt.
 * ``lines`` — LongEval-style line retrieval (Li et al., "How long can open-source LLMs truly
   promise on context length?", 2023; used by ClusterGen, ``clustergen.txt`` Sec. 4.1): many lines
   ``line <key>: REGISTER_CONTENT is <number>`` and a question about one of them.
@@ -178,7 +179,10 @@ def passkey(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth:
     # continues "The pass key is" with anything but the key (the older "{key} is the pass key"
     # taught the model to answer "the pass key").
     needle = f"The pass key is {key}. Remember it. The pass key is {key}. "
-    head = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
+    # The question comes first as well as last: with only an instruction at the top ("important info
+    # hidden inside ..."), a key near the start of a 2k-4k prompt was not copied; the model explained
+    # the words "pass key" or copied the instruction instead (docs/tasks.md, shapes C and D).
+    head = "What is the pass key? It is hidden inside a lot of irrelevant text below. Find it and memorize it.\n\n"
     question = "\n\nWhat is the pass key?"
     prefix = "The pass key is"
 
@@ -236,10 +240,13 @@ def needle(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth: 
     return _needles("needle", n_tokens, seed, encode, [depth], 0, rng)
 
 
+MULTIKEY_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
 def multikey(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5) -> Task:
-    """Four needles at depths 0.1, 0.35, 0.6, 0.85; the one asked about is the one nearest ``depth``."""
+    """Needles at ``MULTIKEY_DEPTHS``; the one asked about is the one nearest ``depth``."""
     rng = random.Random(f"multikey-{seed}")
-    depths = [0.1, 0.35, 0.6, 0.85]
+    depths = list(MULTIKEY_DEPTHS)
     ask = min(range(len(depths)), key=lambda i: abs(depths[i] - depth))
     return _needles("multikey", n_tokens, seed, encode, depths, ask, rng)
 

@@ -70,16 +70,30 @@ def test_needle_sits_in_real_prose_at_its_depth(lm, depth):
     assert t.answer_prefix == f"The special magic number for {t.meta['word']} is"
 
 
-def test_multikey_asks_for_one_of_four(lm):
-    t = make_task("multikey", 800, 5, lm.encode, depth=0.6)
+@pytest.mark.parametrize("depth", [0.1, 0.6, 0.9])
+def test_multikey_asks_for_one_of_nine(lm, depth):
+    t = make_task("multikey", 800, 5, lm.encode, depth=depth)
     words = t.meta["words"]
-    assert (
-        len(set(words)) == 4 and t.meta["word"] == words[t.meta["asked"]] and t.meta["depths"][t.meta["asked"]] == 0.6
-    )
-    assert t.prompt.count("The special magic number for ") == 4
+    assert len(set(words)) == 9 and t.meta["depths"] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    assert t.meta["word"] == words[t.meta["asked"]] and t.meta["depths"][t.meta["asked"]] == depth
+    assert t.prompt.count("The special magic number for ") == 9
     positions = [t.prompt.index(f"The special magic number for {w} is ") for w in words]
     assert positions == sorted(positions)  # in depth order
+    at = t.context.index(f"for {t.meta['word']} is {t.answer}.") / len(t.context)
+    assert abs(at - depth) < 0.12, at
+    assert t.question.strip() == f"What is the special magic number for {t.meta['word']}?"
     assert t.score(f" {t.answer}.") == 1.0
+
+
+def test_passkey_asks_before_and_after_the_filler(lm):
+    """The pinned shape (docs/tasks.md): question, instruction, filler with the key sentence, question."""
+    t = make_task("passkey", 600, 0, lm.encode, depth=0.5)
+    key = t.answer
+    assert t.prompt.startswith("What is the pass key? It is hidden inside a lot of irrelevant text below.")
+    assert t.question == "\n\nWhat is the pass key?" and t.prompt.count("What is the pass key?") == 2
+    assert f"The pass key is {key}. Remember it. The pass key is {key}. " in t.prompt
+    # every "The pass key is" in the prompt is followed by the key, as the answer prefix will be
+    assert t.prompt.count("The pass key is") == 2 and t.answer_prefix == "The pass key is"
 
 
 def test_line_retrieval_answer_matches_its_line(lm):

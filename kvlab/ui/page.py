@@ -1,5 +1,5 @@
 """The page: setup, progress and cards, then one tab per view (memory, errors, attention, quality vs
-memory, export / import, about). Every event has an ``api_name``; model work runs one at a time.
+memory, export / import, needle grid, about). Every event has an ``api_name``; model work runs one at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import Dashboard
 from kvlab.ui.export import export_ttl_s
+from kvlab.ui.grid import grid_tab
 from kvlab.ui.methods import default_methods, method_groups, param_rows
 from kvlab.ui.presets import DEFAULT_PRESET, presets
 
@@ -216,6 +217,8 @@ def _views() -> Views:
                 type="filepath",
                 elem_id="kv-upload",
             )
+        with gr.Tab("Needle grid", id="grid"):
+            grid_tab()
         with gr.Tab("About", id="about"):
             gr.Markdown(about_markdown())
     return Views(
