@@ -7,6 +7,12 @@ results. Positions always continue from the true number of tokens seen.
 
 ``Engine.stream`` yields progress ``Event``s; the last one carries the ``CompareResult``. The CLI,
 the dashboard and the sweeps go through ``kvlab.run``, which adds the text metrics and task scores.
+
+Two protocols (docs/tasks.md): query-aware (the default) prefills and compresses the whole prompt,
+question included. Query-agnostic (``questions=`` given) prefills and compresses the context once,
+then, for each question, forks every compressed cache, feeds the question's tokens through it in
+one chunked forward (true positions, causal inside the chunk, each compressor's ``feed``) and
+decodes from there: N questions cost one prefill and one compression per method.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from kvlab.cache import LockstepCache, PrefillCache
 from kvlab.compressors import Compressor, PrefillState, get
 from kvlab.few_rows import few_row_linears
 from kvlab.models import LoadedModel
-from kvlab.results import CompareResult, RunResult, RunTimings
+from kvlab.results import QUERY_AGNOSTIC, QUERY_AWARE, CompareResult, RunResult, RunTimings
 
 
 class InputError(ValueError):
@@ -67,8 +73,25 @@ class GenerationSettings:
 
 
 @dataclass
+class Question:
+    """A question asked after compression: the prompt's token ids after the context, and its text.
+
+    ``ids`` are the question, the end of the user turn, the assistant marker and any answer
+    prefix; ``prompt_text`` is the whole prompt as a person reads it (shown with the result).
+    """
+
+    ids: list[int]
+    text: str = ""
+    prompt_text: str = ""
+
+
+@dataclass
 class Event:
-    """Progress: ``kind`` is prefill | compress | step | run_done | done; ``progress`` in [0, 1]."""
+    """Progress: ``kind`` is prefill | compress | question | step | run_done | done; ``progress`` in [0, 1].
+
+    ``result`` of the ``done`` event is the (first) question's result; ``results`` lists every
+    question's result (one item when the prompt had one question or none).
+    """
 
     kind: str
     message: str
@@ -77,6 +100,7 @@ class Event:
     total: int | None = None
     run: str | None = None
     result: CompareResult | None = None
+    results: list[CompareResult] | None = None
 
 
 class Probe(Protocol):
@@ -91,7 +115,15 @@ class Probe(Protocol):
       then also feeds each run the exact run's tokens (the free-running row itself while its
       tokens equal the exact run's, else a copy of its compressor forked at the divergence, in the
       same batched forward) and reports, after each step, the exact run's token, its logits [V]
-      and ``forced`` {run index: logits [V] of that run fed the exact tokens}. Needs an ``exact`` run.
+      and ``forced`` {run index: logits [V] of that run fed the exact tokens}. Needs an ``exact`` run;
+    * ``on_chunk(layer, rows, pos, q, k, v, out)`` once per layer when a question is fed after
+      compression (query-agnostic): q/out [R, Hq, c, d], k/v [R, Hkv, c, d] at true positions
+      pos..pos+c-1, every run a row.
+
+    Query-agnostic: a probe sees one ``on_prefill`` .. ``finish`` cycle per question (``on_prefill``
+    gets the context's state and that question's fork of the compressors; ``logits`` are the
+    context's last), then ``on_chunk`` per layer, then ``on_step(0, rows, logits [R, V])`` with each
+    run's logits after the question (the first token's), then the decode steps as usual.
     """
 
     def on_prefill(self, state: PrefillState, logits: Tensor, compressors: list[Compressor]) -> None: ...
@@ -143,9 +175,13 @@ def _pick(logits: Tensor, gen: GenerationSettings, generator: torch.Generator) -
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel):
+    """``stepwise_questions``: feed a question asked after compression one decode step per token
+    instead of one chunked forward (the reference the chunk must equal; slower)."""
+
+    def __init__(self, lm: LoadedModel, stepwise_questions: bool = False):
         self.lm = lm
         self.info = lm.info
+        self.stepwise_questions = stepwise_questions
 
     # ----- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -191,18 +227,30 @@ class Engine:
         gen: GenerationSettings | None = None,
         prompt_text: str = "",
         probes: list[Probe] | None = None,
+        questions: list[Question] | None = None,
     ) -> Iterator[Event]:
         """Compare ``runs`` on one prompt; yields progress ``Event``s, the last one (``done``) with the result.
 
         Steps: make compressors -> one exact prefill -> compress all -> first tokens (from the
         prefill's logits) -> decode steps (one batched forward each) -> result.
+
+        ``questions`` (query-agnostic): ``prompt_ids`` is the context alone, compressed once; each
+        question is then fed through a fork of every compressed cache (``_stream_questions``).
         """
         gen = gen or GenerationSettings()
         gen.validate()
-        self.check_prompt(prompt_ids, gen)
+        if questions:
+            if any(not q.ids for q in questions):
+                raise InputError("a question has no tokens; give each question some text")
+            self.check_prompt(prompt_ids + max((q.ids for q in questions), key=len), gen)
+        else:
+            self.check_prompt(prompt_ids, gen)
         if not runs:
             raise InputError("no method selected; choose at least one")
         probes = probes or []
+        if questions:
+            yield from self._stream_questions(prompt_ids, runs, gen, probes, questions)
+            return
         t_start = time.perf_counter()
         comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed)
 
@@ -228,7 +276,120 @@ class Engine:
         for p in probes:
             p.finish(results)
         timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
-        yield Event("done", f"{len(runs)} runs done", 1.0, result=self._result(prompt_ids, prompt_text, rows, timings))
+        result = self._result(prompt_ids, prompt_text, rows, timings)
+        yield Event("done", f"{len(runs)} runs done", 1.0, result=result, results=[result])
+
+    def _stream_questions(
+        self, ctx_ids: list[int], runs: list[RunSpec], gen: GenerationSettings, probes: list, questions: list[Question]
+    ) -> Iterator[Event]:
+        """Query-agnostic: one prefill and one compression of the context, then per question a fork of
+        every cache, one chunked forward of the question's tokens, and lockstep decoding.
+
+        Timings: ``shared_s`` (prefill + compression, once for all questions) and ``own_s`` (this
+        question: fork, chunk, decode); ``compare_s`` = shared_s + own_s.
+        """
+        t_start = time.perf_counter()
+        n = len(ctx_ids)
+        comps, knobs = self._make_compressors(runs, n, gen.seed)
+        t0 = time.perf_counter()
+        state, last_logits = self.prefill(
+            ctx_ids, max((c.query_window() for c in comps), default=0), any(c.needs_acc_attn for c in comps)
+        )
+        prefill_s = time.perf_counter() - t0
+        yield Event("prefill", f"prefill of the context ({n} tokens) done in {prefill_s:.2f} s", 0.1)
+        base = yield from self._compress_all(state, runs, comps, knobs, prefill_s)
+        shared = {
+            "prefill_s": prefill_s,
+            "compress_s": sum(r.timings.compress_s for r in base),
+            "shared_s": time.perf_counter() - t_start,
+        }
+        out: list[CompareResult] = []
+        span = 0.8 / len(questions)
+        for j, q in enumerate(questions):
+            t_q = time.perf_counter()
+            last = j == len(questions) - 1  # the last question takes the compressed caches themselves
+            qcomps = comps if last else [copy.deepcopy(c) for c in comps]
+            results = base if last else copy.deepcopy(base)
+            for p in probes:
+                p.on_prefill(state, last_logits, qcomps)
+            rows = _Lockstep(runs, qcomps, results, gen, n + len(q.ids), self.lm.eos_ids, probes)
+            logits = self._feed_question(rows, n, q.ids)
+            lo = 0.2 + span * j
+            yield Event(
+                "question",
+                f"question {j + 1} of {len(questions)}: {len(q.ids)} tokens fed through every cache "
+                f"in {results[0].timings.question_s:.2f} s",
+                lo,
+            )
+            everyone = list(range(len(runs)))
+            for p in probes:
+                p.on_step(0, everyone, logits)
+            yield from self._ended(rows, rows.pick(everyone, logits))
+            for step in range(1, gen.max_new_tokens):
+                if not rows.active:
+                    break
+                for ev in self._decode_step(rows, step):
+                    if ev.kind == "step":
+                        ev.progress = lo + span * (ev.progress - 0.2) / 0.8
+                    yield ev
+            for p in probes:
+                p.finish(results)
+            own = time.perf_counter() - t_q
+            timings = {**shared, "question_s": results[0].timings.question_s, "own_s": own}
+            timings["compare_s"] = shared["shared_s"] + own
+            out.append(self._result(ctx_ids + q.ids, q.prompt_text, rows, timings, q.text, n))
+        del state
+        yield Event("done", f"{len(runs)} runs x {len(questions)} questions done", 1.0, result=out[0], results=out)
+
+    def _feed_question(self, rows: _Lockstep, seen: int, ids: list[int]) -> Tensor:
+        """Every run's cache takes the question's c tokens at true positions seen..seen+c-1 in one
+        chunked forward (input_ids [B, c], causal inside the chunk): logits [B, V] after its last token.
+
+        Records each run's bytes after the question (``kv_bytes_per_step[1]``) and the forward's time.
+        """
+        t0 = time.perf_counter()
+        model, dev = self.lm.model, self.lm.device
+        b, c = len(rows.comps), len(ids)
+        if self.stepwise_questions:
+            logits = self.feed_stepwise(rows.comps, seen, ids)
+        else:
+            cache = LockstepCache(rows.comps, self.info.n_layers, seen, chunk=True)
+            everyone = list(range(b))
+            observers = [_LayerObserver(p, everyone, seen) for p in rows.probes if _defines(p, "on_chunk")]
+            handler = attn.LockstepChunk(rows.comps, seen, [o.on_chunk for o in observers])
+            with attn.active(model, handler), few_row_linears(b * c, dev):
+                out = model(
+                    input_ids=torch.tensor([ids] * b, device=dev),
+                    position_ids=torch.arange(seen, seen + c, device=dev).expand(b, c),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            logits = out.logits[:, -1]
+        dt = time.perf_counter() - t0
+        for r, comp in zip(rows.results, rows.comps):
+            r.timings.question_s = dt
+            r.kv_bytes_per_step.append(comp.nbytes())
+            r.exact_kv_bytes_per_step.append(exact_bytes(self.info, seen + c))
+        return logits
+
+    @torch.inference_mode()
+    def feed_stepwise(self, comps: list[Compressor], seen: int, ids: list[int]) -> Tensor:
+        """The same tokens through the decode path, one forward per token: logits [B, V] after the last.
+
+        Row i feeds ``ids`` through ``comps[i]`` at true positions seen..seen+c-1 (no probes).
+        """
+        model, dev, b = self.lm.model, self.lm.device, len(comps)
+        for i, t in enumerate(ids):
+            cache = LockstepCache(comps, self.info.n_layers, seen + i)
+            with attn.active(model, attn.LockstepDecode(comps)), few_row_linears(b, dev):
+                out = model(
+                    input_ids=torch.tensor([[t]] * b, device=dev),
+                    position_ids=torch.full((b, 1), seen + i, device=dev),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+        return out.logits[:, -1]
 
     # ----- the steps of ``stream`` ------------------------------------------------------------
     def _make_compressors(self, runs: list[RunSpec], n: int, seed: int) -> tuple[list[Compressor], list[dict]]:
@@ -318,8 +479,19 @@ class Engine:
             yield from self._finish(rows.results[i], rows.tokens[i], rows.runs[i].label)
         rows.forcing.after_pick(rows.tokens, rows.comps, rows.active)
 
-    def _result(self, prompt_ids: list[int], prompt_text: str, rows: _Lockstep, timings: dict) -> CompareResult:
-        """The finished comparison: the model, the prompt, the settings and every run's result."""
+    def _result(
+        self,
+        prompt_ids: list[int],
+        prompt_text: str,
+        rows: _Lockstep,
+        timings: dict,
+        question: str | None = None,
+        context_tokens: int = 0,
+    ) -> CompareResult:
+        """The finished comparison: the model, the prompt, the settings and every run's result.
+
+        ``question`` not None: the query-agnostic protocol (the question fed after compressing
+        the first ``context_tokens`` tokens)."""
         return CompareResult(
             model=self.info.to_json(),
             prompt=prompt_text,
@@ -328,6 +500,9 @@ class Engine:
             settings=asdict(rows.gen),
             timings=timings,
             runs=rows.results,
+            protocol=QUERY_AWARE if question is None else QUERY_AGNOSTIC,
+            question=question or "",
+            context_tokens=context_tokens,
         )
 
     def _finish(self, r: RunResult, toks: list[int], label: str) -> Iterator[Event]:
@@ -340,11 +515,18 @@ class Engine:
     def compare(
         self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw
     ) -> CompareResult:
-        result = None
+        """The result of ``stream`` (with ``questions=``: the first question's; ``compare_all`` gives all)."""
+        return self.compare_all(prompt_ids, runs, gen, **kw)[0]
+
+    def compare_all(
+        self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw
+    ) -> list[CompareResult]:
+        """Every question's result (one item without ``questions=``)."""
+        results: list[CompareResult] = []
         for ev in self.stream(prompt_ids, runs, gen, **kw):
             if ev.kind == "done":
-                result = ev.result
-        return result
+                results = ev.results
+        return results
 
 
 class _Lockstep:
@@ -411,6 +593,9 @@ class _LayerObserver:
     def on_layer(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
         r = len(self.active)
         self.probe.on_layer(layer, self.active, self.pos, q[:r], k[:r], v[:r], out[:r])
+
+    def on_chunk(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        self.probe.on_chunk(layer, self.active, self.pos, q, k, v, out)
 
 
 class _TeacherForcing:
