@@ -21,6 +21,7 @@ from pathlib import Path
 
 CSV_FIELDS = (
     "task",
+    "protocol",
     "length",
     "seed",
     "prompt_tokens",
@@ -55,10 +56,13 @@ class SweepConfig:
     depth: float = 0.5
     model: str = "embedded"
     out: str = "sweep-out"
+    protocol: str = "query-aware"  # or "query-agnostic": the task's question asked after compression
 
     def key(self) -> str:
         """Hash of everything besides the cell that changes a cell's result."""
         parts = {k: v for k, v in asdict(self).items() if k not in ("lengths", "seeds", "out")}
+        if parts["protocol"] == "query-aware":  # the default keeps the keys of cells stored before it existed
+            del parts["protocol"]
         return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -106,10 +110,12 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
         cfg.budgets,
         settings=GenerationSettings(max_new_tokens=cfg.max_new_tokens),
         measure=ProbeSettings() if cfg.probes else None,
+        protocol=cfg.protocol,
     )
     result = compare(engine, comparison)
     return {
         "cell": asdict(cell),
+        "protocol": result.protocol,
         "answer": comparison.task.answer,
         "meta": comparison.task.meta,
         "prompt_tokens": result.prompt_tokens,
@@ -186,6 +192,7 @@ def rows(recs: list[dict]) -> Iterator[dict]:
             m, exact = r["metrics"], r["exact_kv_bytes_per_step"][0]
             yield {
                 "task": c["task"],
+                "protocol": rec.get("protocol", "query-aware"),
                 "length": c["length"],
                 "seed": c["seed"],
                 "prompt_tokens": rec["prompt_tokens"],

@@ -37,6 +37,7 @@ class Setup:
     preset: gr.Dropdown
     run_btn: gr.Button
     plan: gr.Markdown  # the run count and memory estimate, before Run
+    question: gr.Textbox  # asked after compressing the prompt (query-agnostic); empty: query-aware
 
     def inputs(self) -> list:
         """The inputs of ``Dashboard.compare``, in its order (before ``task``, a page state)."""
@@ -109,6 +110,15 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
             prompt = gr.Textbox(
                 value=preset_texts[DEFAULT_PRESET], label="Prompt", lines=9, max_lines=16, elem_id="kv-prompt"
             )
+            question = gr.Textbox(
+                value="",
+                label="Question, asked after compression",
+                lines=1,
+                max_lines=4,
+                elem_id="kv-question",
+                info="optional: the prompt above is then a context, compressed without the question "
+                "(query-agnostic); empty: the question is inside the compressed prompt (query-aware)",
+            )
             model = gr.Textbox(
                 value=EMBEDDED,
                 label="Model",
@@ -173,7 +183,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
         )
     return Setup(
         model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
-        run_btn, plan,
+        run_btn, plan, question,
     )  # fmt: skip
 
 
@@ -226,9 +236,9 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     s = setup
     gr.on(
         [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.budgets.change, s.max_new.change,
-         s.record_maps.change, s.model.change],
+         s.record_maps.change, s.model.change, s.question.change],
         dash.plan,
-        [*s.inputs(), v.task],
+        [*s.inputs(), v.task, s.question],
         s.plan,
         api_name="plan",
         trigger_mode="always_last",
@@ -236,7 +246,7 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     )  # fmt: skip
     setup.run_btn.click(
         gpu(dash.compare, dash.work),
-        [*setup.inputs(), v.task],
+        [*setup.inputs(), v.task, setup.question],
         [v.status, *v.rendered()],
         api_name="compare",
         concurrency_limit=1,
