@@ -240,6 +240,8 @@ class Engine:
         gen = gen or GenerationSettings()
         gen.validate()
         if questions:
+            if not prompt_ids:
+                raise InputError("the context is empty; give some text to ask the questions about")
             if any(not q.ids for q in questions):
                 raise InputError("a question has no tokens; give each question some text")
             self.check_prompt(prompt_ids + max((q.ids for q in questions), key=len), gen)
