@@ -223,3 +223,16 @@ def test_schema_refuses_an_unknown_protocol(lm):
     data["protocol"], data["context_tokens"] = "query-aware", 9
     with pytest.raises(ResultFileError, match="context_tokens"):
         load_result_text(json.dumps(data))
+
+
+def test_dashboard_question_box_makes_the_comparison_query_agnostic(lm, context):
+    from kvlab.ui.dashboard import Dashboard
+
+    dash = Dashboard(lm)
+    inputs = ("embedded", context, [], ["streaming"], "0.5", 2, 0, None, False, None, 0, None)
+    _, plain, n_plain = dash.request(*inputs)
+    _, asked, n_asked = dash.request(*inputs, QUESTIONS[0])
+    assert plain.chosen_protocol == "query-aware" and asked.chosen_protocol == "query-agnostic"
+    ctx, rests = asked.split(lm)
+    assert n_asked == len(ctx) + len(rests[0].ids) > n_plain
+    assert lm.decode(rests[0].ids).strip().startswith(QUESTIONS[0])
