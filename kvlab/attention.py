@@ -7,6 +7,8 @@ The model's code is not patched. While the engine runs, ``config._attn_implement
   asked, the attention each key receives summed over all queries;
 * ``LockstepDecode``: row i of the batch attends through compressor i's cache (with one query per
   row, the rows whose caches read as dense tokens attend in one call: ``kvlab.batched_attention``).
+* ``LockstepChunk``: row i feeds a chunk of new tokens (a question asked after compression)
+  through compressor i's ``feed``, causally inside the chunk.
 
 With no context active the function is plain SDPA, so the same model object also serves
 ``model.generate``.
@@ -104,6 +106,32 @@ class LockstepDecode:
         return out.transpose(1, 2).contiguous(), None
 
 
+class LockstepChunk:
+    """Row i of a [B, c] forward feeds its c new tokens through ``compressors[i].feed`` at true position ``pos``.
+
+    ``observers`` see the whole batch once per layer: (layer, q [B, Hq, c, d], k, v [B, Hkv, c, d]
+    the chunk's keys/values, out [B, Hq, c, d]). Used with a ``LockstepCache(chunk=True)``, which
+    leaves the appending to the compressors' ``feed``.
+    """
+
+    def __init__(self, compressors: list, pos: int, observers: list[Callable] | None = None):
+        self.compressors, self.pos = compressors, pos
+        self.observers = observers or []
+
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+        layer = module.layer_idx
+        with torch_functions_plain():
+            out = torch.stack(
+                [
+                    faults.feed(r, comp, layer, query[r], key[r], value[r], self.pos)
+                    for r, comp in enumerate(self.compressors)
+                ]
+            )  # [B, Hq, c, d]
+            for obs in self.observers:
+                obs(layer, query, key, value, out)
+        return out.transpose(1, 2).contiguous(), None
+
+
 def kvlab_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     handler = _ACTIVE.get()
     if scaling is None:
@@ -138,4 +166,4 @@ def active(model, handler):
         _ACTIVE.reset(token)
 
 
-__all__ = ["LockstepDecode", "PrefillCapture", "accumulated_attention", "active", "pool_heads"]
+__all__ = ["LockstepChunk", "LockstepDecode", "PrefillCapture", "accumulated_attention", "active", "pool_heads"]

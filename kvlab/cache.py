@@ -58,14 +58,22 @@ class PrefillCache(Cache):
 
 
 class LockstepCache(Cache):
-    """Batch row i -> compressors[i]; new tokens are appended at true position ``pos``."""
+    """Batch row i -> compressors[i]; new tokens are appended at true position ``pos``.
 
-    def __init__(self, compressors: list, n_layers: int, seen: int):
+    ``chunk``: the forward feeds several tokens per row (a question asked after compression); the
+    cache then appends nothing and hands the new K/V on to the attention function, whose chunk
+    handler (``attention.LockstepChunk``) appends and attends token by token inside each compressor.
+    """
+
+    def __init__(self, compressors: list, n_layers: int, seen: int, chunk: bool = False):
         super().__init__(layers=[_RoutedLayer(seen) for _ in range(n_layers)])
         self.compressors = compressors
         self.pos = seen
+        self.chunk = chunk
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        if self.chunk:
+            return key_states, value_states
         with torch_functions_plain():
             for row, comp in enumerate(self.compressors):
                 faults.append(row, comp, layer_idx, key_states[row], value_states[row], self.pos)

@@ -47,7 +47,30 @@ def build_parser() -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
+    src.add_argument("--context-file", help="read a context from this file; ask it each --question")
     src.add_argument("--task", help="a built-in task instead of a prompt: passkey, needle, multikey, lines or document")
+    c.add_argument(
+        "--question",
+        action="append",
+        default=[],
+        help="a question asked of the context (--context-file, --prompt or --prompt-file), repeatable; by "
+        "default asked after compression (query-agnostic): the context is compressed once for all questions",
+    )
+    proto = c.add_mutually_exclusive_group()
+    proto.add_argument(
+        "--query-aware",
+        dest="protocol",
+        action="store_const",
+        const="query-aware",
+        help="compress each question inside its prompt (the default without --question, and for tasks)",
+    )
+    proto.add_argument(
+        "--query-agnostic",
+        dest="protocol",
+        action="store_const",
+        const="query-agnostic",
+        help="compress the context alone and feed the question afterwards (the default with --question)",
+    )
     c.add_argument("--length", default="1k", help="task prompt length in tokens (e.g. 1500, 2k)")
     c.add_argument(
         "--probes",
@@ -83,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (passkey, needle, multikey)")
     s.add_argument("--depths", default="", help="needle depths, e.g. 0,0.5,1: a depth x length grid")
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
+    s.add_argument(
+        "--protocol",
+        default="query-aware",
+        choices=("query-aware", "query-agnostic"),
+        help="the task's question inside the compressed prompt (default), or asked after compressing its context",
+    )
     s.add_argument("--model", default="embedded")
     s.add_argument("--device", default="auto")
     s.add_argument(
@@ -118,19 +147,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(args) -> str:
-    if args.prompt_file:
+    path, flag = (args.prompt_file, "--prompt-file") if args.prompt_file else (args.context_file, "--context-file")
+    if path:
         try:
-            text = Path(args.prompt_file).read_text(encoding="utf-8")
+            text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise CliError(
-                f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}; "
-                "give a readable UTF-8 text file"
+                f"cannot read {flag} {path!r}: {exc.strerror or exc}; give a readable UTF-8 text file"
             ) from None
     else:
         text = args.prompt if args.prompt is not None else ""
     if not text.strip():
         raise CliError("the prompt is empty; give --prompt TEXT or --prompt-file PATH with some text")
     return text
+
+
+def _check_questions(args) -> None:
+    questions = [q for q in args.question if q.strip()]
+    if len(questions) != len(args.question):
+        raise CliError("--question is empty; give each question some text")
+    if args.task and questions:
+        raise CliError("--question goes with a context (--context-file, --prompt or --prompt-file), not --task")
+    if args.context_file and not questions:
+        raise CliError("--context-file needs at least one --question to ask of it")
+    if args.protocol == "query-agnostic" and not (questions or args.task):
+        raise CliError("--query-agnostic needs a --question (or a --task, whose question is asked after compression)")
 
 
 def format_table(result) -> str:
@@ -180,6 +221,7 @@ def cmd_compare(args) -> int:
     from kvlab.models import ModelLoadError, load_model
     from kvlab.run import Comparison, stream
 
+    _check_questions(args)
     text = "" if args.task else _read_prompt(args)
     try:
         budgets = parse_budgets(args.budget)
@@ -195,6 +237,8 @@ def cmd_compare(args) -> int:
         ),
         measure=ProbeSettings() if args.probes else None,
         chat=not args.no_chat,
+        questions=args.question,
+        protocol=args.protocol,
     )
     try:
         comparison.check()
@@ -214,25 +258,47 @@ def cmd_compare(args) -> int:
             comparison.source = make_task(args.task, args.length, args.seed, comparison.encoder(lm))
         except TaskError as exc:
             raise CliError(str(exc)) from None
-    result = None
+    results = []
     try:
         for ev in stream(lm, comparison):
             if not args.quiet and _shown(ev):
                 print(f"[kvlab] {ev.message}", file=sys.stderr)
             if ev.kind == "done":
-                result = ev.result
+                results = ev.results
     except InputError as exc:
         raise CliError(str(exc)) from None
-    result.timings["load_s"] = load_s
-    print(
-        f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}, "
-        f"cache {result.model.get('cache_dtype', result.model['dtype'])}); "
-        f"prompt {result.prompt_tokens} tokens; load {load_s:.1f} s, compare {result.timings['compare_s']:.1f} s"
-    )
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    paths = json_paths(args.json, len(results)) if args.json else []
+    for j, result in enumerate(results):
+        result.timings["load_s"] = load_s
+        if j == 0:
+            print(
+                f"model {result.model['id']} on {result.model['device']} ({result.model['dtype']}, "
+                f"cache {result.model.get('cache_dtype', result.model['dtype'])}); load {load_s:.1f} s"
+            )
+        print(_header(result, j, len(results)))
+        print(format_table(result))
+        if paths:
+            Path(paths[j]).write_text(json.dumps(result.to_json(), indent=1))
+    if len(paths) > 1:
+        print("JSON: " + ", ".join(paths))
     return 0
+
+
+def _header(result, j: int, n: int) -> str:
+    """One line per result: its protocol, question and token counts, its time."""
+    where = f"question {j + 1} of {n} " if n > 1 else ""
+    asked = f"{result.question.strip()!r}, " if result.question else ""
+    ctx = f" (context {result.context_tokens})" if result.context_tokens else ""
+    return (
+        f"{where}[{result.protocol}] {asked}prompt {result.prompt_tokens} tokens{ctx}; "
+        f"compare {result.timings['compare_s']:.1f} s"
+    )
+
+
+def json_paths(path: str, n: int) -> list[str]:
+    """Where ``--json PATH`` writes n results: PATH, then PATH with -q2, -q3 ... before its suffix."""
+    p = Path(path)
+    return [path] + [str(p.with_name(f"{p.stem}-q{j + 1}{p.suffix}")) for j in range(1, n)]
 
 
 def _shown(ev) -> bool:
@@ -279,6 +345,7 @@ def cmd_sweep(args) -> int:
         args.model,
         args.out,
         depths=sorted(set(depths)),
+        protocol=args.protocol,
     )
 
     def engine_factory():

@@ -7,6 +7,12 @@ results. Positions always continue from the true number of tokens seen.
 
 ``Engine.stream`` yields progress ``Event``s; the last one carries the ``CompareResult``. The CLI,
 the dashboard and the sweeps go through ``kvlab.run``, which adds the text metrics and task scores.
+
+Two protocols (docs/tasks.md): query-aware (the default) prefills and compresses the whole prompt,
+question included. Query-agnostic (``questions=`` given) prefills and compresses the context once,
+then, for each question, forks every compressed cache, feeds the question's tokens through it in
+one chunked forward (true positions, causal inside the chunk, each compressor's ``feed``) and
+decodes from there: N questions cost one prefill and one compression per method.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import copy
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -27,7 +33,7 @@ from kvlab.cache import LockstepCache, PrefillCache
 from kvlab.compressors import Compressor, PrefillState, get
 from kvlab.few_rows import few_row_linears
 from kvlab.models import LoadedModel
-from kvlab.results import CompareResult, RunResult, RunTimings
+from kvlab.results import QUERY_AGNOSTIC, QUERY_AWARE, CompareResult, RunResult, RunTimings
 
 
 class InputError(ValueError):
@@ -68,8 +74,25 @@ class GenerationSettings:
 
 
 @dataclass
+class Question:
+    """A question asked after compression: the prompt's token ids after the context, and its text.
+
+    ``ids`` are the question, the end of the user turn, the assistant marker and any answer
+    prefix; ``prompt_text`` is the whole prompt as a person reads it (shown with the result).
+    """
+
+    ids: list[int]
+    text: str = ""
+    prompt_text: str = ""
+
+
+@dataclass
 class Event:
-    """Progress: ``kind`` is prefill | compress | step | run_done | done; ``progress`` in [0, 1]."""
+    """Progress: ``kind`` is prefill | compress | question | step | run_done | done; ``progress`` in [0, 1].
+
+    ``result`` of the ``done`` event is the (first) question's result; ``results`` lists every
+    question's result (one item when the prompt had one question or none).
+    """
 
     kind: str
     message: str
@@ -78,6 +101,7 @@ class Event:
     total: int | None = None
     run: str | None = None
     result: CompareResult | None = None
+    results: list[CompareResult] | None = None
 
 
 class Probe(Protocol):
@@ -92,7 +116,15 @@ class Probe(Protocol):
       then also feeds each run the exact run's tokens (the free-running row itself while its
       tokens equal the exact run's, else a copy of its compressor forked at the divergence, in the
       same batched forward) and reports, after each step, the exact run's token, its logits [V]
-      and ``forced`` {run index: logits [V] of that run fed the exact tokens}. Needs an ``exact`` run.
+      and ``forced`` {run index: logits [V] of that run fed the exact tokens}. Needs an ``exact`` run;
+    * ``on_chunk(layer, rows, pos, q, k, v, out)`` once per layer when a question is fed after
+      compression (query-agnostic): q/out [R, Hq, c, d], k/v [R, Hkv, c, d] at true positions
+      pos..pos+c-1, every run a row.
+
+    Query-agnostic: a probe sees one ``on_prefill`` .. ``finish`` cycle per question (``on_prefill``
+    gets the context's state and that question's fork of the compressors; ``logits`` are the
+    context's last), then ``on_chunk`` per layer, then ``on_step(0, rows, logits [R, V])`` with each
+    run's logits after the question (the first token's), then the decode steps as usual.
     """
 
     def on_prefill(self, state: PrefillState, logits: Tensor, compressors: list[Compressor]) -> None: ...
@@ -144,11 +176,15 @@ def _pick(logits: Tensor, gen: GenerationSettings, generator: torch.Generator) -
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, time_limit_s: float | None = -1.0):
-        """``time_limit_s``: a comparison's time limit (None: none; the default reads ``faults.time_limit_s``)."""
+    """``time_limit_s``: a comparison's time limit (None: none; the default reads ``faults.time_limit_s``).
+    ``stepwise_questions``: feed a question asked after compression one decode step per token instead
+    of one chunked forward (the reference the chunk must equal; slower)."""
+
+    def __init__(self, lm: LoadedModel, time_limit_s: float | None = -1.0, stepwise_questions: bool = False):
         self.lm = lm
         self.info = lm.info
         self.time_limit_s = faults.time_limit_s() if time_limit_s == -1.0 else time_limit_s
+        self.stepwise_questions = stepwise_questions
 
     # ----- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -194,27 +230,46 @@ class Engine:
         gen: GenerationSettings | None = None,
         prompt_text: str = "",
         probes: list[Probe] | None = None,
+        questions: list[Question] | None = None,
     ) -> Iterator[Event]:
         """Compare ``runs`` on one prompt; yields progress ``Event``s, the last one (``done``) with the result.
 
         Steps: make compressors -> one exact prefill -> compress all -> first tokens (from the
         prefill's logits) -> decode steps (one batched forward each) -> result.
+
+        ``questions`` (query-agnostic): ``prompt_ids`` is the context alone, compressed once; each
+        question is then fed through a fork of every compressed cache (``_stream_questions``).
         """
         gen = gen or GenerationSettings()
         gen.validate()
-        self.check_prompt(prompt_ids, gen)
+        if questions:
+            if not prompt_ids:
+                raise InputError("the context is empty; give some text to ask the questions about")
+            if any(not q.ids for q in questions):
+                raise InputError("a question has no tokens; give each question some text")
+            self.check_prompt(prompt_ids + max((q.ids for q in questions), key=len), gen)
+        else:
+            self.check_prompt(prompt_ids, gen)
         if not runs:
             raise InputError("no method selected; choose at least one")
         probes = probes or []
         t_start = time.perf_counter()
-        comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed, gen.max_new_tokens - 1)
+        # the cache grows by the question's tokens and the generated ones: a plan must hold both
+        grows = gen.max_new_tokens - 1 + max((len(q.ids) for q in questions or ()), default=0)
+        comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed, grows)
         refusals = _Refusals(runs, {i: k for i, k in enumerate(knobs) if isinstance(k, BudgetRefused)})
         yield from refusals.events()
         runs, comps, knobs = refusals.kept(runs), refusals.kept(comps), refusals.kept(knobs)
         if not runs:  # every run refused: nothing to prefill
             rows = _Lockstep([], [], [], gen, len(prompt_ids), self.lm.eos_ids, [])
-            none = self._result(prompt_ids, prompt_text, rows, {"compare_s": time.perf_counter() - t_start})
-            yield Event("done", "every run refused its budget", 1.0, result=refusals.merged(none))
+            none = refusals.merged(
+                self._result(prompt_ids, prompt_text, rows, {"compare_s": time.perf_counter() - t_start})
+            )
+            yield Event("done", "every run refused its budget", 1.0, result=none, results=[none])
+            return
+        if questions:
+            planned = _Planned(runs, comps, knobs, refusals)
+            yield from self._stream_questions(prompt_ids, planned, gen, probes, questions, t_start)
             return
 
         t0 = time.perf_counter()
@@ -242,12 +297,138 @@ class Engine:
 
         for p in probes:
             p.finish(results)
-        for r in results:  # a run that failed before its first token has nothing to measure
-            if r.finish_reason == "error" and not r.token_ids:
-                r.metrics, r.extras = {}, {}
+        _drop_unmeasured(results)
         timings = {"compare_s": time.perf_counter() - t_start, "prefill_s": prefill_s}
         result = refusals.merged(self._result(prompt_ids, prompt_text, rows, timings))
-        yield Event("done", done, 1.0, result=result)
+        yield Event("done", done, 1.0, result=result, results=[result])
+
+    def _stream_questions(
+        self,
+        ctx_ids: list[int],
+        planned: _Planned,
+        gen: GenerationSettings,
+        probes: list,
+        questions: list[Question],
+        t_start: float,
+    ) -> Iterator[Event]:
+        """Query-agnostic: one prefill and one compression of the context, then per question a fork of
+        every cache, one chunked forward of the question's tokens, and lockstep decoding.
+
+        Timings: ``shared_s`` (prefill + compression, once for all questions) and ``own_s`` (this
+        question: fork, chunk, decode); ``compare_s`` = shared_s + own_s.
+        """
+        n = len(ctx_ids)
+        runs, comps, knobs, refusals = planned
+        t0 = time.perf_counter()
+        state, last_logits = self.prefill(
+            ctx_ids, max((c.query_window() for c in comps), default=0), any(c.needs_acc_attn for c in comps)
+        )
+        prefill_s = time.perf_counter() - t0
+        yield Event("prefill", f"prefill of the context ({n} tokens) done in {prefill_s:.2f} s", 0.1)
+        base = yield from self._compress_all(state, runs, comps, knobs, prefill_s)
+        shared = {
+            "prefill_s": prefill_s,
+            "compress_s": sum(r.timings.compress_s for r in base),
+            "shared_s": time.perf_counter() - t_start,
+        }
+        out: list[CompareResult] = []
+        span = 0.8 / len(questions)
+        for j, q in enumerate(questions):
+            t_q = time.perf_counter()
+            last = j == len(questions) - 1  # the last question takes the compressed caches themselves
+            qcomps = comps if last else [copy.deepcopy(c) for c in comps]
+            results = base if last else copy.deepcopy(base)
+            for p in probes:
+                p.on_prefill(state, last_logits, qcomps)
+            rows = _Lockstep(runs, qcomps, results, gen, n + len(q.ids), self.lm.eos_ids, probes)
+            with faults.collect() as failed:
+                logits = self._feed_question(rows, n, q.ids)
+            for i, message in sorted(failed.errors.items()):  # a method that raised on the question
+                r = rows.results[i]
+                r.error, r.finish_reason = message, "error"
+                rows.comps[i] = faults.FailedCompressor(rows.comps[i])
+                yield from self._finish(r, rows.tokens[i], rows.runs[i].label)
+            lo = 0.2 + span * j
+            yield Event(
+                "question",
+                f"question {j + 1} of {len(questions)}: {len(q.ids)} tokens fed through every cache "
+                f"in {results[0].timings.question_s:.2f} s",
+                lo,
+            )
+            everyone = [i for i in range(len(runs)) if i not in failed.errors]
+            for p in probes:
+                p.on_step(0, everyone, logits[everyone])
+            yield from self._ended(rows, rows.pick(everyone, logits[everyone]))
+            done = f"{len(runs)} runs x {len(questions)} questions done"
+            for step in range(1, gen.max_new_tokens):
+                if not rows.active:
+                    break
+                if self.time_limit_s is not None and time.perf_counter() - t_start > self.time_limit_s:
+                    done = yield from self._out_of_time(rows, step)
+                    break
+                for ev in self._decode_step(rows, step):
+                    if ev.kind == "step":
+                        ev.progress = lo + span * (ev.progress - 0.2) / 0.8
+                    yield ev
+            for p in probes:
+                p.finish(results)
+            _drop_unmeasured(results)
+            own = time.perf_counter() - t_q
+            timings = {**shared, "question_s": results[0].timings.question_s, "own_s": own}
+            timings["compare_s"] = shared["shared_s"] + own
+            out.append(refusals.merged(self._result(ctx_ids + q.ids, q.prompt_text, rows, timings, q.text, n)))
+        del state
+        yield Event("done", done, 1.0, result=out[0], results=out)
+
+    def _feed_question(self, rows: _Lockstep, seen: int, ids: list[int]) -> Tensor:
+        """Every run's cache takes the question's c tokens at true positions seen..seen+c-1 in one
+        chunked forward (input_ids [B, c], causal inside the chunk): logits [B, V] after its last token.
+
+        Records each run's bytes after the question (``kv_bytes_per_step[1]``) and the forward's time.
+        """
+        t0 = time.perf_counter()
+        model, dev = self.lm.model, self.lm.device
+        b, c = len(rows.comps), len(ids)
+        if self.stepwise_questions:
+            logits = self.feed_stepwise(rows.comps, seen, ids)
+        else:
+            cache = LockstepCache(rows.comps, self.info.n_layers, seen, chunk=True)
+            everyone = list(range(b))
+            observers = [_LayerObserver(p, everyone, seen) for p in rows.probes if _defines(p, "on_chunk")]
+            handler = attn.LockstepChunk(rows.comps, seen, [o.on_chunk for o in observers])
+            with attn.active(model, handler), few_row_linears(b * c, dev):
+                out = model(
+                    input_ids=torch.tensor([ids] * b, device=dev),
+                    position_ids=torch.arange(seen, seen + c, device=dev).expand(b, c),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            logits = out.logits[:, -1]
+        dt = time.perf_counter() - t0
+        for r, comp in zip(rows.results, rows.comps):
+            r.timings.question_s = dt
+            r.kv_bytes_per_step.append(comp.nbytes())
+            r.exact_kv_bytes_per_step.append(exact_bytes(self.info, seen + c))
+        return logits
+
+    @torch.inference_mode()
+    def feed_stepwise(self, comps: list[Compressor], seen: int, ids: list[int]) -> Tensor:
+        """The same tokens through the decode path, one forward per token: logits [B, V] after the last.
+
+        Row i feeds ``ids`` through ``comps[i]`` at true positions seen..seen+c-1 (no probes).
+        """
+        model, dev, b = self.lm.model, self.lm.device, len(comps)
+        for i, t in enumerate(ids):
+            cache = LockstepCache(comps, self.info.n_layers, seen + i)
+            with attn.active(model, attn.LockstepDecode(comps)), few_row_linears(b, dev):
+                out = model(
+                    input_ids=torch.tensor([[t]] * b, device=dev),
+                    position_ids=torch.full((b, 1), seen + i, device=dev),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+        return out.logits[:, -1]
 
     # ----- the steps of ``stream`` ------------------------------------------------------------
     def _make_compressors(
@@ -378,8 +559,19 @@ class Engine:
             yield from self._finish(rows.results[i], rows.tokens[i], rows.runs[i].label)
         rows.forcing.after_pick(rows.tokens, rows.comps, rows.active)
 
-    def _result(self, prompt_ids: list[int], prompt_text: str, rows: _Lockstep, timings: dict) -> CompareResult:
-        """The finished comparison: the model, the prompt, the settings and every run's result."""
+    def _result(
+        self,
+        prompt_ids: list[int],
+        prompt_text: str,
+        rows: _Lockstep,
+        timings: dict,
+        question: str | None = None,
+        context_tokens: int = 0,
+    ) -> CompareResult:
+        """The finished comparison: the model, the prompt, the settings and every run's result.
+
+        ``question`` not None: the query-agnostic protocol (the question fed after compressing
+        the first ``context_tokens`` tokens)."""
         return CompareResult(
             model=self.info.to_json(),
             prompt=prompt_text,
@@ -388,6 +580,9 @@ class Engine:
             settings=asdict(rows.gen),
             timings=timings,
             runs=rows.results,
+            protocol=QUERY_AWARE if question is None else QUERY_AGNOSTIC,
+            question=question or "",
+            context_tokens=context_tokens,
         )
 
     def _finish(self, r: RunResult, toks: list[int], label: str) -> Iterator[Event]:
@@ -400,11 +595,18 @@ class Engine:
     def compare(
         self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw
     ) -> CompareResult:
-        result = None
+        """The result of ``stream`` (with ``questions=``: the first question's; ``compare_all`` gives all)."""
+        return self.compare_all(prompt_ids, runs, gen, **kw)[0]
+
+    def compare_all(
+        self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw
+    ) -> list[CompareResult]:
+        """Every question's result (one item without ``questions=``)."""
+        results: list[CompareResult] = []
         for ev in self.stream(prompt_ids, runs, gen, **kw):
             if ev.kind == "done":
-                result = ev.result
-        return result
+                results = ev.results
+        return results
 
 
 class _Lockstep:
@@ -477,6 +679,9 @@ class _LayerObserver:
         else:
             self.probe.on_layer(layer, self.active, self.pos, q[:r], k[:r], v[:r], out[:r])
 
+    def on_chunk(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        self.probe.on_chunk(layer, self.active, self.pos, q, k, v, out)
+
 
 class _TeacherForcing:
     """Runs fed the exact run's tokens, for teacher-forced fidelity at little extra cost.
@@ -546,6 +751,22 @@ def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused:
         return comp.plan(n)
     except BudgetRefused as exc:
         return exc
+
+
+def _drop_unmeasured(results: list[RunResult]) -> None:
+    """A run that failed before its first token has nothing to measure: no metrics, no extras."""
+    for r in results:
+        if r.finish_reason == "error" and not r.token_ids:
+            r.metrics, r.extras = {}, {}
+
+
+class _Planned(NamedTuple):
+    """The runs left after planning (refused ones set aside), their compressors and chosen knobs."""
+
+    runs: list[RunSpec]
+    comps: list[Compressor]
+    knobs: list[dict]
+    refusals: _Refusals
 
 
 @dataclass

@@ -108,6 +108,12 @@ def attend(row: int, comp: Compressor, layer: int, q: Tensor) -> Tensor:
     return torch.zeros_like(q) if out is None else out
 
 
+def feed(row: int, comp: Compressor, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+    """``comp.feed`` for one batch row, guarded: q [Hq, c, d] -> out [Hq, c, d] (zeros once the row failed)."""
+    out = guard(row, comp.feed, layer, q, k, v, pos)
+    return torch.zeros_like(q) if out is None else out
+
+
 def describe(exc: BaseException) -> str:
     """One line for a card: the exception's type and message, shortened."""
     text = " ".join(str(exc).split())

@@ -4,8 +4,8 @@
 lists the flags raised, each ``{"flag": name, "detail": one line}``:
 
 * ``over_budget`` — the bytes held exceed the budget's share of the exact cache by more than
-  ``TOLERANCE`` after prefill or at any decode step (a token budget counts as its share of the
-  tokens seen at that step);
+  ``TOLERANCE`` after prefill, after a question fed after compression (query-agnostic) or at any
+  decode step (a token budget counts as its share of the tokens seen at that step);
 * ``non_finite_logits`` — NaN or inf in the run's logits at some step;
 * ``not_compressed`` — at a budget <= 0.5, the run's tokens *and* logits equal the exact run's
   at every step: the sign of a cache that silently did not compress;
@@ -36,6 +36,10 @@ class HealthProbe:
         self.non_finite: dict[int, int] = {} if finite else dict.fromkeys(range(len(compressors)), 0)
         self.same_logits = [True] * len(compressors)  # the first token's logits are shared by all
         self.evicted_nothing = [self._kept_everything(c) for c in compressors]
+        self.question_tokens = 0
+
+    def on_chunk(self, layer: int, rows: list[int], pos: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        self.question_tokens = k.shape[-2]  # a question fed after compression: bytes entry 1 follows it
 
     def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None:  # pragma: no cover
         pass
@@ -57,7 +61,7 @@ class HealthProbe:
     def finish(self, runs) -> None:
         exact = runs[self.exact] if self.exact is not None else None
         for i, r in enumerate(runs):
-            flags = bytes_flags(r, self.n, self.comps[i].streaming)
+            flags = bytes_flags(r, self.n, self.comps[i].streaming, self.question_tokens)
             if i in self.non_finite:
                 flags.append(
                     _flag("non_finite_logits", f"NaN or inf in the logits at decode step {self.non_finite[i]}")
@@ -95,11 +99,13 @@ def _budget(run) -> Budget | None:
     return None if run.budget is None else Budget.parse(run.budget)
 
 
-def bytes_flags(run, n_prompt: int, streaming: bool) -> list[dict]:
+def bytes_flags(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> list[dict]:
     """``over_budget`` when the bytes held exceed what the budget allows by more than ``TOLERANCE``.
 
     A streaming method holds its budget's share of every token seen; a prefill-only method holds
     its share of the prompt plus its generated tokens in full (docs/design.md, budgets).
+    ``question_tokens`` > 0 (query-agnostic): entry 1 of the bytes is after that many question
+    tokens fed after compression (held like generated ones), entry k >= 2 after decode step k - 1.
     """
     budget = _budget(run)
     if budget is None:
@@ -108,7 +114,8 @@ def bytes_flags(run, n_prompt: int, streaming: bool) -> list[dict]:
     prompt_exact = run.exact_kv_bytes_per_step[0] if run.exact_kv_bytes_per_step else 0
     for k, (held, exact) in enumerate(zip(run.kv_bytes_per_step, run.exact_kv_bytes_per_step)):
         if streaming:
-            limit = budget.fraction_of(n_prompt + k) * exact
+            seen = n_prompt + k if not question_tokens or k == 0 else n_prompt + question_tokens + k - 1
+            limit = budget.fraction_of(seen) * exact
         else:
             limit = budget.fraction_of(n_prompt) * prompt_exact + (exact - prompt_exact)
         if limit > 0 and held > (1 + TOLERANCE) * limit and (worst is None or held / limit > worst[1]):
@@ -117,4 +124,6 @@ def bytes_flags(run, n_prompt: int, streaming: bool) -> list[dict]:
         return []
     k, ratio = worst
     where = "after prefill" if k == 0 else f"at decode step {k}"
+    if question_tokens and k > 0:
+        where = "after the question" if k == 1 else f"at decode step {k - 1}"
     return [_flag("over_budget", f"holds {ratio:.2f}x the bytes its budget allows {where}")]

@@ -82,13 +82,20 @@ def shadow_attention(
 ) -> tuple[Tensor, Tensor]:
     """Exact attention over a shared prompt cache plus per-row generated tokens.
 
-    q: [R, Hq, 1, d]; kp, vp: [Hkv, n, d] (shared by every row); kg, vg: [R, Hkv, s, d].
-    Returns out [R, Hq, 1, d] and probs [R, Hq, 1, n + s]. The prompt part is one batched matmul
-    against the shared keys, so R rows cost about one pass over the prompt cache.
+    q: [R, Hq, t, d]; kp, vp: [Hkv, n, d] (shared by every row); kg, vg: [R, Hkv, s, d]. The t
+    queries are the last t of the s generated tokens (t = 1 at a decode step; t > 1 for a question
+    fed after compression, causal inside it). Returns out [R, Hq, t, d] and probs [R, Hq, t, n + s].
+    The prompt part is one batched matmul against the shared keys, so R rows cost about one pass
+    over the prompt cache.
     """
     hq, hkv, n = q.shape[-3], kp.shape[-3], kp.shape[-2]
     q = q.float()
-    logits = torch.cat([attention_logits(q, kp, scaling), attention_logits(q, kg.float(), scaling)], dim=-1)
+    gen = attention_logits(q, kg.float(), scaling)
+    t, s = q.shape[-2], kg.shape[-2]
+    if t > 1:
+        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        gen[..., s - t :].masked_fill_(future, float("-inf"))
+    logits = torch.cat([attention_logits(q, kp, scaling), gen], dim=-1)
     probs = torch.softmax(logits, dim=-1)
     gp = group_queries(probs, hkv)  # [R, Hkv, g, n + s]
     out = torch.matmul(gp[..., :n], vp.float()) + torch.matmul(gp[..., n:], vg.float())
@@ -151,11 +158,13 @@ class _Growing:
         self.buf = like.new_zeros(runs, like.shape[0], 16, like.shape[-1])
 
     def put(self, rows: list[int], s: int, x: Tensor) -> None:
-        if s >= self.buf.shape[-2]:
-            new = self.buf.new_zeros(*self.buf.shape[:2], 2 * (s + 1), self.buf.shape[-1])
+        """x [R, Hkv, t, d] at positions s..s+t-1 of ``rows``."""
+        t = x.shape[-2]
+        if s + t > self.buf.shape[-2]:
+            new = self.buf.new_zeros(*self.buf.shape[:2], 2 * (s + t), self.buf.shape[-1])
             new[..., : self.buf.shape[-2], :] = self.buf
             self.buf = new
-        self.buf[rows, :, s] = x[:, :, 0]
+        self.buf[rows, :, s : s + t] = x
 
     def get(self, rows: list[int], s: int) -> Tensor:
         return self.buf[rows, :, : s + 1]
@@ -199,12 +208,33 @@ class MetricsProbe:
         self.nll: list[list[float]] = [[] for _ in range(runs)]
         self.layer = self.n_layers // 2 if self.cfg.map_layer is None else self.cfg.map_layer
         self.maps = [deque(maxlen=self.cfg.map_queries) for _ in range(runs)]
+        self.question_errors: list[list[float]] = [[] for _ in range(runs)]  # [run][layer] (query-agnostic)
+        self.first_logp: dict[int, Tensor] = {}  # query-agnostic: each run's first-token log-probs
+        self.question_tokens = 0  # query-agnostic: tokens fed after the context, before decoding
 
     def _rounded(self, x: Tensor) -> Tensor:
         return x if x.dtype == self.cache_dtype else x.to(self.cache_dtype).to(x.dtype)
 
     def on_step(self, step: int, rows: list[int], logits: Tensor) -> None:
-        pass
+        if step == 0:  # query-agnostic: each run's own logits after the question
+            self.first_logp = {i: torch.log_softmax(logits[r].float(), -1) for r, i in enumerate(rows)}
+
+    def on_chunk(self, layer: int, rows: list[int], pos: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        """A question's c tokens fed after compression: into each run's shadow cache, and their attention error.
+
+        q/out [R, Hq, c, d], k/v [R, Hkv, c, d] at positions pos..pos+c-1 (right after the context).
+        """
+        if not self.kg or not (self.cfg.attn_error or layer == self.layer):
+            return
+        s, c = pos - self.n, q.shape[-2]
+        self.question_tokens = c
+        self.kg[layer].put(rows, s, self._rounded(k))
+        self.vg[layer].put(rows, s, self._rounded(v))
+        if self.cfg.attn_error:
+            kg, vg = self.kg[layer].get(rows, s + c - 1), self.vg[layer].get(rows, s + c - 1)
+            exact, _ = shadow_attention(q, self.keys[layer], self.values[layer], kg, vg, self.scaling)
+            for r, err in zip(rows, relative_error(out, exact).tolist()):
+                self.question_errors[r].append(err)
 
     def on_layer(self, layer: int, rows: list[int], pos: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
         if not self.kg or not (self.cfg.attn_error or layer == self.layer):
@@ -227,7 +257,7 @@ class MetricsProbe:
                     self.errors[i].append([])
                 self.errors[i][-1].append(err[r])
         if self.cfg.maps and layer == self.layer:
-            self._record_map(rows, s, q, probs)
+            self._record_map(rows, s - self.question_tokens, q, probs)  # labelled by decode step
 
     def _record_map(self, rows: list[int], s: int, q: Tensor, probs: Tensor) -> None:
         h, n = self.cfg.map_head, self.n
@@ -253,6 +283,10 @@ class MetricsProbe:
                 flat = [e for row in errs for e in row]
                 r.metrics["attn_rel_error"] = _round(errs)
                 r.metrics["attn_rel_error_mean"] = _round(sum(flat) / len(flat)) if flat else None
+                if self.question_errors[i]:  # query-agnostic: the question's tokens, per layer
+                    qe = self.question_errors[i]
+                    r.metrics["question_attn_rel_error"] = _round(qe)
+                    r.metrics["question_attn_rel_error_mean"] = _round(sum(qe) / len(qe))
             if self.cfg.fidelity:
                 r.metrics.update(self._fidelity(i, exact, runs))
             if self.cfg.maps:
@@ -261,9 +295,15 @@ class MetricsProbe:
     def _fidelity(self, i: int, exact: int | None, runs) -> dict:
         if exact is None:
             return {"kl": None, "kl_mean": None, "top1_agreement": None, "perplexity": None}
-        nll0 = -float(self.prefill_logp[runs[exact].token_ids[0]])
+        first = self.first_logp.get(i, self.prefill_logp)  # query-aware: shared by every run
+        nll0 = -float(first[runs[exact].token_ids[0]])
         kl, nll = self.kl[i], [nll0] + self.nll[i]
+        extra = {}
+        if self.first_logp:  # query-agnostic: how far the first token's distribution after the question moved
+            lp_e = self.first_logp[exact]
+            extra["question_kl"] = _round(float((lp_e.exp() * (lp_e - first)).sum().clamp_min(0)))
         return {
+            **extra,
             "kl": _round(kl),
             "kl_mean": _round(sum(kl) / len(kl)) if kl else 0.0,
             "top1_agreement": _round(sum(self.agree[i]) / len(self.agree[i])) if self.agree[i] else 1.0,

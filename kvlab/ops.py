@@ -26,14 +26,26 @@ def attention_logits(q: Tensor, k: Tensor, scaling: float, logw: Tensor | None =
 
 
 def dense_attention(
-    q: Tensor, k: Tensor, v: Tensor, scaling: float, logw: Tensor | None = None, return_probs: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scaling: float,
+    logw: Tensor | None = None,
+    return_probs: bool = False,
+    causal_tail: int = 0,
 ):
     """Softmax attention of ``q`` [.., Hq, t, d] over ``k``/``v`` [.., Hkv, n, d] with optional log-weights.
 
-    Returns out [.., Hq, t, d] (and probs [.., Hq, t, n] when ``return_probs``). Computed in float32.
+    ``causal_tail`` = t: the t queries are the last t keys' tokens, and query i does not see the
+    keys after its own (a chunk of new tokens attending causally). Returns out [.., Hq, t, d] (and
+    probs [.., Hq, t, n] when ``return_probs``). Computed in float32.
     """
     hq, hkv = q.shape[-3], k.shape[-3]
     logits = attention_logits(q.float(), k.float(), scaling, logw)
+    if causal_tail > 1:
+        c, n = causal_tail, k.shape[-2]
+        future = torch.ones(c, c, dtype=torch.bool, device=k.device).triu(1)
+        logits[..., n - c :].masked_fill_(future, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = ungroup(torch.matmul(group_queries(probs, hkv), v.float()), hq).to(q.dtype)
     return (out, probs) if return_probs else out

@@ -7,6 +7,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+QUERY_AWARE = "query-aware"  # the question is inside the prompt that is prefilled and compressed
+QUERY_AGNOSTIC = "query-agnostic"  # the context is compressed alone; the question is fed afterwards
+PROTOCOLS = (QUERY_AWARE, QUERY_AGNOSTIC)
+
 
 @dataclass
 class RunTimings:
@@ -14,6 +18,7 @@ class RunTimings:
     compress_s: float = 0.0
     decode_s: float = 0.0
     tokens_per_s: float = 0.0
+    question_s: float = 0.0  # query-agnostic: the chunked forward that fed the question (all runs at once)
 
 
 @dataclass
@@ -27,7 +32,8 @@ class RunResult:
     token_ids: list[int] = field(default_factory=list)
     kv_bytes: int = 0  # after prefill and compression
     kv_bytes_breakdown: dict = field(default_factory=dict)
-    kv_bytes_per_step: list[int] = field(default_factory=list)  # [k] = after k decode steps
+    # [0] after compression; then one entry per decode step (query-agnostic: [1] after the question)
+    kv_bytes_per_step: list[int] = field(default_factory=list)
     exact_kv_bytes_per_step: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "eos" | "length" | "refused" (the budget cannot be held) | "error"
     timings: RunTimings = field(default_factory=RunTimings)
@@ -56,6 +62,9 @@ class CompareResult:
     settings: dict
     timings: dict
     runs: list[RunResult]
+    protocol: str = QUERY_AWARE  # see PROTOCOLS
+    question: str = ""  # query-agnostic: the question fed after compressing the context
+    context_tokens: int = 0  # query-agnostic: the prompt's first tokens, compressed without the question
 
     def to_json(self) -> dict:
         return asdict(self)

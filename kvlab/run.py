@@ -9,6 +9,12 @@ when asked for (``measure``), the text metrics against the exact run and, for a 
 
     from kvlab.run import Comparison, compare
     result = compare(lm, Comparison("Why is the sky blue?", ["exact", "streaming"], ["0.5", "0.25"]))
+
+A comparison may give a context and ``questions`` (or a ``Task`` with ``protocol="query-agnostic"``):
+the query-agnostic protocol then compresses the context once and asks each question afterwards
+through every compressed cache; ``protocol="query-aware"`` runs each question inside its own
+prompt instead. Every question has its own result: ``compare_all`` returns them, the ``done``
+event lists them in ``results`` (``result`` is the first).
 """
 
 from __future__ import annotations
@@ -19,12 +25,12 @@ from dataclasses import dataclass, field
 
 from kvlab import faults
 from kvlab.budgets import Budget
-from kvlab.engine import Engine, Event, GenerationSettings, Probe, RunSpec, expand_runs
+from kvlab.engine import Engine, Event, GenerationSettings, InputError, Probe, Question, RunSpec, expand_runs
 from kvlab.health import HealthProbe
 from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
 from kvlab.models import LoadedModel
-from kvlab.results import CompareResult
-from kvlab.tasks import Task, prompt_ids, prompt_text, score_result
+from kvlab.results import PROTOCOLS, QUERY_AGNOSTIC, QUERY_AWARE, CompareResult
+from kvlab.tasks import Task, join_question, prompt_ids, prompt_text, score_result, split_ids
 
 
 @dataclass
@@ -34,6 +40,11 @@ class Comparison:
     ``budgets`` are ``Budget``s or their text (``"0.25"``, ``"512t"``); ``params`` maps a method to
     its parameter overrides; ``measure`` None leaves out the costly measurements (attention error,
     teacher-forced fidelity, attention maps); ``chat`` feeds the prompt through the chat template.
+
+    ``questions``: ``source`` is then the context, and each question is asked of it. ``protocol``:
+    "query-agnostic" (the default with questions: the context compressed once, each question fed
+    afterwards) or "query-aware" (the default otherwise, tasks included: the question is inside the
+    compressed prompt). A task takes "query-agnostic" too: its context compressed, its question after.
     """
 
     source: str | Task
@@ -43,9 +54,36 @@ class Comparison:
     settings: GenerationSettings = field(default_factory=GenerationSettings)
     measure: ProbeSettings | None = None
     chat: bool = True
+    questions: Sequence[str] = ()
+    protocol: str | None = None
 
     def __post_init__(self) -> None:
         self.budgets = [Budget.parse(b) for b in self.budgets]
+        self.questions = [q for q in self.questions if q and q.strip()]
+
+    @property
+    def chosen_protocol(self) -> str:
+        """The protocol this comparison runs (``protocol``, or its default)."""
+        if self.protocol is not None:
+            return self.protocol
+        return QUERY_AGNOSTIC if self.questions else QUERY_AWARE
+
+    def asked(self) -> list[tuple[str, str]]:
+        """(question, answer prefix) pairs asked of the context; empty for a single query-aware prompt."""
+        task = self.task
+        if task is not None:
+            return [(task.question, task.answer_prefix)] if self.chosen_protocol == QUERY_AGNOSTIC else []
+        return [(q, "") for q in self.questions]
+
+    def context(self) -> str:
+        return self.task.context if self.task is not None else self.source
+
+    def split(self, lm: LoadedModel) -> tuple[list[int], list[Question]]:
+        """The context's ids and each question (its ids after the context, its text, its whole prompt's text)."""
+        asked = self.asked()
+        ctx, rests = split_ids(lm, self.context(), [q for q, _ in asked], [p for _, p in asked], chat=self.chat)
+        texts = [prompt_text(self.task)] if self.task is not None else [join_question(self.source, q) for q, _ in asked]
+        return ctx, [Question(ids, q, t) for ids, (q, _), t in zip(rests, asked, texts)]
 
     @property
     def task(self) -> Task | None:
@@ -63,6 +101,14 @@ class Comparison:
     def check(self) -> list[RunSpec]:
         """Everything that can be checked without a model: settings, methods, parameters. Returns the runs."""
         self.settings.validate()
+        if self.protocol is not None and self.protocol not in PROTOCOLS:
+            raise InputError(f"unknown protocol {self.protocol!r}; allowed: {', '.join(PROTOCOLS)}")
+        if self.task is not None and self.questions:
+            raise InputError("a task carries its own question; give questions with a context, not with a task")
+        if self.task is not None and self.chosen_protocol == QUERY_AGNOSTIC and not self.task.question:
+            raise InputError(f"task {self.task.name!r} has no separate question to ask after compression")
+        if self.task is None and not self.questions and self.chosen_protocol == QUERY_AGNOSTIC:
+            raise InputError("the query-agnostic protocol needs a question to ask after compressing the context")
         return self.runs()
 
     def encoder(self, lm: LoadedModel) -> Callable[[str], list[int]]:
@@ -70,7 +116,12 @@ class Comparison:
         return functools.partial(lm.encode, chat=self.chat)
 
     def encode(self, lm: LoadedModel) -> list[int]:
-        """The prompt's token ids as the model is fed (a task's answer prefix opens the assistant's turn)."""
+        """The prompt's token ids as the model is fed (a task's answer prefix opens the assistant's turn).
+
+        With questions: the longest question's whole prompt (context + question)."""
+        if self.asked():
+            ctx, questions = self.split(lm)
+            return ctx + max((q.ids for q in questions), key=len)
         if isinstance(self.source, Task):
             return prompt_ids(lm, self.source, chat=self.chat)
         return self.encoder(lm)(self.source)
@@ -86,34 +137,69 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
     """
     engine = as_engine(model)
     runs = comparison.check()
-    ids = comparison.encode(engine.lm)
     measure = [MetricsProbe(comparison.measure)] if comparison.measure is not None else []
+    probes = [*probes, HealthProbe(), *measure]
+    settings, task = comparison.settings, comparison.task
+    if not comparison.asked():  # one prompt, compressed with its question
+        events = engine.stream(comparison.encode(engine.lm), runs, settings, comparison.prompt, probes)
+    elif comparison.chosen_protocol == QUERY_AGNOSTIC:
+        ctx, questions = comparison.split(engine.lm)
+        events = engine.stream(ctx, runs, settings, probes=probes, questions=questions)
+    else:
+        events = _each_question(engine, comparison, runs, probes)
     oom = None
     try:
-        for ev in engine.stream(
-            ids, runs, comparison.settings, prompt_text=comparison.prompt, probes=[*probes, HealthProbe(), *measure]
-        ):
+        for ev in events:
             if ev.kind == "done":
-                finish(ev.result, comparison.task)
-                if comparison.task is not None and comparison.measure is not None:  # where the maps mark the answer
-                    answer = answer_positions(ids, comparison.task.answer, engine.lm.decode)
-                    ev.result.settings["answer_positions"] = answer
+                for r in ev.results:
+                    if task is not None and not r.question:  # a task run query-aware: its question is inside
+                        r.question = task.question
+                    finish(r, task)
+                    if task is not None and comparison.measure is not None:  # where the maps mark the answer
+                        r.settings["answer_positions"] = answer_positions(
+                            r.prompt_token_ids, task.answer, engine.lm.decode
+                        )
             yield ev
     except faults.OOM as exc:  # raised below, once the traceback (and the tensors its frames hold) is gone
         oom = faults.out_of_memory(exc, engine.lm.device)
     if oom is not None:
-        measure = probes = None
+        measure = probes = events = None
         faults.release()
         raise oom
 
 
+def _each_question(engine: Engine, comparison: Comparison, runs: list[RunSpec], probes: list) -> Iterator[Event]:
+    """Query-aware with several questions: each question's whole prompt prefilled and compressed on its own."""
+    ctx, questions = comparison.split(engine.lm)
+    results: list[CompareResult] = []
+    span = 1.0 / len(questions)
+    for j, q in enumerate(questions):
+        for ev in engine.stream(ctx + q.ids, runs, comparison.settings, q.prompt_text, probes):
+            if ev.kind == "done":
+                ev.result.question, ev.result.context_tokens = q.text, len(ctx)
+                results.append(ev.result)
+                yield Event("question", f"question {j + 1} of {len(questions)} done", span * (j + 1))
+            else:
+                if ev.progress >= 0:
+                    ev.progress = span * (j + ev.progress)
+                yield ev
+    yield Event("done", f"{len(runs)} runs x {len(questions)} questions done", 1.0, result=results[0], results=results)
+
+
 def compare(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence[Probe] = ()) -> CompareResult:
-    """Run a comparison to the end; the result carries its text metrics and, for a task, its scores."""
-    result = None
+    """Run a comparison to the end; the (first question's) result, with its text metrics and task scores."""
+    return compare_all(model, comparison, probes)[0]
+
+
+def compare_all(
+    model: LoadedModel | Engine, comparison: Comparison, probes: Sequence[Probe] = ()
+) -> list[CompareResult]:
+    """Run a comparison to the end; one result per question (one item without questions)."""
+    results: list[CompareResult] = []
     for ev in stream(model, comparison, probes):
         if ev.kind == "done":
-            result = ev.result
-    return result
+            results = ev.results
+    return results
 
 
 def finish(result: CompareResult, task: Task | None = None) -> CompareResult:
@@ -128,4 +214,4 @@ def as_engine(model: LoadedModel | Engine) -> Engine:
     return model if isinstance(model, Engine) else Engine(model)
 
 
-__all__ = ["Comparison", "as_engine", "compare", "finish", "stream"]
+__all__ = ["Comparison", "as_engine", "compare", "compare_all", "finish", "stream"]

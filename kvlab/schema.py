@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.budgets import Budget
-from kvlab.results import CompareResult
+from kvlab.results import PROTOCOLS, CompareResult
 
 
 class ResultFileError(ValueError):
@@ -119,6 +119,16 @@ class _Check:
         if isinstance(v, str) and len(v) > self.limits.max_name:
             self.bad(f"{path}.{key}", f"{len(v)} characters (at most {self.limits.max_name})")
 
+    def protocol(self, data: dict, n_prompt: int | None) -> None:
+        """Optional (older files lack them): protocol one of PROTOCOLS, question text, context_tokens <= prompt."""
+        proto = self.typed(data, "$", "protocol", (str,), required=False)
+        if isinstance(proto, str) and proto not in PROTOCOLS:
+            self.bad("$.protocol", f"{proto[:40]!r} is not one of {', '.join(PROTOCOLS)}")
+        self.typed(data, "$", "question", (str,), required=False)
+        ctx = self.typed(data, "$", "context_tokens", (int,), required=False)
+        if isinstance(ctx, int) and not 0 <= ctx <= (n_prompt if isinstance(n_prompt, int) else self.limits.max_tokens):
+            self.bad("$.context_tokens", f"{ctx} is outside 0..prompt_tokens")
+
     def result(self, data: Any) -> None:
         if not isinstance(data, dict):
             self.bad("$", f"must be a JSON object, got {type(data).__name__}")
@@ -131,6 +141,7 @@ class _Check:
         if isinstance(n, int) and not 0 <= n <= lim.max_tokens:
             self.bad("$.prompt_tokens", f"{n} is outside 0..{lim.max_tokens}")
         self.ints(data, "$", "prompt_token_ids", lim.max_tokens)
+        self.protocol(data, n)
         runs = self.typed(data, "$", "runs", (list,))
         if runs is None:
             return

@@ -21,6 +21,7 @@ from pathlib import Path
 
 CSV_FIELDS = (
     "task",
+    "protocol",
     "length",
     "depth",
     "seed",
@@ -57,7 +58,7 @@ class SweepConfig:
     model: str = "embedded"
     out: str = "sweep-out"
     depths: list[float] = field(default_factory=list)  # needle depths of a depth x length grid; empty: [depth]
-    protocol: str = "query-aware"  # the question inside the compressed prompt
+    protocol: str = "query-aware"  # or "query-agnostic": the task's question asked after compression
 
     @property
     def grid_depths(self) -> list[float]:
@@ -67,6 +68,8 @@ class SweepConfig:
         """Hash of everything besides the cell that changes a cell's result."""
         skip = ("lengths", "seeds", "out", "depths", "depth")
         parts = {k: v for k, v in asdict(self).items() if k not in skip}
+        if parts["protocol"] == "query-aware":  # the default keeps the keys of cells stored before it existed
+            del parts["protocol"]
         return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -115,10 +118,12 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
         cfg.budgets,
         settings=GenerationSettings(max_new_tokens=cfg.max_new_tokens),
         measure=ProbeSettings() if cfg.probes else None,
+        protocol=cfg.protocol,
     )
     result = compare(engine, comparison)
     return {
         "cell": asdict(cell),
+        "protocol": result.protocol,
         "answer": comparison.task.answer,
         "meta": comparison.task.meta,
         "prompt_tokens": result.prompt_tokens,
@@ -196,6 +201,7 @@ def rows(recs: list[dict], cfg_depth: float = 0.5) -> Iterator[dict]:
             m, exact = r["metrics"], r["exact_kv_bytes_per_step"][0]
             yield {
                 "task": c["task"],
+                "protocol": rec.get("protocol", "query-aware"),
                 "length": c["length"],
                 "depth": c.get("depth", cfg_depth),
                 "seed": c["seed"],

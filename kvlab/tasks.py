@@ -29,6 +29,11 @@ then the answer prefix's tokens (without the chat template: prompt, a blank line
 Small models need the prefix: without it SmolLM2-135M tends to answer "The pass key is the pass
 key is".
 
+The query-agnostic protocol (docs/tasks.md) cuts those same ids at the end of the context
+(``split_ids``): the context's ids are prefilled and compressed alone, and the rest (question, end
+of the user turn, assistant marker, answer prefix) is fed afterwards through each compressed cache.
+Both protocols see the identical token sequence; only where compression happens differs.
+
 Scoring: the first number in the generated text (what follows the prefix) must equal the answer;
 text after it is ignored. Lengths are prompt token counts (``1k`` = 1024) measured with the
 model's own tokenizer and chat template, answer prefix included; ``make_task`` fills the context
@@ -115,11 +120,49 @@ def prompt_ids(lm, task: Task, chat: bool = True) -> list[int]:
     ``lm`` is a ``LoadedModel`` (anything with ``encode(text, chat=...)``). Without the chat
     template the prefix follows the prompt after a blank line.
     """
+    return turn_ids(lm, task.prompt, task.answer_prefix, chat)
+
+
+def turn_ids(lm, user: str, answer_prefix: str = "", chat: bool = True) -> list[int]:
+    """Ids of a user turn ``user`` and the assistant's first words ``answer_prefix`` (see ``prompt_ids``)."""
     if not chat:
-        text = task.prompt + (f"\n\n{task.answer_prefix}" if task.answer_prefix else "")
+        text = user + (f"\n\n{answer_prefix}" if answer_prefix else "")
         return lm.encode(text, chat=False)
-    ids = lm.encode(task.prompt, chat=True)
-    return ids + (lm.encode(task.answer_prefix, chat=False) if task.answer_prefix else [])
+    ids = lm.encode(user, chat=True)
+    return ids + (lm.encode(answer_prefix, chat=False) if answer_prefix else [])
+
+
+def join_question(context: str, question: str) -> str:
+    """The user turn of ``context`` followed by ``question`` (a blank line between, unless either side has one)."""
+    if not context or context[-1:].isspace() or question[:1].isspace():
+        return context + question
+    return f"{context}\n\n{question}"
+
+
+def split_ids(
+    lm, context: str, questions: list[str], answer_prefixes: list[str] | None = None, chat: bool = True
+) -> tuple[list[int], list[list[int]]]:
+    """The full prompt ids of each question (``turn_ids`` of context + question), cut where the context ends.
+
+    Returns (context ids, per question the rest: question, end of turn, assistant marker, answer
+    prefix). The cut is the longest prefix that every full prompt shares with the context's own
+    ids, so a token that the tokenizer merges across the boundary goes with the questions and
+    context + rest is exactly each full prompt's ids.
+    """
+    prefixes = answer_prefixes or [""] * len(questions)
+    fulls = [turn_ids(lm, join_question(context, q), p, chat) for q, p in zip(questions, prefixes)]
+    alone = lm.encode(context, chat=chat)
+    cut = min(_common_prefix(alone, f) for f in fulls)
+    return fulls[0][:cut], [f[cut:] for f in fulls]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def prompt_text(task: Task) -> str:

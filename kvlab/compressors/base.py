@@ -10,6 +10,10 @@ A compressor is one method at one budget for one run. The engine calls, in order
 3. per decode step and layer: ``append(layer, k, v, pos)`` with the new token's key/value
    ``[Hkv, 1, d]`` (post-RoPE), then ``attend(layer, q)`` with the query ``[Hq, 1, d]``, returning
    the attention output ``[Hq, 1, d]``. Streaming methods evict inside these calls.
+   A question asked after compression (the query-agnostic protocol) comes as one chunk of c
+   tokens per layer: ``feed(layer, q, k, v, pos)`` (q ``[Hq, c, d]``, k/v ``[Hkv, c, d]`` at true
+   positions pos..pos+c-1) returns ``[Hq, c, d]``, exactly what feeding the c tokens one by one
+   through ``append`` + ``attend`` gives (the default does just that).
 4. ``tensors()`` at any time lists every tensor the method holds; bytes are counted from them.
 """
 
@@ -268,6 +272,18 @@ class Compressor:
     def after_attend(self, layer: int, probs: Tensor) -> None:
         """Hook for streaming eviction: ``probs`` [Hq, 1, n] is this step's attention over the cache."""
 
+    def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """A chunk of c new tokens, causal inside the chunk: q [Hq, c, d], k/v [Hkv, c, d] -> out [Hq, c, d].
+
+        Token i is appended at true position ``pos + i``, then its query attends: the same calls, in
+        the same order, as c decode steps, so streaming eviction and running scores stay exact.
+        """
+        outs = []
+        for i in range(q.shape[-2]):
+            self.append(layer, k[:, i : i + 1], v[:, i : i + 1], pos + i)
+            outs.append(self.attend(layer, q[:, i : i + 1]))
+        return torch.cat(outs, dim=-2)
+
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every tensor this cache holds, as (kind, tensor); bytes are counted from these."""
         raise NotImplementedError
@@ -318,6 +334,14 @@ class _Growable:
         self.n += m
 
 
+def _positions(k: Tensor, pos: int) -> Tensor:
+    """[Hkv, m, 1] int32 positions pos..pos+m-1 for the m tokens of ``k`` [Hkv, m, d]."""
+    h, m = k.shape[0], k.shape[1]
+    if m == 1:
+        return torch.full((h, 1, 1), pos, dtype=torch.int32, device=k.device)
+    return torch.arange(pos, pos + m, dtype=torch.int32, device=k.device).view(1, m, 1).expand(h, m, 1)
+
+
 @dataclass
 class DenseLayer:
     """One layer of a dense cache: full-precision kept tokens, their positions, optional log-weights.
@@ -349,9 +373,10 @@ class DenseLayer:
         return self.k.view(), self.v.view(), self.pos.view().squeeze(-1), lw
 
     def append(self, k: Tensor, v: Tensor, pos: int) -> None:
+        """Tokens k, v [Hkv, m, d] at positions pos..pos+m-1."""
         self.k.append(k)
         self.v.append(v)
-        self.pos.append(torch.full((k.shape[0], k.shape[1], 1), pos, dtype=torch.int32, device=k.device))
+        self.pos.append(_positions(k, pos))
         if self.logw is not None:
             self.logw.append(torch.zeros((k.shape[0], k.shape[1], 1), device=k.device))
 
@@ -466,6 +491,21 @@ class DenseCompressor(Compressor):
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
         k, v, _, lw = self.layers[layer].views()
         return k, v, lw
+
+    def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """Vectorized when nothing evicts or scores per step: append all c tokens, one causal attention."""
+        cache = self.layers[layer]
+        if not self._plain_feed() or not isinstance(cache, DenseLayer):
+            return super().feed(layer, q, k, v, pos)
+        c = q.shape[-2]
+        cache.append(k, v, pos)
+        keys, values, _, lw = cache.views()
+        return dense_attention(q, keys, values, self.scaling, lw, causal_tail=c)
+
+    def _plain_feed(self) -> bool:
+        """True when append and attend are the dense store's own (no eviction, no per-step scores)."""
+        cls = type(self)
+        return not self.wants_probs and cls.append is DenseCompressor.append and cls.attend is DenseCompressor.attend
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:

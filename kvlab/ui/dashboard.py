@@ -23,7 +23,7 @@ from kvlab.engine import Engine, GenerationSettings, InputError, RunSpec
 from kvlab.gpu import WorkSize
 from kvlab.metrics import ProbeSettings
 from kvlab.models import EMBEDDED, LoadedModel, ModelLoadError, load_model
-from kvlab.results import CompareResult, RunResult
+from kvlab.results import QUERY_AGNOSTIC, CompareResult, RunResult
 from kvlab.run import Comparison, stream
 from kvlab.schema import ResultFileError, load_result_text
 from kvlab.tasks import Task
@@ -64,6 +64,8 @@ class LiveProbe:
         self.tokens = [[first] if first is not None else [] for _ in compressors]
 
     def on_step(self, step, rows, logits) -> None:
+        if step == 0:  # a question asked after compression: each run's first token comes from its own logits
+            self.tokens = [[] for _ in self.comps]
         for row, i in enumerate(rows):
             self.bytes_now[i] = self.comps[i].nbytes()
             if self.greedy:
@@ -173,12 +175,16 @@ class Dashboard:
         map_layer,
         map_head,
         task,
+        question="",
     ) -> tuple[Engine, Comparison, int]:
         """The page's inputs as a ``Comparison``, checked against the page's limits.
 
         Returns the engine of the chosen model, the comparison and the prompt's token count. ``task``
         is the preset's task while its prompt is unedited (the page drops it on any edit), else None.
+        ``question``: asked after compressing the prompt (query-agnostic); the prompt is then a
+        context and a preset's task is not scored.
         """
+        question = question.strip() if isinstance(question, str) else ""
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("the prompt is empty; type some text or pick a preset")
         try:
@@ -203,12 +209,13 @@ class Dashboard:
                 raise InputError(f"map head {head} is out of range; allowed: 0..{engine.info.n_heads - 1}")
             measure = ProbeSettings(map_layer=self._map_layer(map_layer, engine), map_head=head)
         comparison = Comparison(
-            task if isinstance(task, Task) else prompt,
+            task if isinstance(task, Task) and not question else prompt,
             chosen,
             bl,
             params=params_from_rows(param_table, chosen),
             settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(seed, "the seed", 0)),
             measure=measure,
+            questions=[question] if question else (),
         )
         n = len(comparison.encode(engine.lm))
         if n > self.limits.max_prompt_tokens:
@@ -258,6 +265,7 @@ class Dashboard:
         map_layer=None,
         map_head=0,
         task=None,
+        question="",
         progress=gr.Progress(),  # noqa: B008 (gradio injects progress through this default)
     ):
         """Generator: yields (status, cards, state, *figures) as the comparison runs."""
@@ -276,6 +284,7 @@ class Dashboard:
                 map_layer,
                 map_head,
                 task,
+                question,
             )
             specs = comparison.check()
             live = LiveProbe(len(specs), greedy=not comparison.settings.do_sample)
@@ -311,6 +320,8 @@ class Dashboard:
             f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
             f"{result.timings.get('compare_s', 0):.1f} s" + _ended_early(result)
         )
+        if result.protocol == QUERY_AGNOSTIC:
+            msg += f" · query-agnostic: the question was asked after compressing {result.context_tokens} tokens"
         yield (progress_html(1.0, msg), *self.render(result.to_json(), "mean", None))
 
     def task_of(self, preset: str) -> Task | None:

@@ -40,6 +40,7 @@ class Setup:
     run_btn: gr.Button
     plan: gr.Markdown  # the run count and memory estimate, before Run
     cancel_btn: gr.Button  # stops the running comparison
+    question: gr.Textbox  # asked after compressing the prompt (query-agnostic); empty: query-aware
 
     def inputs(self) -> list:
         """The inputs of ``Dashboard.compare``, in its order (before ``task``, a page state)."""
@@ -113,6 +114,15 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
             prompt = gr.Textbox(
                 value=preset_texts[DEFAULT_PRESET], label="Prompt", lines=9, max_lines=16, elem_id="kv-prompt"
             )
+            question = gr.Textbox(
+                value="",
+                label="Question, asked after compression",
+                lines=1,
+                max_lines=4,
+                elem_id="kv-question",
+                info="optional: the prompt above is then a context, compressed without the question "
+                "(query-agnostic); empty: the question is inside the compressed prompt (query-aware)",
+            )
             model = gr.Textbox(
                 value=EMBEDDED,
                 label="Model",
@@ -179,7 +189,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
         )
     return Setup(
         model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
-        run_btn, plan, cancel_btn,
+        run_btn, plan, cancel_btn, question,
     )  # fmt: skip
 
 
@@ -237,9 +247,9 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     s = setup
     gr.on(
         [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.budgets.change, s.max_new.change,
-         s.record_maps.change, s.model.change],
+         s.record_maps.change, s.model.change, s.question.change],
         dash.plan,
-        [*s.inputs(), v.task],
+        [*s.inputs(), v.task, s.question],
         s.plan,
         api_name="plan",
         trigger_mode="always_last",
@@ -247,7 +257,7 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     )  # fmt: skip
     run = setup.run_btn.click(
         gpu(dash.compare, dash.work),
-        [*setup.inputs(), v.task],
+        [*setup.inputs(), v.task, setup.question],
         [v.status, *v.rendered()],
         api_name="compare",
         concurrency_limit=1,
