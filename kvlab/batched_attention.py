@@ -21,6 +21,7 @@ Every other row (a quantized or sketched cache: ``qjl``, ``kivi``, ``subgen``) g
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,19 @@ def _after_attend(comp, layer: int, probs: Tensor) -> bool:
 MAX_PADDING = 0.5  # a call's padded keys are at most this share above its rows' own (``length_buckets``)
 
 
+@functools.cache
+def segments_stand_for_attend(cls: type) -> bool:
+    """True when ``cls.dense_segments`` describes ``cls.attend``: both come from the same class.
+
+    A subclass that overrides ``attend`` alone (a wrapper, a test fault) attends through its own
+    ``attend``, never through the batched call over segments its parent describes."""
+
+    def owner(name: str) -> type | None:
+        return next((c for c in cls.__mro__ if name in c.__dict__), None)
+
+    return owner("attend") is owner("dense_segments")
+
+
 @dataclass
 class DenseRows:
     """The dense rows of one layer: batch row indices and each one's (k, v, logw) views.
@@ -62,6 +76,8 @@ class DenseRows:
     def collect(cls, compressors: list, layer: int, guard: Callable = _unguarded) -> DenseRows:
         rows, segments = [], []
         for row, comp in enumerate(compressors):
+            if not segments_stand_for_attend(type(comp)):
+                continue
             seg = guard(row, comp.dense_segments, layer)
             if seg is not None:
                 rows.append(row)

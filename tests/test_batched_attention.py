@@ -52,7 +52,7 @@ def test_padded_batch_equals_dense_attention_per_row():
 def compressed(engine, lm, long_text):
     """Every spec compressed from one real ~280-token prefill: (engine, compressors)."""
     ids = lm.encode(long_text[:1200])
-    comps, _ = engine._make_compressors(SPECS, len(ids), 0)
+    comps, _ = engine._make_compressors(SPECS, len(ids), 0, 8)
     state, _ = engine.prefill(ids, max(c.query_window() for c in comps), any(c.needs_acc_attn for c in comps))
     for c in comps:
         c.compress(state)

@@ -37,7 +37,7 @@ def context(long_text):
     return long_text[:600]  # about 130 tokens of the reference manual
 
 
-def _specs(budget="40t"):
+def _specs(budget="48t"):
     return [RunSpec(m, None if m == "exact" else Budget.parse(budget), p) for m, p in METHODS.items()]
 
 
