@@ -129,9 +129,9 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def out_of_memory(exc: BaseException, device: str | torch.device) -> OutOfMemory:
-    """The message for a comparison that ran out of memory on ``device``."""
-    where = "GPU" if torch.device(device).type == "cuda" else "memory (RAM)"
+def out_of_memory(exc: BaseException) -> OutOfMemory:
+    """The message for a comparison that ran out of memory: GPU memory (``torch.OutOfMemoryError``) or RAM."""
+    where = "GPU memory" if isinstance(exc, torch.OutOfMemoryError) else "memory (RAM)"
     return OutOfMemory(
         f"out of {where} during the comparison ({type(exc).__name__}); what it held is freed. "
         "Try a shorter prompt, fewer methods or budgets, fewer new tokens, or the measurements off"

@@ -161,7 +161,7 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
                         )
             yield ev
     except faults.OOM as exc:  # raised below, once the traceback (and the tensors its frames hold) is gone
-        oom = faults.out_of_memory(exc, engine.lm.device)
+        oom = faults.out_of_memory(exc)
     if oom is not None:
         measure = probes = events = None
         faults.release()

@@ -262,7 +262,7 @@ def test_compare_hands_back_no_tensors(lm):
 def test_crafted_import_is_refused_with_one_message(client, tmp_path):
     bad = tmp_path / "crafted.json"
     bad.write_text('{"model": {}, "prompt": "x", "prompt_tokens": NaN, "runs": []}')
-    with pytest.raises(Exception, match="NaN is not a number"):
+    with pytest.raises(Exception, match="prompt_tokens: NaN is not a finite number"):
         client.predict(gradio_client.handle_file(str(bad)), "mean", None, api_name="/load_json")
 
 

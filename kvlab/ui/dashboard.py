@@ -309,7 +309,7 @@ class Dashboard:
         except (InputError, faults.OutOfMemory) as exc:
             raise text_error(str(exc)) from None
         except faults.OOM as exc:  # outside the engine (tokenizing, rendering)
-            message = str(faults.out_of_memory(exc, self.lm.device))
+            message = str(faults.out_of_memory(exc))
         else:
             message = None
         if message is not None:
