@@ -177,8 +177,8 @@ def _check_questions(args) -> None:
 def format_table(result) -> str:
     rows = [("run", "KiB", "of exact", "tok/s", "compress s", "text")]
     for r in result.runs:
-        if r.finish_reason == "refused":  # the method cannot hold this budget on this prompt: say why
-            rows.append((r.label, "—", "refused", "—", "—", r.error))
+        if not r.exact_kv_bytes_per_step:  # refused its budget, or its plan raised: it never ran; say why
+            rows.append((r.label, "—", r.finish_reason, "—", "—", r.error))
             continue
         exact = r.exact_kv_bytes_per_step[0]
         text = r.text.replace("\n", " ")

@@ -257,7 +257,7 @@ class Engine:
         # the cache grows by the question's tokens and the generated ones: a plan must hold both
         grows = gen.max_new_tokens - 1 + max((len(q.ids) for q in questions or ()), default=0)
         comps, knobs = self._make_compressors(runs, len(prompt_ids), gen.seed, grows)
-        refusals = _Refusals(runs, {i: k for i, k in enumerate(knobs) if isinstance(k, BudgetRefused)})
+        refusals = _Refusals(runs, {i: k for i, k in enumerate(knobs) if isinstance(k, Exception)})
         yield from refusals.events()
         runs, comps, knobs = refusals.kept(runs), refusals.kept(comps), refusals.kept(knobs)
         if not runs:  # every run refused: nothing to prefill
@@ -433,7 +433,7 @@ class Engine:
     # ----- the steps of ``stream`` ------------------------------------------------------------
     def _make_compressors(
         self, runs: list[RunSpec], n: int, seed: int, decode_steps: int
-    ) -> tuple[list[Compressor], list[dict | BudgetRefused]]:
+    ) -> tuple[list[Compressor], list[dict | BudgetRefused | PlanFailed]]:
         """One compressor per run, planned for ``n`` prompt tokens and ``decode_steps`` decode steps;
         returns them and their chosen knobs (or the ``BudgetRefused`` of a run that cannot hold its budget)."""
         comps = [get(spec.method)(self.info, spec.budget, spec.params, seed=seed) for spec in runs]
@@ -745,12 +745,21 @@ class _TeacherForcing:
             p.on_forced(step, tokens[self.exact][-1], logits[row[self.exact]], forced)
 
 
-def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused:
+def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused | PlanFailed:
+    """The run's knobs; or why it cannot run: its budget refused, or its plan raised (that run only)."""
     comp.decode_steps = decode_steps
     try:
         return comp.plan(n)
     except BudgetRefused as exc:
         return exc
+    except faults.OOM:
+        raise
+    except Exception as exc:  # a method's failure ends its own run
+        return PlanFailed(faults.describe(exc))
+
+
+class PlanFailed(Exception):
+    """A method's ``plan`` raised: its run ends before the prefill with this message as its error."""
 
 
 def _drop_unmeasured(results: list[RunResult]) -> None:
@@ -775,23 +784,24 @@ class _Refusals:
     back in the result, in the asked order, as runs that ended ``refused`` with the reason in ``error``."""
 
     asked: list[RunSpec]
-    refused: dict[int, BudgetRefused]
+    refused: dict[int, BudgetRefused | PlanFailed]
 
     def kept(self, xs: list) -> list:
         return [x for i, x in enumerate(xs) if i not in self.refused]
 
     def events(self) -> Iterator[Event]:
         for i, exc in self.refused.items():
-            yield Event("run_done", f"{self.asked[i].label}: refused: {exc}", -1, run=self.asked[i].label)
+            why = "ended on an error" if isinstance(exc, PlanFailed) else "refused"
+            yield Event("run_done", f"{self.asked[i].label}: {why}: {exc}", -1, run=self.asked[i].label)
 
     def merged(self, result: CompareResult) -> CompareResult:
         ran = iter(result.runs)
         result.runs = [
             RunResult(
                 spec.method,
-                spec.budget.label,
+                None if spec.budget is None else spec.budget.label,
                 _jsonable(dict(spec.params)),
-                finish_reason="refused",
+                finish_reason="error" if isinstance(self.refused[i], PlanFailed) else "refused",
                 error=str(self.refused[i]),
             )
             if i in self.refused

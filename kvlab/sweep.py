@@ -128,8 +128,9 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
         "meta": comparison.task.meta,
         "prompt_tokens": result.prompt_tokens,
         "timings": result.timings,
-        "runs": [_compact(r) for r in result.runs if r.finish_reason != "refused"],
-        "refused": [r.error for r in result.runs if r.finish_reason == "refused"],  # budgets a method cannot hold
+        "runs": [_compact(r) for r in result.runs if r.exact_kv_bytes_per_step],
+        # runs that never ran: budgets a method cannot hold (and plans that raised)
+        "refused": [r.error for r in result.runs if not r.exact_kv_bytes_per_step],
     }
 
 

@@ -39,6 +39,10 @@ class _Raising(StreamingLLM):
         if where == self.where:
             raise self.exc(f"test fault in {where} of <b>{self.name}</b>")
 
+    def plan(self, n_prompt):
+        self._maybe_raise("plan")
+        return super().plan(n_prompt)
+
     def compress(self, state):
         self._maybe_raise("compress")
         return super().compress(state)
@@ -61,6 +65,7 @@ def _method(name: str, where: str, exc: type[BaseException] = RuntimeError) -> t
 
 
 TEST_METHODS = [
+    _method("fail-plan", "plan"),
     _method("fail-compress", "compress"),
     _method("fail-append", "append"),
     _method("fail-attend", "attend"),
@@ -116,6 +121,14 @@ def test_failing_methods_end_only_their_runs(engine, reference):
         assert r.token_ids == result.run("streaming@0.5").token_ids[:FAIL_STEP]
     js = result.to_json()
     assert [r["error"] == "" for r in js["runs"]] == [True, False, True, False, False]
+
+
+def test_a_plan_that_raises_ends_only_its_run(engine, reference):
+    result = _compare(engine, ["exact", "fail-plan", "streaming"], measure=False)
+    failed = result.run("fail-plan@0.5")
+    assert failed.finish_reason == "error" and failed.token_ids == [] and "test fault in plan" in failed.error
+    for label in ("exact", "streaming@0.5"):
+        assert result.run(label).token_ids == reference.run(label).token_ids and not result.run(label).error
 
 
 def test_error_shows_on_the_card_as_text(engine):
