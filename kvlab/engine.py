@@ -18,8 +18,9 @@ decodes from there: N questions cost one prefill and one compression per method.
 from __future__ import annotations
 
 import copy
+import functools
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -286,14 +287,7 @@ class Engine:
 
         rows = _Lockstep(runs, comps, results, gen, len(prompt_ids), self.lm.eos_ids, probes)
         yield from self._first_tokens(rows, last_logits)
-        done = f"{len(runs)} runs done"
-        for step in range(1, gen.max_new_tokens):
-            if not rows.active:
-                break
-            if self.time_limit_s is not None and time.perf_counter() - t_start > self.time_limit_s:
-                done = yield from self._out_of_time(rows, step)
-                break
-            yield from self._decode_step(rows, step)
+        done = yield from self._decode_all(rows, t_start, f"{len(runs)} runs done")
 
         for p in probes:
             p.finish(results)
@@ -359,17 +353,10 @@ class Engine:
             for p in probes:
                 p.on_step(0, everyone, logits[everyone])
             yield from self._ended(rows, rows.pick(everyone, logits[everyone]))
-            done = f"{len(runs)} runs x {len(questions)} questions done"
-            for step in range(1, gen.max_new_tokens):
-                if not rows.active:
-                    break
-                if self.time_limit_s is not None and time.perf_counter() - t_start > self.time_limit_s:
-                    done = yield from self._out_of_time(rows, step)
-                    break
-                for ev in self._decode_step(rows, step):
-                    if ev.kind == "step":
-                        ev.progress = lo + span * (ev.progress - 0.2) / 0.8
-                    yield ev
+            within = functools.partial(_within, lo, span)  # this question's share of the progress bar
+            done = yield from self._decode_all(
+                rows, t_start, f"{len(runs)} runs x {len(questions)} questions done", within
+            )
             for p in probes:
                 p.finish(results)
             _drop_unmeasured(results)
@@ -542,6 +529,23 @@ class Engine:
             r.error, r.finish_reason = message, "error"
             rows.comps[i] = faults.FailedCompressor(rows.comps[i])
             yield from self._finish(r, rows.tokens[i], rows.runs[i].label)
+
+    def _decode_all(
+        self, rows: _Lockstep, t_start: float, done: str, progress: Callable[[float], float] | None = None
+    ) -> Generator[Event, None, str]:
+        """Decode steps until every run stopped or the time limit passed; returns the comparison's message.
+
+        ``progress`` maps a step event's progress (0.2..1) into this part of a longer comparison."""
+        for step in range(1, rows.gen.max_new_tokens):
+            if not rows.active:
+                break
+            if self.time_limit_s is not None and time.perf_counter() - t_start > self.time_limit_s:
+                return (yield from self._out_of_time(rows, step))
+            for ev in self._decode_step(rows, step):
+                if progress is not None and ev.kind == "step":
+                    ev.progress = progress(ev.progress)
+                yield ev
+        return done
 
     def _out_of_time(self, rows: _Lockstep, step: int) -> Generator[Event, None, str]:
         """Stop every running run at the time limit, keeping its tokens so far; returns the comparison's message."""
@@ -760,6 +764,11 @@ def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused |
 
 class PlanFailed(Exception):
     """A method's ``plan`` raised: its run ends before the prefill with this message as its error."""
+
+
+def _within(lo: float, span: float, progress: float) -> float:
+    """A step's progress (0.2..1 of a single comparison) within the span [lo, lo + span] of a longer one."""
+    return lo + span * (progress - 0.2) / 0.8
 
 
 def _drop_unmeasured(results: list[RunResult]) -> None:
