@@ -212,6 +212,14 @@ class Engine:
         state = PrefillState(keys, values, queries, scaling=self.info.head_dim**-0.5, acc_attn=acc)
         return state, out.logits[0, -1]
 
+    def _prefill_for(self, ids: list[int], comps: list[Compressor]) -> tuple[PrefillState, Tensor, float]:
+        """The exact prefill with what ``comps`` need captured (last queries, accumulated attention);
+        returns the state, the last logits [V] and the prefill's seconds."""
+        t0 = time.perf_counter()
+        window = max((c.query_window() for c in comps), default=0)
+        state, logits = self.prefill(ids, window, any(c.needs_acc_attn for c in comps))
+        return state, logits, time.perf_counter() - t0
+
     # ----- compare ------------------------------------------------------------------------
     def check_prompt(self, ids: list[int], gen: GenerationSettings) -> None:
         if not ids:
@@ -273,11 +281,7 @@ class Engine:
             yield from self._stream_questions(prompt_ids, planned, gen, probes, questions, t_start)
             return
 
-        t0 = time.perf_counter()
-        state, last_logits = self.prefill(
-            prompt_ids, max((c.query_window() for c in comps), default=0), any(c.needs_acc_attn for c in comps)
-        )
-        prefill_s = time.perf_counter() - t0
+        state, last_logits, prefill_s = self._prefill_for(prompt_ids, comps)
         yield Event("prefill", f"prefill of {len(prompt_ids)} tokens done in {prefill_s:.2f} s", 0.1)
 
         results = yield from self._compress_all(state, runs, comps, knobs, prefill_s)
@@ -313,11 +317,7 @@ class Engine:
         """
         n = len(ctx_ids)
         runs, comps, knobs, refusals = planned
-        t0 = time.perf_counter()
-        state, last_logits = self.prefill(
-            ctx_ids, max((c.query_window() for c in comps), default=0), any(c.needs_acc_attn for c in comps)
-        )
-        prefill_s = time.perf_counter() - t0
+        state, last_logits, prefill_s = self._prefill_for(ctx_ids, comps)
         yield Event("prefill", f"prefill of the context ({n} tokens) done in {prefill_s:.2f} s", 0.1)
         base = yield from self._compress_all(state, runs, comps, knobs, prefill_s)
         shared = {
