@@ -54,10 +54,12 @@ def page(**kw) -> Callable:
             "maps": False,
             "layer": None,
             "head": 0,
+            "task": None,
+            "question": "",
         }
         inputs.update(kw)
         try:
-            engine, comparison, n = dash.request(*inputs.values(), None)
+            engine, comparison, n = dash.request(*inputs.values())
         except InputError as exc:
             return f"refused: {exc}"
         return f"accepted: {dash.estimate(engine, comparison, n).summary()}"
@@ -124,6 +126,11 @@ CASES = [
     Case("prompt", "a lone surrogate `\\ud800`", page(prompt="\ud800 hello")),
     Case("prompt", f"`{XSS}` and `<script>`", page(prompt=f"{XSS}<script>alert(1)</script>")),
     Case("prompt", "NUL and control characters", page(prompt="a\x00b\x01c\x1bd")),
+    Case("question", "spaces, tabs and newlines only", page(question=" \t\n ")),
+    Case("question", "not text (a list, API)", page(question=["a"])),
+    Case("question", "200,000 characters", page(question="lorem ipsum " * 16_667)),
+    Case("question", "a lone surrogate `\\ud800`", page(question="\ud800 hello")),
+    Case("question", f"`{XSS}` and `<script>`", page(question=f"{XSS}<script>alert(1)</script>")),
     Case("methods", "none ticked", page(baselines=[])),
     Case("methods", f"an unknown name `{XSS}` (API)", page(baselines=[XSS]), cut="; allowed:"),
     Case("methods", "`streaming` 1,000 times (API)", page(baselines=["streaming"] * 1000)),

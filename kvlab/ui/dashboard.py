@@ -116,6 +116,15 @@ def whole_number(value, what: str, default: int) -> int:
         raise InputError(f"{what} must be a whole number, got {str(value)[:40]!r}") from None
 
 
+def _question_text(question) -> str:
+    """The question box's text, stripped ("" when empty or only spaces: no question is asked)."""
+    if question is None:
+        return ""
+    if not isinstance(question, str):
+        raise InputError(f"the question must be text, got {type(question).__name__}")
+    return question.strip()
+
+
 def text_error(message: str) -> gr.Error:
     """A page error whose message is shown as text: Gradio renders a toast's message as (sanitized) HTML."""
     return gr.Error(html.escape(message, quote=False))
@@ -184,13 +193,14 @@ class Dashboard:
         ``question``: asked after compressing the prompt (query-agnostic); the prompt is then a
         context and a preset's task is not scored.
         """
-        question = question.strip() if isinstance(question, str) else ""
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("the prompt is empty; type some text or pick a preset")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError("the prompt holds characters that are not valid Unicode (lone surrogates)") from None
+        question = _question_text(question)
+        for what, text in (("prompt", prompt), ("question", question)):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(f"the {what} holds characters that are not valid Unicode (lone surrogates)") from None
         chosen = ["exact"] + list(papers or []) + list(baselines or [])
         if len(chosen) == 1:
             raise InputError("no method selected; tick at least one of the papers' methods or baselines")
@@ -219,8 +229,9 @@ class Dashboard:
         )
         n = len(comparison.encode(engine.lm))
         if n > self.limits.max_prompt_tokens:
+            what = "the context and the question have" if question else "the prompt has"
             raise InputError(
-                f"the prompt has {n} tokens; this page allows at most "
+                f"{what} {n} tokens; this page allows at most "
                 f"{self.limits.max_prompt_tokens} (set KVLAB_MAX_PROMPT_TOKENS to change it)"
             )
         try:
