@@ -7,6 +7,8 @@ compressor, and the kvlab attention function then reads from the compressors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -58,17 +60,18 @@ class PrefillCache(Cache):
 
 
 class LockstepCache(Cache):
-    """Batch row i -> compressors[i]; new tokens are appended at true position ``pos``.
+    """Batch row i -> compressors[i]; row i's new token is appended at true position ``seen[i]``
+    (``seen`` an int: the same position for every row).
 
     ``chunk``: the forward feeds several tokens per row (a question asked after compression); the
     cache then appends nothing and hands the new K/V on to the attention function, whose chunk
     handler (``attention.LockstepChunk``) appends and attends token by token inside each compressor.
     """
 
-    def __init__(self, compressors: list, n_layers: int, seen: int, chunk: bool = False):
-        super().__init__(layers=[_RoutedLayer(seen) for _ in range(n_layers)])
+    def __init__(self, compressors: list, n_layers: int, seen: int | Sequence[int], chunk: bool = False):
+        self.positions = [seen] * len(compressors) if isinstance(seen, int) else list(seen)
+        super().__init__(layers=[_RoutedLayer(max(self.positions, default=0)) for _ in range(n_layers)])
         self.compressors = compressors
-        self.pos = seen
         self.chunk = chunk
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
@@ -76,5 +79,5 @@ class LockstepCache(Cache):
             return key_states, value_states
         with torch_functions_plain():
             for row, comp in enumerate(self.compressors):
-                faults.append(row, comp, layer_idx, key_states[row], value_states[row], self.pos)
+                faults.append(row, comp, layer_idx, key_states[row], value_states[row], self.positions[row])
         return key_states, value_states

@@ -310,10 +310,15 @@ class Engine:
         t_start: float,
     ) -> Iterator[Event]:
         """Query-agnostic: one prefill and one compression of the context, then per question a fork of
-        every cache, one chunked forward of the question's tokens, and lockstep decoding.
+        every cache and one chunked forward of the question's tokens; then lockstep decoding.
+
+        Without probes every question's rows decode together (one batched forward per step for all
+        questions, each row at its own true position); probes follow one question at a time, so with
+        them each question decodes on its own.
 
         Timings: ``shared_s`` (prefill + compression, once for all questions) and ``own_s`` (this
-        question: fork, chunk, decode); ``compare_s`` = shared_s + own_s.
+        question: its fork and chunk, plus its share of the decoding it was batched in);
+        ``compare_s`` = shared_s + own_s.
         """
         n = len(ctx_ids)
         runs, comps, knobs, refusals = planned
@@ -325,47 +330,67 @@ class Engine:
             "compress_s": sum(r.timings.compress_s for r in base),
             "shared_s": time.perf_counter() - t_start,
         }
+        context = _Context(ctx_ids, runs, comps, base, state, last_logits, gen, probes)
         out: list[CompareResult] = []
-        span = 0.8 / len(questions)
-        for j, q in enumerate(questions):
-            t_q = time.perf_counter()
-            last = j == len(questions) - 1  # the last question takes the compressed caches themselves
-            qcomps = comps if last else [copy.deepcopy(c) for c in comps]
-            results = base if last else copy.deepcopy(base)
-            for p in probes:
-                p.on_prefill(state, last_logits, qcomps)
-            rows = _Lockstep(runs, qcomps, results, gen, n + len(q.ids), self.lm.eos_ids, probes)
-            with faults.collect() as failed:
-                logits = self._feed_question(rows, n, q.ids)
-            for i, message in sorted(failed.errors.items()):  # a method that raised on the question
-                r = rows.results[i]
-                r.error, r.finish_reason = message, "error"
-                rows.comps[i] = faults.FailedCompressor(rows.comps[i])
-                yield from self._finish(r, rows.tokens[i], rows.runs[i].label)
-            lo = 0.2 + span * j
-            yield Event(
-                "question",
-                f"question {j + 1} of {len(questions)}: {len(q.ids)} tokens fed through every cache "
-                f"in {results[0].timings.question_s:.2f} s",
-                lo,
-            )
-            everyone = [i for i in range(len(runs)) if i not in failed.errors]
-            for p in probes:
-                p.on_step(0, everyone, logits[everyone])
-            yield from self._ended(rows, rows.pick(everyone, logits[everyone]))
-            within = functools.partial(_within, lo, span)  # this question's share of the progress bar
+        groups = [[j] for j in range(len(questions))] if probes else [list(range(len(questions)))]
+        done = ""
+        for g, group in enumerate(groups):
+            lo, span = 0.2 + 0.8 * g / len(groups), 0.8 / len(groups)
+            asked, own = [], []
+            for k, j in enumerate(group):
+                t_q = time.perf_counter()
+                progress = lo + 0.2 * span * (k + 1) / len(group)
+                rows = yield from self._ask(context, questions, j, progress)
+                asked.append(rows)
+                own.append(time.perf_counter() - t_q)
+            t_d = time.perf_counter()
+            rows = asked[0] if len(asked) == 1 else _Lockstep.joined(asked)
+            within = functools.partial(_within, lo + 0.2 * span, 0.8 * span)  # this group's share of the bar
             done = yield from self._decode_all(
                 rows, t_start, f"{len(runs)} runs x {len(questions)} questions done", within
             )
-            for p in probes:
-                p.finish(results)
-            _drop_unmeasured(results)
-            own = time.perf_counter() - t_q
-            timings = {**shared, "question_s": results[0].timings.question_s, "own_s": own}
-            timings["compare_s"] = shared["shared_s"] + own
-            out.append(refusals.merged(self._result(ctx_ids + q.ids, q.prompt_text, rows, timings, q.text, n)))
-        del state
+            decode_share = (time.perf_counter() - t_d) / len(group)
+            for j, rows, own_s in zip(group, asked, own):
+                q, results = questions[j], rows.results
+                for p in probes:
+                    p.finish(results)
+                _drop_unmeasured(results)
+                timings = {**shared, "question_s": results[0].timings.question_s, "own_s": own_s + decode_share}
+                timings["compare_s"] = shared["shared_s"] + timings["own_s"]
+                out.append(refusals.merged(self._result(ctx_ids + q.ids, q.prompt_text, rows, timings, q.text, n)))
+        del state, context
         yield Event("done", done, 1.0, result=out[0], results=out)
+
+    def _ask(
+        self, ctx: _Context, questions: list[Question], j: int, progress: float
+    ) -> Generator[Event, None, _Lockstep]:
+        """Question ``j``: fork every compressed cache (the last question takes the caches themselves),
+        feed its tokens in one chunked forward and pick each run's first token. Returns its rows."""
+        n, q, runs = len(ctx.ids), questions[j], ctx.runs
+        last = j == len(questions) - 1
+        qcomps = ctx.comps if last else [copy.deepcopy(c) for c in ctx.comps]
+        results = ctx.results if last else copy.deepcopy(ctx.results)
+        for p in ctx.probes:
+            p.on_prefill(ctx.state, ctx.logits, qcomps)
+        rows = _Lockstep(runs, qcomps, results, ctx.gen, n + len(q.ids), self.lm.eos_ids, ctx.probes)
+        with faults.collect() as failed:
+            logits = self._feed_question(rows, n, q.ids)
+        for i, message in sorted(failed.errors.items()):  # a method that raised on the question
+            r = rows.results[i]
+            r.error, r.finish_reason = message, "error"
+            rows.comps[i] = faults.FailedCompressor(rows.comps[i])
+            yield from self._finish(r, rows.tokens[i], rows.runs[i].label)
+        yield Event(
+            "question",
+            f"question {j + 1} of {len(questions)}: {len(q.ids)} tokens fed through every cache "
+            f"in {results[0].timings.question_s:.2f} s",
+            progress,
+        )
+        everyone = [i for i in range(len(runs)) if i not in failed.errors]
+        for p in ctx.probes:
+            p.on_step(0, everyone, logits[everyone])
+        yield from self._ended(rows, rows.pick(everyone, logits[everyone]))
+        return rows
 
     def _feed_question(self, rows: _Lockstep, seen: int, ids: list[int]) -> Tensor:
         """Every run's cache takes the question's c tokens at true positions seen..seen+c-1 in one
@@ -470,9 +495,8 @@ class Engine:
     def _decode_step(self, rows: _Lockstep, step: int) -> Iterator[Event]:
         """One batched forward over the running rows (plus teacher-forced rows), then each row's next token."""
         t0 = time.perf_counter()
-        seen = rows.n + step - 1  # tokens already in every cache; the new one sits at this position
         with faults.collect() as failed:
-            all_logits = self._forward(rows, seen)
+            all_logits = self._forward(rows, step)
         yield from self._failed(rows, failed.errors)
         active = list(rows.active)  # the runs that did not fail
         rows_ok = [r for r, i in enumerate(rows.batch) if i in active] if failed.errors else slice(len(active))
@@ -485,29 +509,32 @@ class Engine:
             r = rows.results[i]
             r.timings.decode_s += dt
             r.kv_bytes_per_step.append(rows.comps[i].nbytes())
-            r.exact_kv_bytes_per_step.append(exact_bytes(self.info, seen + 1))
+            r.exact_kv_bytes_per_step.append(exact_bytes(self.info, rows.starts[i] + step))
         rows.forcing.report(step, rows.tokens, rows.batch, all_logits)
         total = rows.gen.max_new_tokens - 1
         yield Event("step", f"decode step {step} of {total}", 0.2 + 0.8 * step / max(1, total), step=step, total=total)
         yield from self._ended(rows, ended)
 
-    def _forward(self, rows: _Lockstep, seen: int) -> Tensor:
-        """The model's forward for one new token per row at true position ``seen``: logits [B, V].
+    def _forward(self, rows: _Lockstep, step: int) -> Tensor:
+        """The model's forward for one new token per row, each at its true position: logits [B, V].
 
         Rows: the running runs (batch row r -> run ``rows.active[r]``), then the teacher-forced copies.
+        Run i's new token sits at ``rows.starts[i] + step - 1`` (the tokens already in its cache).
         """
         model, dev = self.lm.model, self.lm.device
         active = rows.batch = list(rows.active)
         row_comps = [rows.comps[i] for i in active] + rows.forcing.compressors()
         inputs = [rows.tokens[i][-1] for i in active] + rows.forcing.inputs(rows.tokens)
+        seen = [rows.starts[i] + step - 1 for i in active + rows.forcing.batch_runs()]
         cache = LockstepCache(row_comps, self.info.n_layers, seen)
         observers = [_RowObserver(p, active) for p in rows.probes if _defines(p, "on_attend")]
-        layer_obs = [_LayerObserver(p, active, seen) for p in rows.probes if _defines(p, "on_layer")]
+        # probes see one question at a time, so every row sits at the same position then
+        layer_obs = [_LayerObserver(p, active, seen[0]) for p in rows.probes if _defines(p, "on_layer")]
         handler = attn.LockstepDecode(row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs])
         with attn.active(model, handler), few_row_linears(len(inputs), dev):
             out = model(
                 input_ids=torch.tensor([[t] for t in inputs], device=dev),
-                position_ids=torch.full((len(inputs), 1), seen, device=dev),
+                position_ids=torch.tensor(seen, device=dev).unsqueeze(-1),
                 past_key_values=cache,
                 use_cache=True,
             )
@@ -626,7 +653,8 @@ class _Lockstep:
         eos: set[int],
         probes: list[Probe],
     ):
-        self.runs, self.comps, self.results, self.gen, self.n, self.eos = runs, comps, results, gen, n, eos
+        self.runs, self.comps, self.results, self.gen, self.eos = runs, comps, results, gen, eos
+        self.starts = [n] * len(runs)  # per run: the tokens in its cache before the first decode step
         self.probes = probes
         exact = next((i for i, spec in enumerate(runs) if spec.method == "exact"), None)
         self.forcing = _TeacherForcing(exact, [p for p in probes if getattr(p, "teacher_forced", False)])
@@ -634,6 +662,23 @@ class _Lockstep:
         self.tokens: list[list[int]] = [[] for _ in runs]
         self.active: list[int] = []
         self.batch: list[int] = []  # the runs of the last forward's free rows, in row order
+
+    @classmethod
+    def joined(cls, parts: list[_Lockstep]) -> _Lockstep:
+        """The rows of several questions decoded as one batch (no probes): every list is the parts'
+        in order and shares their items, so each part's results and tokens fill in as the batch decodes."""
+        first = parts[0]
+        rows = cls([], [], [], first.gen, 0, first.eos, [])
+        for part in parts:
+            offset = len(rows.runs)
+            rows.runs += part.runs
+            rows.comps += part.comps
+            rows.results += part.results
+            rows.starts += part.starts
+            rows.generators += part.generators
+            rows.tokens += part.tokens
+            rows.active += [offset + i for i in part.active]
+        return rows
 
     def pick(self, rows, logits) -> list[int]:
         """Each row's next token from its logits [V]; updates the running runs and returns those that stopped."""
@@ -776,6 +821,20 @@ def _drop_unmeasured(results: list[RunResult]) -> None:
     for r in results:
         if r.finish_reason == "error" and not r.token_ids:
             r.metrics, r.extras = {}, {}
+
+
+class _Context(NamedTuple):
+    """What every question of a query-agnostic comparison starts from: the context's ids, the runs,
+    their compressed caches and results (forked per question), the prefill's state and last logits [V]."""
+
+    ids: list[int]
+    runs: list[RunSpec]
+    comps: list[Compressor]
+    results: list[RunResult]
+    state: PrefillState
+    logits: Tensor
+    gen: GenerationSettings
+    probes: list
 
 
 class _Planned(NamedTuple):
