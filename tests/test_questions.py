@@ -77,8 +77,11 @@ def test_one_compression_per_method_and_the_chunk_equals_feeding_token_by_token(
 
 
 def test_exact_query_agnostic_equals_generate(engine32, lm, context):
-    """exact never compresses: asking after the context equals transformers' generate on the whole prompt."""
-    ctx, rests = split_ids(lm, context, QUESTIONS[:2])
+    """exact never compresses: asking after the context equals transformers' generate on the whole prompt.
+
+    The two questions differ in length and decode in one batch, each row at its own true position."""
+    ctx, rests = split_ids(lm, context, [QUESTIONS[0], QUESTIONS[2]])
+    assert len(rests[0]) != len(rests[1])
     gen = GenerationSettings(max_new_tokens=12)
     results = engine32.compare_all(ctx, [RunSpec("exact")], gen, questions=[Question(r) for r in rests])
     for rest, res in zip(rests, results):
