@@ -10,9 +10,10 @@ the dashboard and the sweeps go through ``kvlab.run``, which adds the text metri
 
 Two protocols (docs/tasks.md): query-aware (the default) prefills and compresses the whole prompt,
 question included. Query-agnostic (``questions=`` given) prefills and compresses the context once,
-then, for each question, forks every compressed cache, feeds the question's tokens through it in
-one chunked forward (true positions, causal inside the chunk, each compressor's ``feed``) and
-decodes from there: N questions cost one prefill and one compression per method.
+then, for each question, forks every compressed cache and feeds the question's tokens through it in
+one chunked forward (true positions, causal inside the chunk, each compressor's ``feed``); all the
+questions' rows then decode in one lockstep batch: N questions cost one prefill and one compression
+per method.
 """
 
 from __future__ import annotations
