@@ -18,7 +18,8 @@ more than ``capacity`` tokens, not even during attention.
 A chunk of new tokens (``feed``) runs in blocks between evictions: while the cache has room for a
 block, its tokens are appended at once and attend in one causal attention, and each query's row is
 then folded into the scores in order, as that many decode steps would; a token whose append evicts
-goes alone. Outputs, kept tokens and scores are those of feeding the tokens one by one.
+goes alone. The score updates are those of feeding the tokens one by one, call for call; only the
+block's attention is one matrix product, which may round a probability's last bit differently.
 """
 
 from __future__ import annotations
