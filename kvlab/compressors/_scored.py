@@ -14,6 +14,12 @@ decode step's pooled attention [Hkv, n] into the scores), and sets ``self.capaci
 ``self.recent`` and ``self.full`` in ``plan``.
 Eviction happens in ``append``, before the new token's query attends, so the cache never holds
 more than ``capacity`` tokens, not even during attention.
+
+A chunk of new tokens (``feed``) runs in blocks between evictions: while the cache has room for a
+block, its tokens are appended at once and attend in one causal attention, and each query's row is
+then folded into the scores in order, as that many decode steps would; a token whose append evicts
+goes alone. The score updates are those of feeding the tokens one by one, call for call; only the
+block's attention is one matrix product, which may round a probability's last bit differently.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvlab.compressors.base import DenseCompressor, PrefillState
+from kvlab.compressors.base import DenseCompressor, DenseLayer, PrefillState
 from kvlab.ops import gather_tokens, pool_heads
 
 
@@ -87,6 +93,7 @@ class ScoredEvictionCompressor(DenseCompressor):
     capacity: int
     recent: int
     full: bool
+    position: int = 0  # true position of the query now attending (the newest token's)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -138,6 +145,7 @@ class ScoredEvictionCompressor(DenseCompressor):
         return idx
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        self.position = pos + k.shape[1] - 1
         cache = self.layers[layer]
         cache.append(k, v, pos)
         if self.full:
@@ -154,6 +162,68 @@ class ScoredEvictionCompressor(DenseCompressor):
 
     def after_attend(self, layer: int, probs: Tensor) -> None:
         self.observe(layer, pooled_step_attention(probs, self.info.n_kv_heads))
+
+    def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """A chunk of c new tokens (q [Hq, c, d], k/v [Hkv, c, d] at positions pos..pos+c-1) -> out [Hq, c, d].
+
+        Blocks of tokens that all fit in the cache are appended together and attend in one causal
+        attention; a token whose append evicts goes through ``append`` + ``attend`` alone.
+        """
+        if not self._feeds_blocks(layer):
+            return super().feed(layer, q, k, v, pos)
+        outs, i, c = [], 0, q.shape[-2]
+        while i < c:
+            room = c - i if self.full else self.capacity - self.layers[layer].n
+            if room > 0:
+                b = min(room, c - i)
+                outs.append(self._feed_block(layer, q[:, i : i + b], k[:, i : i + b], v[:, i : i + b], pos + i))
+                i += b
+            else:  # this token's append evicts
+                self.append(layer, k[:, i : i + 1], v[:, i : i + 1], pos + i)
+                outs.append(self.attend(layer, q[:, i : i + 1]))
+                i += 1
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+    def _feeds_blocks(self, layer: int) -> bool:
+        """True when append, attend and the score update are this class's own over a dense store."""
+        cls = type(self)
+        return (
+            isinstance(self.layers[layer], DenseLayer)
+            and cls.append is ScoredEvictionCompressor.append
+            and cls.attend is DenseCompressor.attend
+            and cls.after_attend is ScoredEvictionCompressor.after_attend
+        )
+
+    def _feed_block(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """b tokens that fit without eviction: q [Hq, b, d], k/v [Hkv, b, d] -> out [Hq, b, d]."""
+        b = q.shape[-2]
+        if not self.full:
+            self.scores[layer] = self._score_room[layer].extend(self.scores[layer], b)
+        if self.full or not self.wants_probs:
+            self.position = pos + b - 1
+            return self._append_attend_block(layer, q, k, v, pos)
+        out, probs = self._append_attend_block(layer, q, k, v, pos, return_probs=True)
+        self._observe_rows(layer, probs, pos)
+        return out
+
+    def _observe_rows(self, layer: int, probs: Tensor, pos: int) -> None:
+        """Fold a block's causal attention probs [Hq, b, n] into the scores one query at a time, in order.
+
+        Query t (position pos + t) is observed as its decode step would be: over the n - b + t + 1
+        tokens it sees (its masked future is left out), with only those tokens' scores in place.
+        """
+        pooled = pool_heads(probs, self.info.n_kv_heads, head_dim=-3, reduce="mean")  # [Hkv, b, n]
+        b, n = pooled.shape[-2:]
+        scores = self.scores[layer]
+        for t in range(b):
+            seen = n - b + t + 1
+            self.position = pos + t
+            view = scores[:, :seen]
+            self.scores[layer] = view
+            self.observe(layer, pooled[:, t, :seen])
+            if self.scores[layer] is not view:  # an observe that replaced the scores instead of adding in place
+                view.copy_(self.scores[layer])
+        self.scores[layer] = scores
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         yield from super().tensors()

@@ -497,10 +497,15 @@ class DenseCompressor(Compressor):
         cache = self.layers[layer]
         if not self._plain_feed() or not isinstance(cache, DenseLayer):
             return super().feed(layer, q, k, v, pos)
-        c = q.shape[-2]
+        return self._append_attend_block(layer, q, k, v, pos)
+
+    def _append_attend_block(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int, return_probs: bool = False):
+        """Append c tokens k/v [Hkv, c, d] to the dense store at once, then one causal attention of their
+        queries q [Hq, c, d]: out [Hq, c, d] (and probs [Hq, c, n], zero on each query's future tokens)."""
+        cache = self.layers[layer]
         cache.append(k, v, pos)
         keys, values, _, lw = cache.views()
-        return dense_attention(q, keys, values, self.scaling, lw, causal_tail=c)
+        return dense_attention(q, keys, values, self.scaling, lw, return_probs=return_probs, causal_tail=q.shape[-2])
 
     def _plain_feed(self) -> bool:
         """True when append and attend are the dense store's own (no eviction, no per-step scores)."""

@@ -138,10 +138,6 @@ class Scissorhands(ScoredEvictionCompressor):
                     kept[a : a + step, :m] += flags[..., lo:, :].sum(-2, dtype=torch.int32)
         return rank.view(n_layers, hkv, n), kept.view(n_layers, hkv, n)
 
-    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
-        self.position = pos  # the query of this step sits at the new token's position
-        super().append(layer, k, v, pos)
-
     def threshold(self, n_cache: int) -> float:
         """The "low attention" bound of this step's query: 1/t, t = position + 1 (or the cache size)."""
         return 1.0 / (self.position + 1 if self.cfg["threshold"] == "position" else n_cache)
