@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -29,19 +30,29 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvlab import faults
 from kvlab.batched_attention import attend_rows
 from kvlab.few_rows import torch_functions_plain
-from kvlab.ops import attention_logits, pool_heads
+from kvlab.ops import attention_logits, dense_attention, pool_heads
 
 NAME = "kvlab"
 _ACTIVE: ContextVar[object | None] = ContextVar("kvlab_attention", default=None)
 
 
 class PrefillCapture:
-    """Records, per layer, the last ``window`` queries [Hq, w, d] and optionally acc_attn [Hq, n]."""
+    """Records, per layer, the last ``window`` queries [Hq, w, d] and optionally acc_attn [Hq, n].
 
-    def __init__(self, n_layers: int, window: int, acc_attn: bool, chunk: int = 256):
+    ``observers`` (``WindowObserver``s) see the attention of the last prompt queries as the prefill
+    computes it: those rows are attended in blocks of at most ``BLOCK_BYTES`` of probabilities
+    (``dense_attention``, float32) instead of by SDPA, and each block's probabilities [Hq, rows, e]
+    go to every observer whose window holds them. The rows before run through SDPA as usual. So a
+    method that ranks the prompt by this attention (Scissorhands) needs no second pass over it.
+    """
+
+    BLOCK_BYTES = 4 * 2**20
+
+    def __init__(self, n_layers: int, window: int, acc_attn: bool, chunk: int = 256, observers=()):
         self.window, self.want_acc, self.chunk = window, acc_attn, chunk
         self.queries: list[Tensor | None] = [None] * n_layers
         self.acc: list[Tensor | None] = [None] * n_layers
+        self.observers = list(observers)
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
         layer = module.layer_idx
@@ -50,7 +61,42 @@ class PrefillCapture:
             self.queries[layer] = query[0, :, max(0, n - self.window) :, :].detach().clone()
         if self.want_acc:
             self.acc[layer] = accumulated_attention(query[0], key[0], scaling, self.chunk)
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
+        rows = min(n, max((o.rows for o in self.observers), default=0))
+        if not rows:
+            return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
+        head = n - rows
+        outs = []
+        if head:
+            q, k, v = (t[:, :, :head] for t in (query, key, value))
+            outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=scaling, **kw)[0])
+        outs.append(self._observed_rows(layer, query[0], key[0], value[0], head, scaling).transpose(0, 1)[None])
+        return torch.cat(outs, dim=1), None
+
+    def _observed_rows(self, layer: int, q: Tensor, k: Tensor, v: Tensor, first: int, scaling: float) -> Tensor:
+        """Attention of queries ``first``..n-1 (q [Hq, n, d], k/v [Hkv, n, d]) in row blocks, each block's
+        probabilities handed to the observers: returns out [Hq, n - first, d]."""
+        n = q.shape[-2]
+        per_row = q.shape[0] * n * 4
+        step = max(1, self.BLOCK_BYTES // per_row)
+        outs = []
+        for s in range(first, n, step):
+            e = min(n, s + step)
+            out, probs = dense_attention(q[:, s:e], k[:, :e], v[:, :e], scaling, return_probs=True, causal_tail=e - s)
+            for obs in self.observers:
+                lo = max(s, n - obs.rows)
+                if lo < e:
+                    obs(layer, probs[:, lo - s :], lo)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+
+class WindowObserver(Protocol):
+    """Sees the prefill's attention of the last ``rows`` prompt queries, one block of rows at a time."""
+
+    rows: int
+
+    def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
+        """probs [Hq, r, e]: queries at positions first_pos..first_pos+r-1 over keys 0..e-1 (causal)."""
 
 
 def accumulated_attention(q: Tensor, k: Tensor, scaling: float, chunk: int = 256) -> Tensor:
@@ -166,4 +212,12 @@ def active(model, handler):
         _ACTIVE.reset(token)
 
 
-__all__ = ["LockstepChunk", "LockstepDecode", "PrefillCapture", "accumulated_attention", "active", "pool_heads"]
+__all__ = [
+    "LockstepChunk",
+    "LockstepDecode",
+    "PrefillCapture",
+    "WindowObserver",
+    "accumulated_attention",
+    "active",
+    "pool_heads",
+]

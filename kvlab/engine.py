@@ -190,12 +190,16 @@ class Engine:
 
     # ----- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: list[int], window: int = 0, acc_attn: bool = False) -> tuple[PrefillState, Tensor]:
-        """Exact prefill of one prompt. Returns the state every compressor starts from and the last logits [V]."""
+    def prefill(
+        self, ids: list[int], window: int = 0, acc_attn: bool = False, observers=()
+    ) -> tuple[PrefillState, Tensor]:
+        """Exact prefill of one prompt. Returns the state every compressor starts from and the last logits [V].
+
+        ``observers`` (``attention.WindowObserver``) see the attention of the last prompt queries."""
         model, n = self.lm.model, len(ids)
         dev = self.lm.device
         cache = PrefillCache(self.info.n_layers)
-        capture = attn.PrefillCapture(self.info.n_layers, min(window, n), acc_attn)
+        capture = attn.PrefillCapture(self.info.n_layers, min(window, n), acc_attn, observers=observers)
         with attn.active(model, capture):
             out = model(
                 input_ids=torch.tensor([ids], device=dev),
@@ -218,7 +222,8 @@ class Engine:
         returns the state, the last logits [V] and the prefill's seconds."""
         t0 = time.perf_counter()
         window = max((c.query_window() for c in comps), default=0)
-        state, logits = self.prefill(ids, window, any(c.needs_acc_attn for c in comps))
+        observers = [o for c in comps if (o := c.window_observer(len(ids))) is not None]
+        state, logits = self.prefill(ids, window, any(c.needs_acc_attn for c in comps), observers)
         return state, logits, time.perf_counter() - t0
 
     # ----- compare ------------------------------------------------------------------------

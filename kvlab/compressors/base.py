@@ -186,6 +186,11 @@ class Compressor:
         """How many of the prompt's last queries ``compress`` needs (0: none)."""
         return 0
 
+    def window_observer(self, n_prompt: int):
+        """An ``attention.WindowObserver`` that reads the prefill's attention of the last prompt
+        queries as the prefill computes it (so ``compress`` need not recompute it); None: none."""
+        return None
+
     def plan(self, n_prompt: int) -> dict:
         """Map the budget onto knobs (updating ``self.cfg``); return the knobs chosen.
 

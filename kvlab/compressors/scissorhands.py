@@ -56,6 +56,7 @@ class Scissorhands(ScoredEvictionCompressor):
     score_dtype = torch.int16
     evict_highest = True
     reset_after_eviction = True
+    counted: _PrefillRecords | None = None  # the records the last prefill counted (window_observer)
     params = (
         Param("B", None, "token budget per layer and KV head (empty: from the memory budget)", minimum=1, kind=int),
         Param("m_ratio", 0.5, "drop amount m as a fraction of B (paper: 0.5)", minimum=0.0, maximum=1.0),
@@ -107,15 +108,27 @@ class Scissorhands(ScoredEvictionCompressor):
         visible = torch.arange(n, device=probs.device).unsqueeze(0) <= qpos
         return (pooled < 1.0 / (qpos + 1).to(pooled.dtype)) & visible
 
+    def window_observer(self, n_prompt: int) -> _PrefillRecords | None:
+        """Counts the records while the prefill attends its last ``prompt_window`` queries."""
+        if self.full or not self.prompt_window:
+            return None
+        self.counted = _PrefillRecords(self, n_prompt)
+        return self.counted
+
     def initial_scores(self, state: PrefillState) -> tuple[Tensor, Tensor]:
         """Records over the last ``prompt_window`` prompt queries (rank) and over the last
         ``carry_window`` of them (carried into decoding), each [L, Hkv, n] int32.
 
-        Computed per (layer, KV head) stream and block of window queries, a block's [g, rows, n]
-        attention at most ``_PROBS_CHUNK_BYTES`` (small enough to stay in cache): several streams
-        per block when the whole window fits, else a few query rows of one stream at a time (a
-        window of thousands of queries never makes a [g, w, n] temporary).
+        Counted during the prefill when it ran with this method's ``window_observer`` (the engine's
+        does). Otherwise computed here, the reference: per (layer, KV head) stream and block of
+        window queries, a block's [g, rows, n] attention at most ``_PROBS_CHUNK_BYTES`` (small
+        enough to stay in cache): several streams per block when the whole window fits, else a few
+        query rows of one stream at a time (a window of thousands of queries never makes a [g, w, n]
+        temporary).
         """
+        counted, self.counted = self.counted, None
+        if counted is not None and counted.complete(state.n_tokens):
+            return counted.rank, counted.kept
         w, n, carry = self.prompt_window, state.n_tokens, self.carry_window
         n_layers, hkv, _, d = state.keys.shape
         g = self.info.n_heads // hkv
@@ -147,3 +160,32 @@ class Scissorhands(ScoredEvictionCompressor):
         n = attn.shape[-1]  # tokens this query attended; the next compression comes B - n queries later
         if n > self.capacity - self.w:
             self.scores[layer] += (attn < self.threshold(n)).to(self.score_dtype)
+
+
+class _PrefillRecords:
+    """``Scissorhands.initial_scores`` counted from the prefill's own attention of the last
+    ``prompt_window`` queries (``attention.PrefillCapture`` hands it each block of rows)."""
+
+    def __init__(self, comp: Scissorhands, n: int):
+        self.comp, self.n, self.rows = comp, n, comp.prompt_window
+        shape = (comp.info.n_layers, comp.info.n_kv_heads, n)
+        self.rank = torch.zeros(shape, dtype=torch.int32)
+        self.kept = self.rank if comp.carry_window == self.rows else torch.zeros_like(self.rank)
+        self.seen = torch.zeros(comp.info.n_layers, dtype=torch.int64)  # query rows counted per layer
+        self.failed = False
+
+    def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
+        """probs [Hq, r, e] of the queries at first_pos.. over keys 0..e-1."""
+        try:
+            flags = self.comp.low_score_flags(probs, first_pos)  # [Hkv, r, e]
+            e = flags.shape[-1]
+            self.rank[layer, :, :e] += flags.sum(-2, dtype=torch.int32)
+            lo = max(0, self.n - self.comp.carry_window - first_pos)  # the rows inside the carried window
+            if self.kept is not self.rank and lo < flags.shape[-2]:
+                self.kept[layer, :, :e] += flags[:, lo:].sum(-2, dtype=torch.int32)
+            self.seen[layer] += flags.shape[-2]
+        except Exception:  # the reference path in initial_scores recounts (and raises there, isolated)
+            self.failed = True
+
+    def complete(self, n: int) -> bool:
+        return not self.failed and n == self.n and bool((self.seen == self.rows).all())
