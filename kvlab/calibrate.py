@@ -48,8 +48,9 @@ def calibrate(
     max_new_tokens: int = 10,
     log: Callable[[str], None] = lambda m: None,
     partial: Callable[[dict], None] = lambda d: None,
+    first_seed: int = 0,
 ) -> dict:
-    """Exact's accuracy on ``task`` for every length over seeds 0..seeds-1; every sample kept.
+    """Exact's accuracy on ``task`` for every length over seeds first_seed..first_seed+seeds-1; every sample kept.
 
     Seeds are the outer loop (seed 0 at every length, then seed 1, ...), so a run cut short has
     about as many seeds at every length. ``partial`` is called with the results so far after every
@@ -68,7 +69,7 @@ def calibrate(
         "results": [],
         "samples": samples,
     }
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         depth = depths[seed % len(depths)]
         for n in lengths:
             t0 = time.perf_counter()
@@ -142,6 +143,8 @@ def main(args, error: Callable[[str], Exception], argv: list[str] | None = None)
         raise error(
             str(exc) if isinstance(exc, TaskError) else f"--depths {args.depths!r}: numbers in [0, 1]"
         ) from None
+    if args.first_seed < 0:
+        raise error(f"--first-seed {args.first_seed} must be >= 0")
     if not lengths or args.seeds < 1 or not depths or not all(0 <= d <= 1 for d in depths):
         raise error("--lengths must name a length, --seeds must be >= 1 and --depths must be numbers in [0, 1]")
     if args.threads:
@@ -159,7 +162,7 @@ def main(args, error: Callable[[str], Exception], argv: list[str] | None = None)
         if args.out:
             Path(args.out).write_text(json.dumps({"command": command} | data, indent=1))
 
-    data = calibrate(lm, args.task, lengths, args.seeds, depths, args.max_new_tokens, log, write)
+    data = calibrate(lm, args.task, lengths, args.seeds, depths, args.max_new_tokens, log, write, args.first_seed)
     write(data)
     data["command"] = command
     print(format_calibration(data))
