@@ -106,19 +106,41 @@ def coverage(kept: list[torch.Tensor] | None, spans: list[list[int]]) -> dict[st
     }
 
 
-def middle_rate(knobs: dict) -> float | None:
-    """Share of the middle tokens a BalanceKV layout keeps (ceil(n_middle / 2^T) / n_middle)."""
-    if not knobs.get("n_middle"):
+def middle_rate(knobs: dict, n: int) -> float | None:
+    """Share of the compressed middle a plan keeps: BalanceKV ceil(n_middle / 2^T) / n_middle, uniform
+    its sampled share, StreamingLLM 0; None for the exact cache."""
+    span = windows(knobs, n)
+    if span is None or span[1] <= span[0]:
         return None
-    return -(-knobs["n_middle"] >> knobs["T"]) / knobs["n_middle"]
+    if "n_middle" in knobs:
+        return -(-knobs["n_middle"] >> knobs["T"]) / knobs["n_middle"]
+    return knobs.get("sampled", 0) / (span[1] - span[0])
 
 
-def where(knobs: dict, spans: list[list[int]]) -> str:
-    """The window each copy of the answer starts in (sink, middle or recent), e.g. "middle+recent"."""
-    if "n_sink" not in knobs or "n_middle" not in knobs:
+def windows(knobs: dict, n: int) -> tuple[int, int] | None:
+    """[a, e): the prompt span a plan does not keep exactly (BalanceKV's halved middle, uniform's sampled
+    middle, StreamingLLM's dropped middle); None for the exact cache."""
+    if "n_middle" in knobs:
+        return knobs["n_sink"], knobs["n_sink"] + knobs["n_middle"]
+    if "first" in knobs:
+        return knobs["first"], n - knobs["last"]
+    if "window" in knobs:
+        return knobs["n_sink"], n - knobs["window"]
+    return None
+
+
+def where(knobs: dict, spans: list[list[int]], n: int) -> str:
+    """Where each copy of the answer sits: sink, middle, recent, or split (across a window's edge),
+    e.g. "middle+recent" for two copies."""
+    span = windows(knobs, n)
+    if span is None or not spans:
         return "-"
-    a, e = knobs["n_sink"], knobs["n_sink"] + knobs["n_middle"]
-    return "+".join(dict.fromkeys("sink" if s[0] < a else "middle" if s[0] < e else "recent" for s in spans))
+    a, e = span
+
+    def side(p: int) -> str:
+        return "sink" if p < a else "middle" if p < e else "recent"
+
+    return "+".join(dict.fromkeys(side(s[0]) if side(s[0]) == side(s[-1]) else "split" for s in spans))
 
 
 def run_prompt(
@@ -134,7 +156,6 @@ def run_prompt(
     spans = answer_spans(engine.lm, res.prompt_token_ids, t.answer)
     out = []
     for label, r, kept in zip(labels, res.runs, probe.kept):
-        knobs = {k: r.params.get(k) for k in ("T", "n_sink", "n_recent", "n_middle", "block_size", "kept_tokens")}
         out.append(
             {
                 "config": label,
@@ -143,30 +164,37 @@ def run_prompt(
                 "n": res.prompt_tokens,
                 "answer": t.answer,
                 "answer_at": spans[0][0] if spans else None,
-                "where": where(r.params, spans),
+                "where": where(r.params, spans, res.prompt_tokens),
                 "score": r.metrics.get("task_score"),
                 "attn_err": r.metrics.get("attn_rel_error_mean"),
                 "text": r.text,
                 **coverage(kept, spans),
-                "middle_rate": middle_rate(r.params),
-                "knobs": knobs,
+                "middle_rate": middle_rate(r.params, res.prompt_tokens),
+                "params": r.params,
                 "error": r.error,
             }
         )
     return out
 
 
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def summary(rows: list[dict], labels: list[str]) -> str:
-    lines = [f"{'config':34s} hits  attn_err middle_rate digits_kept digits_any streams_whole where"]
+    lines = [f"{'config':34s} hits  middle attn_err middle_rate digits_kept digits_any streams_whole where"]
     for label in labels:
         rs = [r for r in rows if r["config"] == label]
         hits = sum(1 for r in rs if r["score"] == 1.0)
-        dk, da, sw = (sum(r[k] for r in rs) / len(rs) for k in ("digits_kept", "digits_any", "streams_whole"))
+        mid = [r for r in rs if r["where"] == "middle"]  # every copy of the answer outside the exact windows
+        mid_hits = f"{sum(1 for r in mid if r['score'] == 1.0)}/{len(mid)}"
+        # the answer's tokens are counted where the plan compresses them: prompts with the answer in the middle
+        dk, da, sw = (mean([r[k] for r in mid]) for k in ("digits_kept", "digits_any", "streams_whole"))
         w = " ".join(f"{d:g}:{x}" for d, x in dict.fromkeys((r["depth"], r["where"]) for r in rs))
-        rate = sum(r["middle_rate"] for r in rs) / len(rs) if rs[0]["middle_rate"] is not None else float("nan")
-        errs = [r["attn_err"] for r in rs if r.get("attn_err") is not None]
-        err = sum(errs) / len(errs) if errs else float("nan")
-        lines.append(f"{label:34s} {hits}/{len(rs)}  {err:8.3f} {rate:11.3f} {dk:11.3f} {da:10.3f} {sw:13.3f} {w}")
+        rate = mean([r["middle_rate"] for r in rs if r["middle_rate"] is not None])
+        err = mean([r["attn_err"] for r in rs if r.get("attn_err") is not None])
+        cols = f"{err:8.3f} {rate:11.3f} {dk:11.3f} {da:10.3f} {sw:13.3f}"
+        lines.append(f"{label:34s} {hits}/{len(rs)}  {mid_hits:>6s} {cols} {w}")
     return "\n".join(lines)
 
 
