@@ -1,12 +1,14 @@
 """BalanceKV on pass keys and needles: which of its settings decide whether the answer survives.
 
-Each prompt (task x length x depth x seed) runs once, with every configuration below in one lockstep
-comparison (one shared prefill), query-aware, greedy, 10 new tokens. Per configuration it prints the
-hits and, from the compressed caches, where the answer's digit tokens sit (sink / middle / recent)
-and the share of (layer, KV head) streams that still hold every digit of at least one copy of the
-answer. Prints a table and writes JSON with ``--json``.
+Each prompt (task x length x depth x seed) runs once, with every configuration of ``CONFIGS`` in one
+lockstep comparison (one shared prefill), query-aware, greedy, 10 new tokens. Per configuration it
+prints the hits (all prompts, and those whose answer lies wholly in the compressed middle) and, from
+the compressed caches, the share of the answer's tokens each (layer, KV head) still holds, the share
+of its digits held by at least one copy, the share of (layer, head) pairs holding a whole copy, and
+where each copy sits (sink / middle / recent / split). ``--probes`` adds the attention error of the
+decode steps; ``--only`` runs a subset of the configurations. Writes the rows as JSON with ``--json``.
 
-    OMP_NUM_THREADS=1 python -m bench.balancekv_retrieval --task passkey --length 1k [--json out.json]
+    OMP_NUM_THREADS=1 python -m bench.balancekv_retrieval --task passkey --length 1k [--probes] [--json out.json]
 """
 
 from __future__ import annotations
