@@ -398,18 +398,17 @@ def split_query_parts(qg: Tensor, sketch: Tensor, out_sketch: Tensor, out_idx: T
     """``split_sketch_queries`` of both sketches at once: qg [Hkv, R, d], S [m, d], S_out [m_out, d], out_idx
     uint8 [Hkv, n_groups, n_out] -> (S q_in float32 [Hkv, n_groups, R, m], S_out q_out [Hkv, n_groups, R, m_out]).
 
-    Only each group's n_out outlier channels O enter a product: with the rows T_c = q_c [S; S_out][:, c],
-    S_out q_out = sum_{c in O} T_c[m:] and S q_in = S q - sum_{c in O} T_c[:m] (a bag sum of n_out rows per
-    group instead of a d x (m + m_out) product; equal to the masked projection up to float rounding).
+    Only each group's n_out outlier channels O enter a product: with C = [S; S_out] restricted to the
+    columns O, S_out q_out = C[m:] q_O and S q_in = S q - C[:m] q_O (an n_out-wide product per group
+    instead of a d-wide one; equal to the masked projection up to float rounding).
     """
     hkv, r, d = qg.shape
     ng, n_out = out_idx.shape[1], out_idx.shape[2]
-    m, q = sketch.shape[0], qg.float()
+    m, q, idx = sketch.shape[0], qg.float(), out_idx.long()
     both = torch.cat([sketch, out_sketch]).float().T.contiguous()  # [d, m + m_out]
-    rows = (q.unsqueeze(-1) * both).view(hkv * r * d, -1)  # row (h, r, c): q[h, r, c] * column c of both
-    first = torch.arange(hkv * r, device=q.device).view(hkv, 1, r, 1) * d
-    bags = (out_idx.long().unsqueeze(2) + first).view(-1, n_out)  # [Hkv * ng * R, n_out] rows of T
-    parts = torch.nn.functional.embedding_bag(bags, rows, mode="sum").view(hkv, ng, r, -1)
+    cols = both.index_select(0, idx.view(-1)).view(hkv, ng, n_out, -1)  # the outlier columns of each group
+    q_out = torch.gather(q, 2, idx.view(hkv, 1, ng * n_out).expand(hkv, r, ng * n_out))  # [Hkv, R, ng * n_out]
+    parts = torch.matmul(q_out.view(hkv, r, ng, n_out).transpose(1, 2), cols)  # [Hkv, ng, R, m + m_out]
     return torch.matmul(q, sketch.float().T).unsqueeze(1) - parts[..., :m], parts[..., m:]
 
 
