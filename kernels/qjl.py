@@ -394,12 +394,49 @@ def split_sketch_queries(qg: Tensor, sketch: Tensor, out_idx: Tensor, outliers: 
     return torch.matmul(qg.float().unsqueeze(1) * keep.unsqueeze(-2), sketch.float().T).contiguous()
 
 
-def _estimate_split_torch(sqg: Tensor, bits: Tensor, norms: Tensor, group: int) -> Tensor:
-    """Reference of the split estimate: sqg [Hkv, n_groups, R, m], bits [Hkv, n, m/8] -> [Hkv, R, n]."""
+def split_query_parts(qg: Tensor, sketch: Tensor, out_sketch: Tensor, out_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``split_sketch_queries`` of both sketches at once: qg [Hkv, R, d], S [m, d], S_out [m_out, d], out_idx
+    uint8 [Hkv, n_groups, n_out] -> (S q_in float32 [Hkv, n_groups, R, m], S_out q_out [Hkv, n_groups, R, m_out]).
+
+    Only each group's n_out outlier channels O enter a product: with C = [S; S_out] restricted to the
+    columns O, S_out q_out = C[m:] q_O and S q_in = S q - C[:m] q_O (an n_out-wide product per group
+    instead of a d-wide one; equal to the masked projection up to float rounding).
+    """
+    hkv, r, d = qg.shape
+    ng, n_out = out_idx.shape[1], out_idx.shape[2]
+    m, q, idx = sketch.shape[0], qg.float(), out_idx.long()
+    both = torch.cat([sketch, out_sketch]).float().T.contiguous()  # [d, m + m_out]
+    cols = both.index_select(0, idx.view(-1)).view(hkv, ng, n_out, -1)  # the outlier columns of each group
+    q_out = torch.gather(q, 2, idx.view(hkv, 1, ng * n_out).expand(hkv, r, ng * n_out))  # [Hkv, R, ng * n_out]
+    parts = torch.matmul(q_out.view(hkv, r, ng, n_out).transpose(1, 2), cols)  # [Hkv, ng, R, m + m_out]
+    return torch.matmul(q, sketch.float().T).unsqueeze(1) - parts[..., :m], parts[..., m:]
+
+
+def _split_dots(sqg: Tensor, bits: Tensor, norms: Tensor, group: int) -> Tensor:
+    """sqrt(pi/2)/m * ||k_i|| * <sq_j, sign_i> per token group j: sqg [Hkv, n_groups, R, m], bits [Hkv, n, m/8],
+    norms [Hkv, n] -> [Hkv, n_groups, R, group] (tokens still per group)."""
     hkv, ng, r, m = sqg.shape
     signs = unpack_signs(bits, m).reshape(hkv, ng, group, m)
-    dots = torch.matmul(sqg, signs.transpose(-1, -2)).permute(0, 2, 1, 3).reshape(hkv, r, ng * group)
-    return dots * (norms.float().unsqueeze(-2) * _estimate_coef(m))
+    return torch.matmul(sqg, signs.transpose(-1, -2)) * (norms.float().view(hkv, ng, 1, group) * _estimate_coef(m))
+
+
+def _tokens_last(est: Tensor) -> Tensor:
+    """[Hkv, n_groups, R, group] -> [Hkv, R, n_groups * group]."""
+    hkv, ng, r, group = est.shape
+    return est.permute(0, 2, 1, 3).reshape(hkv, r, ng * group)
+
+
+def _estimate_split_torch(sqg: Tensor, bits: Tensor, norms: Tensor, group: int) -> Tensor:
+    """Reference of the split estimate: sqg [Hkv, n_groups, R, m], bits [Hkv, n, m/8] -> [Hkv, R, n]."""
+    return _tokens_last(_split_dots(sqg, bits, norms, group))
+
+
+def _split_on_triton(device: torch.device, group: int) -> bool:
+    """The split kernel takes one tile per token group: a power of two >= 16 tokens."""
+    if _runtime.use_triton(device) and group >= 16 and group & (group - 1) == 0:
+        _runtime.check_device(device)
+        return True
+    return False
 
 
 def qjl_estimate_split_grouped(
@@ -415,10 +452,35 @@ def qjl_estimate_split_grouped(
     when ``group`` is a power of two >= 16 (one tile per token group), the torch reference elsewhere.
     """
     sqg = split_sketch_queries(qg, sketch, out_idx, outliers)
-    if _runtime.use_triton(qg.device) and group >= 16 and group & (group - 1) == 0:
-        _runtime.check_device(qg.device)
+    if _split_on_triton(qg.device, group):
         return _qjl_scores_split_triton(sqg, bits, norms, group)
     return _estimate_split_torch(sqg, bits, norms, group)
+
+
+def qjl_estimate_split_pair(
+    qg: Tensor,
+    sketch: Tensor,
+    bits: Tensor,
+    norms: Tensor,
+    out_sketch: Tensor,
+    out_bits: Tensor,
+    out_norms: Tensor,
+    out_idx: Tensor,
+    group: int,
+) -> Tensor:
+    """The score QJL attends with under ``split_query``: the inlier estimate (S) plus the outlier estimate
+    (S_out), i.e. ``qjl_estimate_split_grouped`` over both sketches, summed. Shapes as there (out_bits
+    [Hkv, n, m_out/8], out_norms [Hkv, n]); returns float32 [Hkv, R, n].
+
+    Triton as ``qjl_estimate_split_grouped``; the torch path projects both parts' queries at once
+    (``split_query_parts``) and sums the parts before the one reordering to [Hkv, R, n].
+    """
+    if _split_on_triton(qg.device, group):
+        est = qjl_estimate_split_grouped(qg, sketch, bits, norms, out_idx, group, False)
+        return est + qjl_estimate_split_grouped(qg, out_sketch, out_bits, out_norms, out_idx, group, True)
+    sq_in, sq_out = split_query_parts(qg, sketch, out_sketch, out_idx)
+    est = _split_dots(sq_in, bits, norms, group).add_(_split_dots(sq_out, out_bits, out_norms, group))
+    return _tokens_last(est)
 
 
 def qjl_estimate_grouped(qg: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ and KIVI (per-channel keys, per-token values); ``kvlab.quant`` re-exports them:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -64,6 +65,14 @@ def sign_table(dtype: torch.dtype, device: str) -> Tensor:
     return (code_table(1, "cpu").to(dtype) * 2 - 1).to(device)
 
 
+@functools.cache
+def code_pair_table(bits: int, device: str) -> Tensor:
+    """float32 [65536, 2 * (8 // sb)]: the codes held by every pair of bytes, indexed by the pair read as a
+    little-endian uint16 (first byte low): half the lookups of ``code_table`` (2 MiB for 2-bit codes)."""
+    t = code_table(bits, "cpu").float()
+    return torch.cat([t.repeat(256, 1), t.repeat_interleave(256, 0)], 1).to(device)
+
+
 def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of ``pack_codes``: uint8 [..., nbytes] -> uint8 codes [..., n]."""
     c = code_table(bits, str(packed.device))[packed.long()]
@@ -79,7 +88,7 @@ def unpack_signs(bits: Tensor, m: int | None = None, dtype: torch.dtype = torch.
     """Packed sign bits uint8 [..., m/8] -> ±1 [..., m] (``m`` defaults to 8 x bytes)."""
     m = bits.shape[-1] * 8 if m is None else m
     table = sign_table(dtype, str(bits.device))  # a row lookup (embedding): ~4x faster than table[idx] on the CPU
-    return torch.nn.functional.embedding(bits.long(), table).reshape(*bits.shape[:-1], -1)[..., :m]
+    return torch.nn.functional.embedding(bits.int(), table).reshape(*bits.shape[:-1], -1)[..., :m]
 
 
 @dataclass
@@ -160,19 +169,45 @@ def weighted_token_sum(weights: Tensor, q: QuantizedGroups) -> Tensor:
     q quantizes x [*lead, n, d] per token (groups along the last dim); weights [*lead, R, n].
     Returns float32 [*lead, R, d]. With x_ic = min_ig + scale_ig * code_ic (g the group of c),
     sum_i w_i x_ic = sum_i (w_i scale_ig) code_ic + sum_i w_i min_ig: the codes are read as floats
-    through a 256-entry table per byte, and the minima enter through one small matmul.
+    through a lookup table (two bytes per lookup where the groups allow, ``_float_codes``), one
+    matmul per group of channels, and the minima enter through one small matmul.
     """
     if q.dim != q.scale.dim() - 1:
         raise ValueError("weighted_token_sum needs values quantized along their last dim (per token)")
-    *lead, n, n_groups, nbytes = q.codes.shape
-    table = code_table(q.bits, str(q.codes.device)).float()  # [256, codes per byte]
-    codes = torch.nn.functional.embedding(q.codes.transpose(-3, -2).int(), table)  # [*lead, G, n, nbytes, per]
-    codes = codes.reshape(*lead, n_groups, n, -1)[..., : q.group]  # [*lead, G, n, group]
+    codes = _float_codes(_groups_first(q.codes), q.bits)[..., : q.group]  # [*lead, G, n, group]
     w = weights.float()
-    scaled = (w.unsqueeze(-1) * q.scale.float().unsqueeze(-3)).movedim(-1, -3)  # [*lead, G, R, n]
-    out = torch.matmul(scaled, codes).movedim(-3, -2).flatten(-2)  # [*lead, R, G * group]
-    out = out + torch.matmul(w, q.minimum.float()).repeat_interleave(q.group, -1)
-    return out[..., : q.length]
+    scaled = w.unsqueeze(-3) * q.scale.float().transpose(-1, -2).contiguous().unsqueeze(-2)  # [*lead, G, R, n]
+    out = torch.matmul(scaled, codes)  # [*lead, G, R, group]
+    out = out + torch.matmul(w, q.minimum.float()).transpose(-1, -2).unsqueeze(-1)
+    return out.movedim(-3, -2).flatten(-2)[..., : q.length]
+
+
+def _groups_first(codes: Tensor) -> Tensor:
+    """Packed per-token codes uint8 [*lead, n, G, nbytes] -> contiguous [*lead, G, n, nbytes].
+
+    A group's bytes move as one 8-, 4- or 2-byte word when the layout allows (several times faster
+    than moving single bytes)."""
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if codes.stride(-1) == 1 and codes.shape[-1] % size == 0 and codes.storage_offset() % size == 0:
+            if all(st % size == 0 for st in codes.stride()[:-1]):
+                return codes.view(word).transpose(-3, -2).contiguous().view(torch.uint8)
+    return codes.transpose(-3, -2).contiguous()
+
+
+def _float_codes(codes: Tensor, bits: int) -> Tensor:
+    """Packed codes uint8 [..., nbytes] (contiguous) -> float32 [..., nbytes * (8 // sb)], padding codes included.
+
+    Two bytes per lookup (``code_pair_table``) when the rows hold an even number of bytes."""
+    sb, dev = storage_bits(bits), str(codes.device)
+    if sb == 8:
+        return codes.float()
+    if codes.shape[-1] % 2 == 0 and sys.byteorder == "little":
+        pairs = codes.view(torch.int16).int() & 0xFFFF
+        out = torch.nn.functional.embedding(pairs, code_pair_table(bits, dev))
+    else:
+        out = torch.nn.functional.embedding(codes.int(), code_table(bits, dev).float())
+    return out.reshape(*codes.shape[:-1], -1)
 
 
 def cat_groups(parts: list[QuantizedGroups], dim: int) -> QuantizedGroups:
@@ -212,6 +247,7 @@ __all__ = [
     "SUPPORTED_BITS",
     "QuantizedGroups",
     "cat_groups",
+    "code_pair_table",
     "code_table",
     "dequantize_groups",
     "group_error_bound",

@@ -364,6 +364,27 @@ def test_outlier_split_partitions_each_key():
     assert torch.allclose(total, keys.norm(dim=-1) ** 2, rtol=2e-3)
 
 
+@pytest.mark.parametrize("group,m,m_out,t", [(32, 72, 72, 1), (8, 144, 64, 5)])
+def test_split_pair_equals_both_split_estimates(group, m, m_out, t):
+    """The fused CPU path of the split estimate equals the masked references of both parts summed."""
+    from kernels import qjl as K
+
+    hkv, g, n, d = 3, 3, 4 * group, 64
+    keys = _rand(hkv, n, d, seed=21)
+    idx = K.outlier_channels(keys, group, 4)
+    s, so = _sketch(m, d, 22), _sketch(m_out, d, 23)
+    qk = K.qjl_quantize_torch(keys, s, so, idx, group)
+    qg = _rand(hkv, g * t, d, seed=24)
+    sq_in, sq_out = K.split_query_parts(qg, s, so, idx)
+    torch.testing.assert_close(sq_in, K.split_sketch_queries(qg, s, idx, False), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sq_out, K.split_sketch_queries(qg, so, idx, True), rtol=1e-5, atol=1e-4)
+    ref = K.qjl_estimate_split_grouped(qg, s, qk.bits, qk.norms, idx, group, False)
+    ref = ref + K.qjl_estimate_split_grouped(qg, so, qk.out_bits, qk.out_norms, idx, group, True)
+    got = K.qjl_estimate_split_pair(qg, s, qk.bits, qk.norms, so, qk.out_bits, qk.out_norms, idx, group)
+    assert got.shape == (hkv, g * t, n)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
 def test_attention_reference_matches_exact_dense_attention():
     from kernels.decode_attention import decode_attention_torch
     from kernels.formats import Segment

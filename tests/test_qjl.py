@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
-from kvlab.compressors.base import ParamError
+from kvlab.compressors.base import Compressor, ParamError, PrefillState
 from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make_sketch, sketch_keys
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
@@ -207,6 +208,34 @@ def test_streaming_flush_keeps_window_and_budget(lm, prefill_state):
     out = c.attend(5, q)
     assert _rel_err(out, c.layers[5].res_v[:, -1:].repeat_interleave(3, dim=0)) < 0.3
     assert torch.equal(c.kept_positions(5)[0, -1], torch.tensor(n + 39, dtype=torch.int32))
+
+
+def test_feed_equals_token_by_token_across_flushes(lm, prefill_state):
+    """A chunk fed at once equals the per-token loop (append, attend): the same outputs and the same
+    quantized store and window, across several flushes (window of 16, groups of 8, 20 new tokens)."""
+    st, c_len = prefill_state, 20
+    n0 = st.n_tokens - c_len
+    prompt = PrefillState(st.keys[..., :n0, :], st.values[..., :n0, :], st.queries[..., :0, :], st.scaling)
+    chunked = _qjl(lm, n=n0, residual=16, outlier_group=8)
+    chunked.compress(prompt)
+    stepwise = copy.deepcopy(chunked)
+    n_q0 = chunked.layers[0].n_quantized
+    calls = []
+    attend = chunked.attend
+    chunked.attend = lambda *a, **kw: calls.append(1) or attend(*a, **kw)
+    for layer in (0, lm.info.n_layers - 1):  # a first layer (larger sketch) and a later one
+        q = st.queries[layer, :, -c_len:].float()
+        k, v = st.keys[layer, :, -c_len:], st.values[layer, :, -c_len:]
+        got = chunked.feed(layer, q, k, v, n0)
+        want = Compressor.feed(stepwise, layer, q, k, v, n0)
+        assert got.shape == q.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        a, b = chunked.layers[layer], stepwise.layers[layer]
+        assert a.n_seen == b.n_seen == st.n_tokens and a.n_quantized >= n_q0 + 16  # at least two flushes
+    assert len(calls) < c_len  # the chunk attended in a few calls per layer, not one per token
+    held, ref = list(chunked.tensors()), list(stepwise.tensors())
+    assert [kind for kind, _ in held] == [kind for kind, _ in ref]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(held, ref))
 
 
 def test_runs_through_engine_and_holds_budget(engine, lm, long_text):

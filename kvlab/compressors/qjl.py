@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import qjl_estimate_grouped, qjl_estimate_split_grouped
+from kernels import qjl_estimate_grouped, qjl_estimate_split_pair
 from kernels.qjl import make_sketch, outlier_channels, outlier_mask
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
@@ -493,11 +493,15 @@ class QJL(Compressor):
     # ----- decoding ------------------------------------------------------------------------------
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         st = self.layers[layer]
-        st.res_k = torch.cat([st.res_k, k.to(st.res_k.dtype)], -2)
-        st.res_v = torch.cat([st.res_v, v.to(st.res_v.dtype)], -2)
-        st.n_seen += 1
+        self._extend_window(st, k, v)
         if not self.full and st.res_k.shape[-2] > self.qplan.residual:
             self._flush(st)
+
+    def _extend_window(self, st: QJLLayer, k: Tensor, v: Tensor) -> None:
+        """Append k, v [Hkv, c, d] to the full-precision window (no flush)."""
+        st.res_k = torch.cat([st.res_k, k.to(st.res_k.dtype)], -2)
+        st.res_v = torch.cat([st.res_v, v.to(st.res_v.dtype)], -2)
+        st.n_seen += k.shape[-2]
 
     def _flush(self, st: QJLLayer) -> None:
         """Move the oldest outlier group of the window into the quantized store."""
@@ -509,25 +513,56 @@ class QJL(Compressor):
         st.values = vq if st.values is None else cat_groups([st.values, vq], dim=-2)
         st.res_k, st.res_v = st.res_k[:, g:].clone(), st.res_v[:, g:].clone()
 
-    def attend(self, layer: int, q: Tensor) -> Tensor:
+    def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """A chunk of c tokens, exactly as c ``append`` + ``attend`` steps: q [Hq, c, d], k/v [Hkv, c, d] -> [Hq, c, d].
+
+        The chunk is cut where an append would flush: the tokens before that point join the window
+        together and attend in one call, causally among themselves (every quantized token and the
+        older window are visible to all of them); the token that flushes takes the per-token path.
+        """
+        st, c = self.layers[layer], q.shape[-2]
+        outs, i = [], 0
+        while i < c:
+            j = c if self.full else min(c, i + self.qplan.residual - st.res_k.shape[-2])  # appends without a flush
+            if j > i:
+                self._extend_window(st, k[:, i:j], v[:, i:j])
+                outs.append(self.attend(layer, q[:, i:j], causal_tail=j - i))
+            else:
+                self.append(layer, k[:, i : i + 1], v[:, i : i + 1], pos + i)
+                outs.append(self.attend(layer, q[:, i : i + 1]))
+                j = i + 1
+            i = j
+        return torch.cat(outs, dim=-2)
+
+    def attend(self, layer: int, q: Tensor, causal_tail: int = 0) -> Tensor:
         """One softmax over estimated scores (quantized tokens) and exact scores (window). q [Hq, t, d].
 
-        Computed per KV group (the group's query heads as rows). The quantized values are never
-        dequantized as a whole: their probability-weighted sum is read from the codes
-        (``weighted_token_sum``).
+        ``causal_tail`` = t: the t queries are the window's last t tokens, each seeing none after
+        its own (``kvlab.ops.dense_attention``'s convention). Computed per KV group (the group's
+        query heads as rows). The quantized values are never dequantized as a whole: their
+        probability-weighted sum is read from the codes (``weighted_token_sum``).
         """
         st = self.layers[layer]
-        hq, hkv = q.shape[0], st.res_k.shape[0]
-        qg = group_queries(q.float(), hkv)  # [Hkv, g*t, d]
-        logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
-        nq = st.n_quantized
-        if nq:
-            logits = torch.cat([self._key_scores(st, qg), logits], -1)
-        probs = torch.softmax(logits * self.scaling, dim=-1)  # [Hkv, g*t, n]
+        hq, nq = q.shape[0], st.n_quantized
+        probs = torch.softmax(self._logits(st, q, causal_tail), dim=-1)  # [Hkv, g*t, n]
         out = torch.matmul(probs[..., nq:], st.res_v.float())
         if nq:
             out = out + weighted_token_sum(probs[..., :nq], st.values)
         return ungroup(out, hq).to(q.dtype)
+
+    def _logits(self, st: QJLLayer, q: Tensor, causal_tail: int = 0) -> Tensor:
+        """Scaled logits per KV group: estimates for the quantized tokens, then the exact window: q [Hq, t, d] ->
+        [Hkv, g*t, n_quantized + window], with the window's last ``causal_tail`` keys masked causally."""
+        hkv = st.res_k.shape[0]
+        qg = group_queries(q.float() * self.scaling, hkv)  # [Hkv, g*t, d]; the estimates are linear in q
+        logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
+        if causal_tail > 1:
+            c = causal_tail
+            future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+            logits.view(hkv, -1, c, logits.shape[-1])[..., -c:].masked_fill_(future, float("-inf"))
+        if st.n_quantized:
+            logits = torch.cat([self._key_scores(st, qg), logits], -1)
+        return logits
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
         """Dense while nothing is sketched yet (the full-precision window only)."""
@@ -541,8 +576,8 @@ class QJL(Compressor):
         kq, has_out = st.keys, st.keys.out_bits.shape[-1] > 0
         if self.cfg["split_query"] and has_out:
             g = self.cfg["outlier_group"]
-            est = qjl_estimate_split_grouped(qg, st.s, kq.bits, kq.norms, kq.out_idx, g, outliers=False)
-            return est + qjl_estimate_split_grouped(qg, st.s_out, kq.out_bits, kq.out_norms, kq.out_idx, g, True)
+            outliers = (st.s_out, kq.out_bits, kq.out_norms, kq.out_idx)
+            return qjl_estimate_split_pair(qg, st.s, kq.bits, kq.norms, *outliers, g)
         est = qjl_estimate_grouped(qg, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
         if has_out:
             est = est + qjl_estimate_grouped(qg, st.s_out, kq.out_bits, kq.out_norms)
@@ -587,11 +622,7 @@ class QJL(Compressor):
         """The softmax ``attend`` takes: sketched score estimates (quantized tokens, positions
         0..n_quantized-1), exact scores (the recent window, the positions after). q [Hq, 1, d] -> [Hq, n]."""
         st = self.layers[layer]
-        qg = group_queries(q.float(), st.res_k.shape[0])
-        logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
-        if st.n_quantized:
-            logits = torch.cat([self._key_scores(st, qg), logits], -1)
-        return ungroup(torch.softmax(logits * self.scaling, dim=-1), q.shape[0])[:, 0]
+        return ungroup(torch.softmax(self._logits(st, q), dim=-1), q.shape[0])[:, 0]
 
 
 def _round8(x: float) -> int:
