@@ -44,7 +44,7 @@ def attention_ms(engine, ids, specs, repeats: int) -> dict[str, float]:
     """One decode step's attention alone (every layer, every row), batched and per row, best of ``repeats``
     (alternating): the methods compressed from the prompt's prefill, random queries at the model's shapes."""
     info = engine.info
-    comps, _ = engine._make_compressors(specs, len(ids), 0)
+    comps, _ = engine._make_compressors(specs, len(ids), 0, 1)
     state, _ = engine.prefill(ids, max(c.query_window() for c in comps), any(c.needs_acc_attn for c in comps))
     for c in comps:
         c.compress(state)
