@@ -123,6 +123,10 @@ class Probe(Protocol):
       compression (query-agnostic): q/out [R, Hq, c, d], k/v [R, Hkv, c, d] at true positions
       pos..pos+c-1, every run a row.
 
+    * ``forkable = True``: the probe is stateless until ``on_prefill`` and defines no hooks but
+      ``on_prefill``, ``on_chunk``, ``on_step`` and ``finish``; several questions asked after
+      compression then decode as one batch, each followed by its own copy of the probe.
+
     Query-agnostic: a probe sees one ``on_prefill`` .. ``finish`` cycle per question (``on_prefill``
     gets the context's state and that question's fork of the compressors; ``logits`` are the
     context's last), then ``on_chunk`` per layer, then ``on_step(0, rows, logits [R, V])`` with each
@@ -318,9 +322,10 @@ class Engine:
         """Query-agnostic: one prefill and one compression of the context, then per question a fork of
         every cache and one chunked forward of the question's tokens; then lockstep decoding.
 
-        Without probes every question's rows decode together (one batched forward per step for all
-        questions, each row at its own true position); probes follow one question at a time, so with
-        them each question decodes on its own.
+        Every question's rows decode together (one batched forward per step for all questions, each
+        row at its own true position) when every probe is ``forkable`` (a fresh copy of it then
+        follows each question); other probes follow one question at a time, so with them each
+        question decodes on its own.
 
         Timings: ``shared_s`` (prefill + compression, once for all questions) and ``own_s`` (this
         question: its fork and chunk, plus its share of the decoding it was batched in);
@@ -336,9 +341,12 @@ class Engine:
             "compress_s": sum(r.timings.compress_s for r in base),
             "shared_s": time.perf_counter() - t_start,
         }
-        context = _Context(ctx_ids, runs, comps, base, state, last_logits, gen, probes)
+        context = _Context(ctx_ids, runs, comps, base, state, last_logits, gen)
         out: list[CompareResult] = []
-        groups = [[j] for j in range(len(questions))] if probes else [list(range(len(questions)))]
+        joint = all(getattr(p, "forkable", False) for p in probes)
+        groups = [list(range(len(questions)))] if joint else [[j] for j in range(len(questions))]
+        # a forkable probe is stateless until on_prefill: each question gets its own copy
+        followers = [[copy.deepcopy(p) for p in probes] for _ in questions] if joint else [probes] * len(questions)
         done = ""
         for g, group in enumerate(groups):
             lo, span = 0.2 + 0.8 * g / len(groups), 0.8 / len(groups)
@@ -346,7 +354,7 @@ class Engine:
             for k, j in enumerate(group):
                 t_q = time.perf_counter()
                 progress = lo + 0.2 * span * (k + 1) / len(group)
-                rows = yield from self._ask(context, questions, j, progress)
+                rows = yield from self._ask(context, questions, j, followers[j], progress)
                 asked.append(rows)
                 own.append(time.perf_counter() - t_q)
             t_d = time.perf_counter()
@@ -358,7 +366,7 @@ class Engine:
             decode_share = (time.perf_counter() - t_d) / len(group)
             for j, rows, own_s in zip(group, asked, own):
                 q, results = questions[j], rows.results
-                for p in probes:
+                for p in followers[j]:
                     p.finish(results)
                 _drop_unmeasured(results)
                 timings = {**shared, "question_s": results[0].timings.question_s, "own_s": own_s + decode_share}
@@ -368,17 +376,18 @@ class Engine:
         yield Event("done", done, 1.0, result=out[0], results=out)
 
     def _ask(
-        self, ctx: _Context, questions: list[Question], j: int, progress: float
+        self, ctx: _Context, questions: list[Question], j: int, probes: list, progress: float
     ) -> Generator[Event, None, _Lockstep]:
         """Question ``j``: fork every compressed cache (the last question takes the caches themselves),
-        feed its tokens in one chunked forward and pick each run's first token. Returns its rows."""
+        feed its tokens in one chunked forward and pick each run's first token; ``probes`` follow
+        this question. Returns its rows."""
         n, q, runs = len(ctx.ids), questions[j], ctx.runs
         last = j == len(questions) - 1
         qcomps = ctx.comps if last else [copy.deepcopy(c) for c in ctx.comps]
         results = ctx.results if last else copy.deepcopy(ctx.results)
-        for p in ctx.probes:
+        for p in probes:
             p.on_prefill(ctx.state, ctx.logits, qcomps)
-        rows = _Lockstep(runs, qcomps, results, ctx.gen, n + len(q.ids), self.lm.eos_ids, ctx.probes)
+        rows = _Lockstep(runs, qcomps, results, ctx.gen, n + len(q.ids), self.lm.eos_ids, probes)
         with faults.collect() as failed:
             logits = self._feed_question(rows, n, q.ids)
         for i, message in sorted(failed.errors.items()):  # a method that raised on the question
@@ -393,7 +402,7 @@ class Engine:
             progress,
         )
         everyone = [i for i in range(len(runs)) if i not in failed.errors]
-        for p in ctx.probes:
+        for p in probes:
             p.on_step(0, everyone, logits[everyone])
         yield from self._ended(rows, rows.pick(everyone, logits[everyone]))
         return rows
@@ -671,10 +680,12 @@ class _Lockstep:
 
     @classmethod
     def joined(cls, parts: list[_Lockstep]) -> _Lockstep:
-        """The rows of several questions decoded as one batch (no probes): every list is the parts'
-        in order and shares their items, so each part's results and tokens fill in as the batch decodes."""
+        """The rows of several questions decoded as one batch: every list is the parts' in order and
+        shares their items, so each part's results and tokens fill in as the batch decodes; each
+        step's logits go to the probes of the question that owns the row (``forkable`` probes only)."""
         first = parts[0]
-        rows = cls([], [], [], first.gen, 0, first.eos, [])
+        router = [_ProbeRouter(parts)] if any(part.probes for part in parts) else []
+        rows = cls([], [], [], first.gen, 0, first.eos, router)
         for part in parts:
             offset = len(rows.runs)
             rows.runs += part.runs
@@ -701,6 +712,25 @@ class _Lockstep:
         ended = [i for i in rows if i not in still]
         self.active = still
         return ended
+
+
+class _ProbeRouter:
+    """The ``on_step`` of several questions' rows decoded as one batch, split back to each question's
+    own probes (with the run indices of that question)."""
+
+    def __init__(self, parts: list[_Lockstep]):
+        self.parts, offset = [], 0
+        for part in parts:
+            self.parts.append((offset, len(part.runs), part.probes))
+            offset += len(part.runs)
+
+    def on_step(self, step: int, rows: list[int], logits: Tensor) -> None:
+        for offset, n, probes in self.parts:
+            mine = [k for k, i in enumerate(rows) if offset <= i < offset + n]
+            if mine:
+                local = [rows[k] - offset for k in mine]
+                for p in probes:
+                    p.on_step(step, local, logits[mine])
 
 
 class _RowObserver:
@@ -840,7 +870,6 @@ class _Context(NamedTuple):
     state: PrefillState
     logits: Tensor
     gen: GenerationSettings
-    probes: list
 
 
 class _Planned(NamedTuple):

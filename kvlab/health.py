@@ -26,7 +26,12 @@ def _flag(name: str, detail: str) -> dict:
 
 
 class HealthProbe:
-    """Engine probe: watches every step's logits, then checks bytes and eviction per run."""
+    """Engine probe: watches every step's logits, then checks bytes and eviction per run.
+
+    ``forkable``: stateless until ``on_prefill`` and only ``on_prefill`` / ``on_chunk`` / ``on_step`` /
+    ``finish`` hooks, so a copy can follow each question when several decode as one batch."""
+
+    forkable = True
 
     def on_prefill(self, state, logits: Tensor, compressors) -> None:
         self.comps = compressors
@@ -40,9 +45,6 @@ class HealthProbe:
 
     def on_chunk(self, layer: int, rows: list[int], pos: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
         self.question_tokens = k.shape[-2]  # a question fed after compression: bytes entry 1 follows it
-
-    def on_attend(self, layer: int, row: int, q: Tensor, out: Tensor) -> None:  # pragma: no cover
-        pass
 
     def on_step(self, step: int, rows: list[int], logits: Tensor) -> None:
         bad = (~torch.isfinite(logits)).any(-1).tolist()

@@ -239,3 +239,48 @@ def test_dashboard_question_box_makes_the_comparison_query_agnostic(lm, context)
     ctx, rests = asked.split(lm)
     assert n_asked == len(ctx) + len(rests[0].ids) > n_plain
     assert lm.decode(rests[0].ids).strip().startswith(QUESTIONS[0])
+
+
+class _Sequential:
+    """A probe that is not ``forkable``: it makes every question decode on its own."""
+
+    def on_prefill(self, state, logits, comps):
+        pass
+
+    def on_step(self, step, rows, logits):
+        pass
+
+    def finish(self, runs):
+        pass
+
+
+def test_questions_decode_as_one_batch_with_the_health_flags(engine, context, monkeypatch):
+    """Through ``kvlab.run`` (the health probe always on, and forkable), two questions decode in one
+    lockstep batch; each answer, its bytes and its health flags equal those of decoding each question
+    on its own (forced by a probe that is not forkable)."""
+    loops = []
+    original = Engine._decode_all
+
+    def counted(self, rows, *a, **k):
+        loops.append(len(rows.runs))
+        return (yield from original(self, rows, *a, **k))
+
+    monkeypatch.setattr(Engine, "_decode_all", counted)
+    comparison = Comparison(
+        context,
+        ["exact", "streaming", "scissorhands"],
+        ["0.5"],
+        settings=GenerationSettings(max_new_tokens=6),
+        questions=[QUESTIONS[0], QUESTIONS[2]],
+    )
+    joint = compare_all(engine, comparison)
+    assert loops == [6]  # 3 runs x 2 questions in one decode loop
+    loops.clear()
+    alone = compare_all(engine, comparison, probes=[_Sequential()])
+    assert loops == [3, 3]
+    for a, b in zip(joint, alone):
+        assert a.question == b.question
+        for ra, rb in zip(a.runs, b.runs):
+            assert ra.token_ids == rb.token_ids, (a.question, ra.label)
+            assert ra.kv_bytes_per_step == rb.kv_bytes_per_step, ra.label
+            assert ra.health == rb.health, ra.label
