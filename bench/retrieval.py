@@ -11,8 +11,7 @@ holding a whole copy, the same two shares again right after the first decode ste
 ``--probes`` adds the attention error of the decode steps; ``--only`` runs a subset of the
 configurations. Writes the rows as JSON with ``--json``.
 
-    OMP_NUM_THREADS=1 python -m bench.retrieval --method scissorhands --task passkey --length 1k [--probes] \
-        [--json out.json]
+    OMP_NUM_THREADS=1 python -m bench.retrieval --method scissorhands --task passkey --length 1k [--probes] [--json F]
 """
 
 from __future__ import annotations
@@ -161,7 +160,7 @@ def middle_rate(knobs: dict, n: int) -> float | None:
         return None
     if "n_middle" in knobs:
         return -(-knobs["n_middle"] >> knobs["T"]) / knobs["n_middle"]
-    if "sampled" in knobs or "window" in knobs:
+    if "first" in knobs or "window" in knobs:
         return knobs.get("sampled", 0) / (span[1] - span[0])
     return min(1.0, (evictor_capacity(knobs) - evictor_recent(knobs)) / (span[1] - span[0]))
 
