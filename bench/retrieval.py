@@ -98,7 +98,7 @@ def answer_spans(lm, ids: list[int], answer: str) -> list[list[int]]:
 
 
 def kept_positions(comp) -> list[torch.Tensor] | None:
-    """Prompt positions each (layer, KV head) stream of a compressor holds: per layer [Hkv, m]; None
+    """Positions each (layer, KV head) stream of a compressor holds: per layer [Hkv, m]; None
     for a compressor without per-layer stores (the exact cache)."""
     return [la.views()[2].clone() for la in comp.layers] if hasattr(comp, "layers") else None
 
