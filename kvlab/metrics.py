@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kvlab.compressors.base import DenseCompressor
-from kvlab.ops import attention_logits, group_queries, ungroup
+from kvlab.ops import attention_logits, group_queries, mask_future, ungroup
 
 
 def _round(x, digits: int = 4):
@@ -90,11 +90,7 @@ def shadow_attention(
     """
     hq, hkv, n = q.shape[-3], kp.shape[-3], kp.shape[-2]
     q = q.float()
-    gen = attention_logits(q, kg.float(), scaling)
-    t, s = q.shape[-2], kg.shape[-2]
-    if t > 1:
-        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        gen[..., s - t :].masked_fill_(future, float("-inf"))
+    gen = mask_future(attention_logits(q, kg.float(), scaling), q.shape[-2])
     logits = torch.cat([attention_logits(q, kp, scaling), gen], dim=-1)
     probs = torch.softmax(logits, dim=-1)
     gp = group_queries(probs, hkv)  # [R, Hkv, g, n + s]

@@ -25,6 +25,15 @@ def attention_logits(q: Tensor, k: Tensor, scaling: float, logw: Tensor | None =
     return ungroup(s, hq)
 
 
+def mask_future(logits: Tensor, c: int) -> Tensor:
+    """Causal mask for c queries that are the last c keys' tokens: logits [..., c, n]; query i gets
+    -inf on the keys after its own (n - c + i). In place; returns ``logits``."""
+    if c > 1:
+        future = torch.ones(c, c, dtype=torch.bool, device=logits.device).triu(1)
+        logits[..., logits.shape[-1] - c :].masked_fill_(future, float("-inf"))
+    return logits
+
+
 def dense_attention(
     q: Tensor,
     k: Tensor,
@@ -41,11 +50,7 @@ def dense_attention(
     probs [.., Hq, t, n] when ``return_probs``). Computed in float32.
     """
     hq, hkv = q.shape[-3], k.shape[-3]
-    logits = attention_logits(q.float(), k.float(), scaling, logw)
-    if causal_tail > 1:
-        c, n = causal_tail, k.shape[-2]
-        future = torch.ones(c, c, dtype=torch.bool, device=k.device).triu(1)
-        logits[..., n - c :].masked_fill_(future, float("-inf"))
+    logits = mask_future(attention_logits(q.float(), k.float(), scaling, logw), causal_tail)
     probs = torch.softmax(logits, dim=-1)
     out = ungroup(torch.matmul(group_queries(probs, hkv), v.float()), hq).to(q.dtype)
     return (out, probs) if return_probs else out
@@ -65,11 +70,8 @@ def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float) -> Tensor
 
     queries: [L, Hq, w, d] at positions n-w .. n-1; keys: [L, Hkv, n, d]. Returns [L, Hq, w, n].
     """
-    w, n = queries.shape[-2], keys.shape[-2]
-    logits = attention_logits(queries.float(), keys.float(), scaling)
-    # Only the last w keys can lie in a query's future: mask that [w, w] block in place.
-    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
-    logits[..., n - w :].masked_fill_(future, float("-inf"))
+    # only the last w keys can lie in a query's future
+    logits = mask_future(attention_logits(queries.float(), keys.float(), scaling), queries.shape[-2])
     return torch.softmax(logits, dim=-1)
 
 

@@ -48,7 +48,7 @@ from kernels.qjl import make_sketch, outlier_channels, outlier_mask
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
 from kvlab.compressors.registry import register
-from kvlab.ops import group_queries, ungroup
+from kvlab.ops import group_queries, mask_future, ungroup
 from kvlab.quant import (
     QuantizedGroups,
     cat_groups,
@@ -556,10 +556,8 @@ class QJL(Compressor):
         hkv = st.res_k.shape[0]
         qg = group_queries(q.float() * self.scaling, hkv)  # [Hkv, g*t, d]; the estimates are linear in q
         logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
-        if causal_tail > 1:
-            c = causal_tail
-            future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-            logits.view(hkv, -1, c, logits.shape[-1])[..., -c:].masked_fill_(future, float("-inf"))
+        if causal_tail > 1:  # rows are (query head, query) pairs: mask per head
+            mask_future(logits.view(hkv, -1, causal_tail, logits.shape[-1]), causal_tail)
         if st.n_quantized:
             logits = torch.cat([self._key_scores(st, qg), logits], -1)
         return logits

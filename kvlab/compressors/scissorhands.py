@@ -168,15 +168,18 @@ class _PrefillRecords:
 
     def __init__(self, comp: Scissorhands, n: int):
         self.comp, self.n, self.rows = comp, n, comp.prompt_window
-        shape = (comp.info.n_layers, comp.info.n_kv_heads, n)
-        self.rank = torch.zeros(shape, dtype=torch.int32)
-        self.kept = self.rank if comp.carry_window == self.rows else torch.zeros_like(self.rank)
-        self.seen = torch.zeros(comp.info.n_layers, dtype=torch.int64)  # query rows counted per layer
+        self.rank: Tensor | None = None  # [L, Hkv, n] int32, made on the device of the first block
+        self.kept: Tensor | None = None
+        self.seen = [0] * comp.info.n_layers  # query rows counted per layer
         self.failed = False
 
     def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
         """probs [Hq, r, e] of the queries at first_pos.. over keys 0..e-1."""
         try:
+            if self.rank is None:
+                info = self.comp.info
+                self.rank = torch.zeros(info.n_layers, info.n_kv_heads, self.n, dtype=torch.int32, device=probs.device)
+                self.kept = self.rank if self.comp.carry_window == self.rows else torch.zeros_like(self.rank)
             flags = self.comp.low_score_flags(probs, first_pos)  # [Hkv, r, e]
             e = flags.shape[-1]
             self.rank[layer, :, :e] += flags.sum(-2, dtype=torch.int32)
@@ -188,4 +191,4 @@ class _PrefillRecords:
             self.failed = True
 
     def complete(self, n: int) -> bool:
-        return not self.failed and n == self.n and bool((self.seen == self.rows).all())
+        return not self.failed and n == self.n and all(r == self.rows for r in self.seen)
