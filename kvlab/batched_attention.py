@@ -14,8 +14,10 @@ so that padding would cost more than the call saves. Rows whose method wants thi
 probabilities (H2O / Scissorhands eviction, ``wants_probs``) get their own row of them (padding
 cut off) through ``after_attend``, as the per-row path hands them.
 
-Every other row (a quantized or sketched cache: ``qjl``, ``kivi``, ``subgen``) goes through its own
-``comp.attend(layer, q)``, the per-row reference path. On CUDA every row does: a dense row's
+A class whose caches are quantized or sketched may attend all its rows in one call
+(``attend_many``: QJL, which reads a segment that several forks hold once for all of them). Every
+other row (``kivi``, ``subgen``) goes through its own ``comp.attend(layer, q)``, the per-row
+reference path. On CUDA every row does: a dense row's
 ``attend`` is then the fused Triton decode kernel.
 """
 
@@ -50,16 +52,21 @@ MAX_PADDING = 0.5  # a call's padded keys are at most this share above its rows'
 
 
 @functools.cache
-def segments_stand_for_attend(cls: type) -> bool:
-    """True when ``cls.dense_segments`` describes ``cls.attend``: both come from the same class.
+def stands_for_attend(cls: type, name: str) -> bool:
+    """True when ``cls.<name>`` (``dense_segments`` or ``attend_many``) describes ``cls.attend``: both
+    come from the same class.
 
     A subclass that overrides ``attend`` alone (a wrapper, a test fault) attends through its own
-    ``attend``, never through the batched call over segments its parent describes."""
+    ``attend``, never through the batched call its parent describes."""
 
-    def owner(name: str) -> type | None:
-        return next((c for c in cls.__mro__ if name in c.__dict__), None)
+    def owner(attr: str) -> type | None:
+        return next((c for c in cls.__mro__ if attr in c.__dict__), None)
 
-    return owner("attend") is owner("dense_segments")
+    return owner(name) is not None and owner("attend") is owner(name)
+
+
+def segments_stand_for_attend(cls: type) -> bool:
+    return stands_for_attend(cls, "dense_segments")
 
 
 @dataclass
@@ -171,10 +178,37 @@ def attend_rows(
             outs[row] = out[i]
             if comp.wants_probs and guard(row, _after_attend, comp, layer, probs[i, ..., : lengths[j]]) is None:
                 outs[row] = None  # the row failed: ``attend`` answers for it
+    for rows in _kinds(compressors, outs, guard):
+        outs_k = _attend_many(compressors, rows, layer, query)
+        for row, out in zip(rows, outs_k or ()):
+            outs[row] = out
     for row, comp in enumerate(compressors):
         if outs[row] is None:
             outs[row] = attend(row, comp, layer, query[row])
     return outs
+
+
+def _ok(*args: Any) -> bool:
+    return True
+
+
+def _kinds(compressors: list, outs: list, guard: Callable) -> list[list[int]]:
+    """The rows left (``outs`` None, not failed) whose class attends several rows in one call (``attend_many``),
+    by class."""
+    by_kind: dict[type, list[int]] = {}
+    for row, comp in enumerate(compressors):
+        if outs[row] is None and stands_for_attend(type(comp), "attend_many") and guard(row, _ok):
+            by_kind.setdefault(type(comp), []).append(row)
+    return list(by_kind.values())
+
+
+def _attend_many(compressors: list, rows: list[int], layer: int, query: Tensor) -> list[Tensor] | None:
+    """One ``attend_many`` call for ``rows``; None when it raised: each row then attends alone, so that an
+    error lands on the row it belongs to (``attend``'s guard)."""
+    try:
+        return type(compressors[rows[0]]).attend_many([compressors[r] for r in rows], layer, query[rows])
+    except Exception:
+        return None
 
 
 __all__ = ["DenseRows", "attend_rows", "batched_dense_attention", "length_buckets", "padded_batch"]

@@ -352,3 +352,40 @@ def test_budget_half_gives_about_8_bits_per_number(lm):
     c = _qjl(lm, budget="0.5", n=n)
     per_number = 8 * c.qplan.planned_bytes / (n * lm.info.head_dim * 2)
     assert 7.0 < per_number <= 8.0
+
+
+def test_forks_share_segments_and_attend_together(lm, prefill_state, monkeypatch):
+    """Forks of one compressed cache (questions asked after compression) hold its quantized segment
+    itself; each flushes into a segment of its own. One lockstep call (``attend_many``) scores the
+    shared segment once for all forks and equals each fork's own ``attend``."""
+    from kvlab.batched_attention import attend_rows
+
+    st, info = prefill_state, lm.info
+    base = _qjl(lm, n=st.n_tokens, residual=16, outlier_group=8)
+    base.compress(st)
+    forks = [copy.deepcopy(base) for _ in range(2)] + [base]
+    shared = base.layers[0].segments[0]
+    assert all(f.layers[0].segments[0] is shared for f in forks)
+    g = torch.Generator().manual_seed(3)
+    for step in range(12):  # different tokens per fork: at least one flush each
+        for f in forks:
+            for layer in range(info.n_layers):
+                k, v = torch.randn(2, info.n_kv_heads, 1, info.head_dim, generator=g) * 4
+                f.append(layer, k, v, st.n_tokens + step)
+    assert all(len(f.layers[0].segments) == 2 and f.layers[0].segments[0] is shared for f in forks)
+    assert len({id(f.layers[0].segments[1]) for f in forks}) == 3
+    scored = []
+    real = QJL._segment_scores
+
+    def counted(self, layer_st, seg, qg):
+        scored.append(qg.shape[1])
+        return real(self, layer_st, seg, qg)
+
+    monkeypatch.setattr(QJL, "_segment_scores", counted)
+    q = torch.randn(len(forks), info.n_heads, 1, info.head_dim, generator=g)
+    for layer in (0, info.n_layers - 1):
+        scored.clear()
+        got = attend_rows(forks, layer, q)
+        assert sorted(scored) == [3, 3, 3, 9]  # the shared segment once with every fork's 3 query heads per KV head
+        for i, f in enumerate(forks):
+            torch.testing.assert_close(got[i], f.attend(layer, q[i]), atol=1e-5, rtol=1e-4)

@@ -271,6 +271,10 @@ class Compressor:
         Then ``attend`` is softmax attention over them (``ops.dense_attention``, followed by
         ``after_attend`` when ``wants_probs``), and a lockstep step may attend for it together with
         other rows (``kvlab.batched_attention``). None (the default): only ``attend`` knows how.
+
+        A class whose cache is not dense may instead define a static ``attend_many(comps, layer, q)``
+        (q [R, Hq, 1, d] -> R outputs [Hq, 1, d], ``attend``'s maths row by row): a lockstep step then
+        attends all its rows in one call (QJL).
         """
         return None
 

@@ -36,6 +36,7 @@ indices uint8 [Hkv, n_groups, n_outliers], values packed by ``kernels.quant.pack
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -176,23 +177,78 @@ class QuantizedKeys:
 
 
 @dataclass
+class QJLSegment:
+    """Quantized tokens stored together: sketched keys and their group-quantized values (n tokens).
+
+    A segment is never changed once made: a flush makes a new one (``cat``), so a forked cache can
+    hold its parent's segments themselves, and one lockstep call can score them for every row that
+    holds them (``QJL.attend_many``).
+    """
+
+    keys: QuantizedKeys
+    values: QuantizedGroups
+
+    @property
+    def n(self) -> int:
+        return self.keys.bits.shape[-2]
+
+    def cat(self, other: QJLSegment) -> QJLSegment:
+        return QJLSegment(self.keys.cat(other.keys), cat_groups([self.values, other.values], dim=-2))
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        yield from self.keys.tensors()
+        for kind, t in self.values.tensors():
+            yield f"value_{kind}", t
+
+
+@dataclass
 class QJLLayer:
     """One layer: the sketches, the quantized tokens and the full-precision recent window.
 
-    keys/values cover the oldest ``n_quantized`` tokens; res_k/res_v [Hkv, r, d] the r most recent.
+    ``segments`` hold the oldest ``n_quantized`` tokens in order; res_k/res_v [Hkv, r, d] the r most
+    recent. The first ``shared`` segments are also held by a fork of this cache (``__deepcopy__``):
+    a flush starts a segment of its own after them instead of extending them. Every tensor here is
+    replaced, never written in place, so a fork shares them all until it writes its own.
     """
 
     s: Tensor  # float32 [m, d]
     s_out: Tensor  # float32 [m_out, d]
-    keys: QuantizedKeys | None
-    values: QuantizedGroups | None
+    segments: list[QJLSegment]
     res_k: Tensor
     res_v: Tensor
     n_seen: int
+    shared: int = 0
 
     @property
     def n_quantized(self) -> int:
-        return 0 if self.keys is None else self.keys.bits.shape[-2]
+        return sum(seg.n for seg in self.segments)
+
+    @property
+    def keys(self) -> QuantizedKeys | None:
+        """All quantized keys as one ``QuantizedKeys`` (a copy when there are several segments)."""
+        return _merged(self.segments).keys if self.segments else None
+
+    @property
+    def values(self) -> QuantizedGroups | None:
+        return _merged(self.segments).values if self.segments else None
+
+    def add(self, seg: QJLSegment) -> None:
+        """Store newly quantized tokens after the others."""
+        if len(self.segments) > self.shared:
+            self.segments[-1] = self.segments[-1].cat(seg)
+        else:
+            self.segments.append(seg)
+
+    def __deepcopy__(self, memo: dict) -> QJLLayer:
+        """A fork: the same tensors, its own list of segments; from now on neither extends the shared ones."""
+        self.shared = len(self.segments)
+        twin = QJLLayer(self.s, self.s_out, list(self.segments), self.res_k, self.res_v, self.n_seen, self.shared)
+        memo[id(self)] = twin
+        return twin
+
+
+def _merged(segments: list[QJLSegment]) -> QJLSegment:
+    return functools.reduce(QJLSegment.cat, segments)
 
 
 @dataclass
@@ -454,13 +510,10 @@ class QJL(Compressor):
         n_q = max(0, -(-(n - residual) // self.cfg["outlier_group"]) * self.cfg["outlier_group"])
         stores = self._quantize_all(keys[..., :n_q, :], values[..., :n_q, :], sketches) if n_q else None
         for layer in range(n_layers):
-            kq, vq = (None, None) if stores is None else stores[layer]
+            segments = [] if stores is None else [QJLSegment(*stores[layer])]
             s, s_out = sketches[layer]
-            self.layers.append(
-                QJLLayer(
-                    s, s_out, kq, vq, self.as_cached(keys[layer, :, n_q:]), self.as_cached(values[layer, :, n_q:]), n
-                )
-            )
+            res_k, res_v = self.as_cached(keys[layer, :, n_q:]), self.as_cached(values[layer, :, n_q:])
+            self.layers.append(QJLLayer(s, s_out, segments, res_k, res_v, n))
 
     def _make_sketches(self, d: int, device) -> list[tuple[Tensor, Tensor]]:
         """Per layer (S, S_out), generated in batches of layers sharing a size, from the seed."""
@@ -508,9 +561,7 @@ class QJL(Compressor):
         g = self.cfg["outlier_group"]
         kq = self._quantize_keys(st.res_k[None, :, :g], st.s[None], st.s_out[None])
         vq = quantize_groups(st.res_v[None, :, :g], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
-        kq, vq = kq.layer(0), _index_groups(vq, 0)
-        st.keys = kq if st.keys is None else st.keys.cat(kq)
-        st.values = vq if st.values is None else cat_groups([st.values, vq], dim=-2)
+        st.add(QJLSegment(kq.layer(0), _index_groups(vq, 0)))
         st.res_k, st.res_v = st.res_k[:, g:].clone(), st.res_v[:, g:].clone()
 
     def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
@@ -543,12 +594,41 @@ class QJL(Compressor):
         probability-weighted sum is read from the codes (``weighted_token_sum``).
         """
         st = self.layers[layer]
-        hq, nq = q.shape[0], st.n_quantized
         probs = torch.softmax(self._logits(st, q, causal_tail), dim=-1)  # [Hkv, g*t, n]
-        out = torch.matmul(probs[..., nq:], st.res_v.float())
-        if nq:
-            out = out + weighted_token_sum(probs[..., :nq], st.values)
-        return ungroup(out, hq).to(q.dtype)
+        out = torch.matmul(probs[..., st.n_quantized :], st.res_v.float())
+        for seg, lo in zip(st.segments, _starts(st.segments)):
+            out = out + weighted_token_sum(probs[..., lo : lo + seg.n], seg.values)
+        return ungroup(out, q.shape[0]).to(q.dtype)
+
+    @staticmethod
+    def attend_many(comps: list[QJL], layer: int, q: Tensor) -> list[Tensor]:
+        """``attend`` of several rows in one call: q [R, Hq, 1, d], row i through ``comps[i]`` -> R x [Hq, 1, d].
+
+        A segment held by several rows (forks of one compressed context: the questions asked after
+        compression) is read once for all of them: its score estimates take all their queries in one
+        product, and its values one probability-weighted sum. The maths is ``attend``'s, row by row.
+        """
+        layers = [c.layers[layer] for c in comps]
+        hkv, hq = layers[0].res_k.shape[0], q.shape[1]
+        qg = [group_queries(q[i].float() * c.scaling, hkv) for i, c in enumerate(comps)]  # [Hkv, g, d] each
+        holders = _holders(layers)
+        scores: dict[tuple[int, int], Tensor] = {}
+        for seg, rows in holders:
+            first = rows[0]
+            est = comps[first]._segment_scores(layers[first], seg, torch.cat([qg[i] for i in rows], 1))
+            scores.update(zip(((i, id(seg)) for i in rows), est.chunk(len(rows), dim=1)))
+        outs, probs = [], []
+        for i, st in enumerate(layers):
+            window = torch.matmul(qg[i], st.res_k.float().transpose(-1, -2))
+            p = torch.softmax(torch.cat([*(scores[i, id(seg)] for seg in st.segments), window], -1), dim=-1)
+            probs.append(p)
+            outs.append(torch.matmul(p[..., st.n_quantized :], st.res_v.float()))
+        for seg, rows in holders:
+            parts = [probs[i][..., lo : lo + seg.n] for i in rows for lo in [_start_of(layers[i], seg)]]
+            summed = weighted_token_sum(torch.cat(parts, 1), seg.values).chunk(len(rows), dim=1)
+            for i, s in zip(rows, summed):
+                outs[i] = outs[i] + s
+        return [ungroup(o, hq).to(q.dtype) for o in outs]
 
     def _logits(self, st: QJLLayer, q: Tensor, causal_tail: int = 0) -> Tensor:
         """Scaled logits per KV group: estimates for the quantized tokens, then the exact window: q [Hq, t, d] ->
@@ -558,20 +638,20 @@ class QJL(Compressor):
         logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
         if causal_tail > 1:  # rows are (query head, query) pairs: mask per head
             mask_future(logits.view(hkv, -1, causal_tail, logits.shape[-1]), causal_tail)
-        if st.n_quantized:
-            logits = torch.cat([self._key_scores(st, qg), logits], -1)
+        if st.segments:
+            logits = torch.cat([*(self._segment_scores(st, seg, qg) for seg in st.segments), logits], -1)
         return logits
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
         """Dense while nothing is sketched yet (the full-precision window only)."""
         st = self.layers[layer]
-        return None if st.n_quantized else (st.res_k, st.res_v, None)
+        return None if st.segments else (st.res_k, st.res_v, None)
 
-    def _key_scores(self, st: QJLLayer, qg: Tensor) -> Tensor:
-        """Estimated scores of the quantized keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, n_quantized].
+    def _segment_scores(self, st: QJLLayer, seg: QJLSegment, qg: Tensor) -> Tensor:
+        """Estimated scores of a segment's keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, seg.n].
 
         Triton on CUDA (split or not), the same maths in torch elsewhere."""
-        kq, has_out = st.keys, st.keys.out_bits.shape[-1] > 0
+        kq, has_out = seg.keys, seg.keys.out_bits.shape[-1] > 0
         if self.cfg["split_query"] and has_out:
             g = self.cfg["outlier_group"]
             outliers = (st.s_out, kq.out_bits, kq.out_norms, kq.out_idx)
@@ -584,10 +664,8 @@ class QJL(Compressor):
     # ----- bytes ----------------------------------------------------------------------------------
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for st in self.layers:
-            if st.keys is not None:
-                yield from st.keys.tensors()
-                for kind, t in st.values.tensors():
-                    yield f"value_{kind}", t
+            for seg in st.segments:
+                yield from seg.tensors()
             yield "residual_keys", st.res_k
             yield "residual_values", st.res_v
             if self.cfg["count_sketch"]:
@@ -621,6 +699,28 @@ class QJL(Compressor):
         0..n_quantized-1), exact scores (the recent window, the positions after). q [Hq, 1, d] -> [Hq, n]."""
         st = self.layers[layer]
         return ungroup(torch.softmax(self._logits(st, q), dim=-1), q.shape[0])[:, 0]
+
+
+def _starts(segments: list[QJLSegment]) -> list[int]:
+    """Each segment's first token among the quantized ones."""
+    out, lo = [], 0
+    for seg in segments:
+        out.append(lo)
+        lo += seg.n
+    return out
+
+
+def _start_of(st: QJLLayer, seg: QJLSegment) -> int:
+    return _starts(st.segments)[next(j for j, s in enumerate(st.segments) if s is seg)]
+
+
+def _holders(layers: list[QJLLayer]) -> list[tuple[QJLSegment, list[int]]]:
+    """Every segment held by any of ``layers`` (one row each), with the rows that hold it, in first-seen order."""
+    rows: dict[int, tuple[QJLSegment, list[int]]] = {}
+    for i, st in enumerate(layers):
+        for seg in st.segments:
+            rows.setdefault(id(seg), (seg, []))[1].append(i)
+    return list(rows.values())
 
 
 def _round8(x: float) -> int:
