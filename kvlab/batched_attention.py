@@ -123,10 +123,14 @@ def batched_dense_attention(
     q: [R, Hq, t, d]; segments: R (k, v, logw) as in ``DenseRows``. Returns out [R, Hq, t, d] (q's
     dtype) and probs [R, Hq, t, N] float32 (N the longest row; zero on each row's padding).
     """
-    big_k, big_v, bias = padded_batch(segments)
+    if len(segments) == 1:  # nothing to pad: the row's own tensors, widened as ``dense_attention`` does
+        k, v, lw = segments[0]
+        big_k, big_v, bias = k.float()[None], v.float()[None], None if lw is None else lw.float()[None]
+    else:
+        big_k, big_v, bias = padded_batch(segments)
     hq, hkv = q.shape[-3], big_k.shape[-3]
     logits = torch.matmul(group_queries(q.float() * scaling, hkv), big_k.transpose(-1, -2))  # [R, Hkv, g*t, N]
-    logits = ungroup(logits + bias.unsqueeze(-2), hq)
+    logits = ungroup(logits if bias is None else logits + bias.unsqueeze(-2), hq)
     probs = torch.softmax(logits, dim=-1)
     out = ungroup(torch.matmul(group_queries(probs, hkv), big_v), hq).to(q.dtype)
     return out, probs
