@@ -151,3 +151,36 @@ def test_full_budget_is_exact_and_more_bits_is_closer(lm, prefill_state):
         comp, _ = _kivi(lm, state, bits=bits, residual=0)
         errs[bits] = ((comp.attend(layer, q) - ref).norm() / ref.norm()).item()
     assert errs[4] < errs[2] / 2 and errs[4] < 0.15, errs
+
+
+def test_forks_share_the_quantized_part_and_attend_together(lm, prefill_state, monkeypatch):
+    """Forks of one compressed cache hold its quantized part itself and their own residual. One lockstep
+    call (``attend_many``) dequantizes a shared part once and equals each fork's own ``attend``; a fork
+    that flushed holds a part of its own."""
+    import copy
+
+    from kvlab.batched_attention import attend_rows
+    from kvlab.compressors import kivi
+
+    info, n = lm.info, prefill_state.n_tokens
+    base, _ = _kivi(lm, prefill_state, "0.5", bits=2, residual=8, group=8)
+    forks = [copy.deepcopy(base) for _ in range(2)] + [base]
+    assert all(f.layers[3].kq is base.layers[3].kq for f in forks)
+    assert len({id(f.layers[3].rk) for f in forks}) == 3
+    g = torch.Generator().manual_seed(4)
+    for f, steps in zip(forks, (2, 2, 9)):  # the last fork flushes a group
+        for step in range(steps):
+            for layer in range(info.n_layers):
+                k, v = torch.randn(2, info.n_kv_heads, 1, info.head_dim, generator=g)
+                f.append(layer, k.half(), v.half(), n + step)
+    assert forks[0].layers[3].kq is forks[1].layers[3].kq is not forks[2].layers[3].kq
+    calls = []
+    real = kivi.dequantize_groups
+    monkeypatch.setattr(kivi, "dequantize_groups", lambda x: calls.append(1) or real(x))
+    q = torch.randn(len(forks), info.n_heads, 1, info.head_dim, generator=g)
+    for layer in (0, 3):
+        calls.clear()
+        got = attend_rows(forks, layer, q)
+        assert len(calls) == 2  # the shared part once, the flushed fork's own once
+        for i, f in enumerate(forks):
+            torch.testing.assert_close(got[i], f.attend(layer, q[i]), atol=1e-5, rtol=1e-4)

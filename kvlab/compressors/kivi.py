@@ -18,6 +18,7 @@ flushes); a group left at its default shrinks to 16 or 8 on prompts too short fo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -146,6 +147,12 @@ class KiviLayer:
     rk: _Growable
     rv: _Growable
 
+    def __deepcopy__(self, memo: dict) -> KiviLayer:
+        """A fork: the quantized part itself (a flush replaces it, never writes it), its own residual."""
+        twin = KiviLayer(self.kq, self.vq, copy.deepcopy(self.rk, memo), copy.deepcopy(self.rv, memo))
+        memo[id(self)] = twin
+        return twin
+
     def dequantized(self) -> tuple[Tensor, Tensor]:
         """Keys and values of every token held, float32 [Hkv, n, d] (quantized part first). The codes are
         dequantized in float32, not in the residual's 16-bit cache dtype (that would round them a second
@@ -270,6 +277,39 @@ class KIVI(Compressor):
         pg, nq = group_queries(probs, rk.shape[0]), k.shape[-2] - rk.shape[-2]
         out = weighted_token_sum(pg[..., :nq], st.vq) + torch.matmul(pg[..., nq:], rv.float())
         return ungroup(out, q.shape[0]).to(q.dtype)
+
+    @staticmethod
+    def attend_many(comps: list[KIVI], layer: int, q: Tensor) -> list[Tensor]:
+        """``attend`` of several rows in one call: q [R, Hq, 1, d], row i through ``comps[i]`` -> R x [Hq, 1, d].
+
+        Rows that hold the same quantized part (forks of one compressed context: the questions asked
+        after compression) dequantize its keys once and score them with all their queries in one
+        product; its values' probability-weighted sum is one call for all of them. The maths is
+        ``attend``'s, row by row (the quantized and residual keys scored apart, not concatenated).
+        """
+        layers, hq = [c.layers[layer] for c in comps], q.shape[1]
+        outs: list[Tensor | None] = [None] * len(comps)
+        sharing: dict[int, list[int]] = {}
+        for i, st in enumerate(layers):
+            if st.kq is None:
+                outs[i] = comps[i].attend(layer, q[i])
+            else:
+                sharing.setdefault(id(st.kq), []).append(i)
+        for rows in sharing.values():
+            first = layers[rows[0]]
+            keys = dequantize_groups(first.kq)  # [Hkv, nq, d] float32
+            hkv, nq = keys.shape[0], keys.shape[-2]
+            qg = [group_queries(q[i].float() * comps[i].scaling, hkv) for i in rows]  # [Hkv, g, d] each
+            quantized = torch.matmul(torch.cat(qg, 1), keys.transpose(-1, -2)).chunk(len(rows), dim=1)
+            probs = []
+            for i, qi, lq in zip(rows, qg, quantized):
+                recent = torch.matmul(qi, layers[i].rk.view().float().transpose(-1, -2))
+                probs.append(torch.softmax(torch.cat([lq, recent], -1), dim=-1))  # [Hkv, g, n]
+            summed = weighted_token_sum(torch.cat([p[..., :nq] for p in probs], 1), first.vq).chunk(len(rows), dim=1)
+            for i, p, s in zip(rows, probs, summed):
+                out = s + torch.matmul(p[..., nq:], layers[i].rv.view().float())
+                outs[i] = ungroup(out, hq).to(q.dtype)
+        return outs
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
         """Dense while nothing is quantized yet (the residual only)."""
