@@ -48,6 +48,10 @@ def eviction_keep(key: Tensor, n_drop: int, recent: int) -> Tensor:
     candidates = n - recent
     if n_drop > candidates:
         raise ValueError(f"cannot drop {n_drop} of {n} tokens while protecting the last {recent}")
+    if n_drop == 1:  # one token (H2O's every step): the first largest key, no sort
+        kept = torch.arange(n - 1, device=key.device)
+        drop = key[..., :candidates].argmax(-1, keepdim=True)
+        return kept + (kept >= drop)
     order = torch.sort(key[..., :candidates], dim=-1, descending=True, stable=True).indices
     keep = torch.ones(key.shape, dtype=torch.bool, device=key.device)
     keep.scatter_(-1, order[..., :n_drop], False)

@@ -342,6 +342,16 @@ class _Growable:
         self.buf[..., self.n : self.n + m, :] = x
         self.n += m
 
+    @classmethod
+    def gathered(cls, x: Tensor, idx: Tensor, room: int = 16) -> _Growable:
+        """The tokens ``idx`` [.., H, m] of x [.., H, n, d] in a new buffer with ``room`` tokens to spare:
+        an eviction followed by an append (H2O's every step) then makes one copy, not two."""
+        kept = gather_tokens(x, idx)
+        out = cls(kept.new_empty(*kept.shape[:-2], kept.shape[-2] + room, kept.shape[-1]))
+        out.buf[..., : kept.shape[-2], :] = kept
+        out.n = kept.shape[-2]
+        return out
+
 
 def _positions(k: Tensor, pos: int) -> Tensor:
     """[Hkv, m, 1] int32 positions pos..pos+m-1 for the m tokens of ``k`` [Hkv, m, d]."""
@@ -391,12 +401,11 @@ class DenseLayer:
 
     def keep(self, idx: Tensor) -> None:
         """Keep only the tokens ``idx`` [Hkv, m] (per head), in the given order."""
-        k, v, pos, lw = self.views()
-        self.k = _Growable(gather_tokens(k, idx))
-        self.v = _Growable(gather_tokens(v, idx))
-        self.pos = _Growable(gather_tokens(pos, idx).unsqueeze(-1))
-        if lw is not None:
-            self.logw = _Growable(gather_tokens(lw, idx).unsqueeze(-1))
+        self.k = _Growable.gathered(self.k.view(), idx)
+        self.v = _Growable.gathered(self.v.view(), idx)
+        self.pos = _Growable.gathered(self.pos.view(), idx)
+        if self.logw is not None:
+            self.logw = _Growable.gathered(self.logw.view(), idx)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         k, v, pos, lw = self.views()
