@@ -392,7 +392,38 @@ def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
     return torch.rand(p.shape[0], slots, generator=gen).to(p.device) < p.unsqueeze(-1)
 
 
-def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+GEMM_MIN_COLS = 12  # products with fewer columns take another (small-matrix) path with another rounding
+
+
+def _nearest_open(x: Tensor, xsq: Tensor, centers: Tensor, csq: Tensor, count: Tensor, index: bool = False):
+    """Squared distance of each key of a chunk x [B, c, d] (xsq [B, c]) to the nearest of its stream's
+    ``count`` [B] representatives (centers [B, m, d], csq [B, m]; inf for none): [B, c], and with
+    ``index`` also the nearest one's index [B, c].
+
+    One product per stream over its own representatives: the same rounding as one batched product
+    over the most any stream has (unused ones are at infinity), less the padding. While the most is
+    below ``GEMM_MIN_COLS`` the batched product is kept (another rounding).
+    """
+    cl = count.tolist()
+    used = max(1, max(cl))
+    if used < GEMM_MIN_COLS:
+        d2 = _sqdist(x, xsq, centers[:, :used], csq[:, :used])
+        return d2.min(-1) if index else d2.amin(-1)
+    best = x.new_empty(x.shape[:2])
+    near = torch.empty(x.shape[:2], dtype=torch.long, device=x.device) if index else None
+    for i, m in enumerate(cl):
+        m = max(m, GEMM_MIN_COLS)
+        d2 = torch.addmm(xsq[i].unsqueeze(-1) + csq[i, :m], x[i], centers[i, :m].T, alpha=-2)
+        if index:
+            torch.min(d2, -1, out=(best[i], near[i]))
+        else:
+            torch.amin(d2, -1, out=best[i])
+    return (best, near) if index else best
+
+
+def _cluster_stream(
+    keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256, first: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """UpdateSoftmaxNormalizer's cluster assignment over a whole prompt, for B streams in lockstep.
 
     Exactly the sequential rule (a key joins the nearest representative opened before it if within
@@ -402,8 +433,9 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
     covers opens the next one, visible only to keys from there on). Python loops over opened
     clusters, not over tokens.
 
-    keys [B, n, d], delta [B]. Returns assign [B, n], centers [B, m_cap, d], count [B] and
-    forced [B]: how many keys joined a cluster farther than delta because the cap was reached.
+    keys [B, n, d], delta [B]; ``first``: the first chunk's ``_pair_dists`` when already made.
+    Returns assign [B, n], centers [B, m_cap, d], count [B] and forced [B]: how many keys joined a
+    cluster farther than delta because the cap was reached.
     """
     b, n, d = keys.shape
     ksq = (keys * keys).sum(-1)
@@ -415,9 +447,8 @@ def _cluster_stream(keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256) -
     delta2 = (delta * delta).unsqueeze(-1)
     for a in range(0, n, chunk):
         x, xsq = keys[:, a : a + chunk], ksq[:, a : a + chunk]
-        used = max(1, int(count.max()))
-        best, near = _sqdist(x, xsq, centers[:, :used], csq[:, :used]).min(-1)
-        _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2)
+        best, near = _nearest_open(x, xsq, centers, csq, count, index=True)
+        _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2, first if a == 0 else None)
         assign[:, a : a + chunk] = near
         forced += (best > delta2).sum(-1)
     return assign, centers, count, forced
@@ -434,85 +465,143 @@ class Clustering:
     forced: Tensor
 
 
-def leader_delta(keys: Tensor, m_cap: int, iters: int = 10) -> tuple[Tensor, Clustering]:
+def leader_delta(keys: Tensor, m_cap: int, iters: int = 10, chunk: int = 256) -> tuple[Tensor, Clustering]:
     """The smallest radius (to 2^-iters of the keys' diameter bound) at which Algorithm 1's leader
     clustering of each stream opens at most ``m_cap`` clusters: bisection on the prompt.
 
-    keys [B, n, d] float32. Returns delta [B] and the clustering at that delta (the pass that
-    accepted it, so it is not run again). Any delta >= the diameter gives one cluster, so the upper
-    end always fits; each step runs the clustering of all streams in lockstep (``_fits``).
+    keys [B, n, d] float32. Returns delta [B] and the clustering at that delta. Any delta >= the
+    diameter gives one cluster, so the upper end always fits; each step counts the clusters of all
+    streams in lockstep (``_fits``, which needs no assignments), and the clustering at the radius
+    found is made once at the end (``_cluster_stream``: the same pass as the accepting step's).
+    The first chunk's distances, which every pass needs, are measured once (``_pair_dists``).
     """
-    b, n, d = keys.shape
     hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
     lo = torch.zeros_like(hi)
-    found = Clustering(
-        torch.zeros(b, n, dtype=torch.long), keys.new_zeros(b, m_cap, d), torch.zeros(b, dtype=torch.long), None
-    )
-    have = torch.zeros(b, dtype=torch.bool)
+    first = _pair_dists(keys[:, :chunk])
+    ksq = (keys * keys).sum(-1)
     for _ in range(iters):
         mid = (lo + hi) / 2
-        fits = _fits(keys, mid, m_cap, found)
-        have |= fits
+        fits = _fits(keys, ksq, mid, m_cap, chunk, first)
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-    found.forced = torch.zeros(b, dtype=torch.long)  # a stream that fits never reaches the cap
-    if not bool(have.all()):  # no step fitted: the clustering at the initial upper end
-        rows = (~have).nonzero().squeeze(-1)
-        rest = Clustering(*_cluster_stream(keys[rows], hi[rows], m_cap))
-        for name in ("assign", "centers", "count", "forced"):
-            getattr(found, name)[rows] = getattr(rest, name)
-    return hi, found
+    return hi, Clustering(*_cluster_stream(keys, hi, m_cap, chunk, first))
 
 
-def _fits(keys: Tensor, delta: Tensor, m_cap: int, out: Clustering | None = None, chunk: int = 256) -> Tensor:
+def _pair_dists(x: Tensor) -> Tensor:
+    """Squared distances within a chunk x [B, c, d] as ``_open_in_chunk`` measures them (the product of
+    the keys from p on with key p, so the same rounding): [B, c, c], [:, p, i] = |x_i - x_p|^2 for i >= p
+    (0 below)."""
+    b, c, _ = x.shape
+    xsq = (x * x).sum(-1)
+    out = x.new_zeros(b, c, c)
+    for p in range(c):
+        out[:, p, p:] = _sqdist(x[:, p:], xsq[:, p:], x[:, p : p + 1], xsq[:, p : p + 1]).squeeze(-1)
+    return out
+
+
+def _fits(
+    keys: Tensor, ksq: Tensor, delta: Tensor, m_cap: int, chunk: int = 256, first: Tensor | None = None
+) -> Tensor:
     """Whether leader clustering (``_cluster_stream``) of each stream opens at most ``m_cap``
-    clusters: keys [B, n, d], delta [B] -> bool [B]. The clustering of the streams that fit is
-    written into ``out`` (its assign, centers and count rows), when given.
+    clusters: keys [B, n, d], their squared norms ksq [B, n], delta [B] -> bool [B]; ``first`` as in
+    ``_cluster_stream``.
 
-    A stream is decided once it opens cluster m_cap + 1; it then leaves the lockstep batch, so the
-    rest of the prompt is clustered only for the streams still undecided (a step of the bisection
-    whose radius is too small stops early for most streams).
+    Only the count matters here, so a key needs only its distance to the nearest representative of
+    the earlier chunks: the keys of a chunk that these leave uncovered are its only candidates to
+    open one, and its openers are found among them alone (``_open_among``). A stream is decided
+    once it opens cluster m_cap + 1; it then leaves the lockstep batch, so the rest of the prompt is
+    clustered only for the streams still undecided (a step of the bisection whose radius is too
+    small stops early for most streams).
     """
     b, n, d = keys.shape
     cap = m_cap + 1
     live = torch.arange(b, device=keys.device)  # streams still undecided, as rows of the full batch
-    rest, delta2 = keys, (delta * delta).unsqueeze(-1)  # rest: the live streams' keys from token ``start`` on
+    rest, rsq, delta2 = keys, ksq, (delta * delta).unsqueeze(-1)  # the live streams' keys from token ``start`` on
     start = 0
     centers = keys.new_zeros(b, cap, d)
     csq = torch.full((b, cap), float("inf"), dtype=keys.dtype, device=keys.device)
     count = torch.zeros(b, dtype=torch.long, device=keys.device)
     over = torch.zeros(b, dtype=torch.bool, device=keys.device)
-    assign = torch.zeros(b, n, dtype=torch.long, device=keys.device) if out is not None else None
     for a in range(0, n, chunk):
-        x = rest[:, a - start : a - start + chunk]
-        xsq = (x * x).sum(-1)
-        used = max(1, int(count.max()))
-        best, near = _sqdist(x, xsq, centers[:, :used], csq[:, :used]).min(-1)
-        _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2)
-        if out is not None:
-            assign[:, a : a + chunk] = near
+        x, xsq = rest[:, a - start : a - start + chunk], rsq[:, a - start : a - start + chunk]
+        if a == 0:  # nothing open yet: every key is a candidate
+            _open_among(x, xsq, torch.full_like(xsq, float("inf")), centers, csq, count, delta2, first)
+        else:
+            best = _nearest_open(x, xsq, centers, csq, count)
+            _open_among(x, xsq, best, centers, csq, count, delta2)
         done = count >= cap
         if 4 * int(done.sum()) >= live.numel():  # drop the decided streams once they are a quarter
             over[live[done]] = True
             keep = ~done
             live, delta2, centers, csq, count = live[keep], delta2[keep], centers[keep], csq[keep], count[keep]
-            rest, start = rest[keep, a + chunk - start :], a + chunk
-            if out is not None:
-                assign = assign[keep]
+            rest, rsq, start = rest[keep, a + chunk - start :], rsq[keep, a + chunk - start :], a + chunk
+            if first is not None:
+                first = first[keep]
             if live.numel() == 0:
                 break
     over[live[count >= cap]] = True
-    if out is not None:
-        ok = count < cap
-        rows = live[ok]
-        out.assign[rows], out.centers[rows], out.count[rows] = assign[ok], centers[ok, :m_cap], count[ok]
     return ~over
 
 
-def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
+def _open_among(x, xsq, best, centers, csq, count, delta2, dist: Tensor | None = None) -> None:
+    """The representatives one chunk opens, in order, for the cluster count only; updates centers,
+    csq and count in place (past ``centers.shape[1]`` clusters a stream opens none).
+
+    x [B, c, d], xsq [B, c]: the chunk's keys; best [B, c]: squared distance to the nearest
+    representative of the earlier chunks; ``dist``: the chunk's ``_pair_dists`` when measured.
+    Only keys beyond delta of those representatives can open one, so without ``dist`` they are
+    gathered (in order, padded with covered keys) and measured as in ``_open_in_chunk``, with the
+    same products (the same rounding). A key stays uncovered while every representative it sees is
+    farther than delta: the first uncovered key of each stream opens the next one.
+    """
+    cap = centers.shape[1]
+    free = best > delta2
+    take = None
+    if dist is None:
+        free &= (count < cap).unsqueeze(-1)
+        per = free.sum(-1)
+        u = int(per.max())
+        if u == 0:
+            return
+        slot = torch.where(free, free.cumsum(-1) - 1, u)  # the candidates' places, in order; the rest: spare column
+        take = torch.zeros(x.shape[0], u + 1, dtype=torch.long, device=x.device)
+        take.scatter_(1, slot, torch.arange(x.shape[1], device=x.device).expand_as(slot))
+        take = take[:, :u]
+        x, xsq = x[torch.arange(x.shape[0], device=x.device).unsqueeze(-1), take], torch.gather(xsq, 1, take)
+        free = torch.arange(u, device=x.device) < per.unsqueeze(-1)
+    b = x.shape[0]
+    rows = torch.arange(b, device=x.device)
+    room = cap - count
+    opens, at = [], []
+    while True:
+        has, p = torch.max(free, dim=-1)  # the first uncovered key
+        has &= room > 0
+        if not bool(has.any()):
+            break
+        opens.append(has)
+        at.append(p)
+        if dist is not None:
+            d2 = dist[rows, p]
+            free &= (d2 > delta2) | ~has.unsqueeze(-1)
+        else:
+            lo = int(p[has].min())  # no key before lo sees the new representatives
+            d2 = _sqdist(x[:, lo:], xsq[:, lo:], x[rows, p].unsqueeze(1), xsq[rows, p].unsqueeze(1)).squeeze(-1)
+            free[:, lo:] &= (d2 > delta2) | ~has.unsqueeze(-1)
+        room -= has.long()
+    if opens:
+        has, p = torch.stack(opens, 1), torch.stack(at, 1)  # [B, rounds]
+        s, r = has.nonzero().unbind(1)
+        slot = count[s] + has.long().cumsum(1)[s, r] - 1
+        tok = p[s, r]
+        centers[s, slot], csq[s, slot] = x[s, tok], xsq[s, tok]
+        count += has.sum(1)
+
+
+def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2, dist: Tensor | None = None) -> None:
     """Open representatives inside one chunk, in order; updates best / near [B, c], centers, csq, count in place.
 
     x [B, c, d], xsq [B, c]: the chunk's keys; best / near: squared distance to, and index of, the
-    nearest representative visible to each key so far.
+    nearest representative visible to each key so far; ``dist``: the chunk's ``_pair_dists`` when
+    already measured (else each new representative's distances are measured here).
     """
     b, c, _ = x.shape
     m_cap = centers.shape[1]
@@ -528,9 +617,11 @@ def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2) -> None:
         csq[rows, slot] = torch.where(has, xsq[rows, p], csq[rows, slot])
         p = p.masked_fill_(~has, c)  # streams without a new representative update nothing
         lo = int(p.min())  # no key before lo sees a new representative
-        d2 = _sqdist(x[:, lo:], xsq[:, lo:], opened.unsqueeze(1), xsq[rows, p.clamp_max(c - 1)].unsqueeze(1)).squeeze(
-            -1
-        )
+        if dist is not None:
+            d2 = dist[rows, p.clamp_max(c - 1), lo:]
+        else:
+            psq = xsq[rows, p.clamp_max(c - 1)].unsqueeze(1)
+            d2 = _sqdist(x[:, lo:], xsq[:, lo:], opened.unsqueeze(1), psq).squeeze(-1)
         upd = (d2 < best[:, lo:]) & (tok[lo:] >= p.unsqueeze(-1))
         best[:, lo:] = torch.where(upd, d2, best[:, lo:])
         near[:, lo:] = torch.where(upd, slot.unsqueeze(-1), near[:, lo:])
