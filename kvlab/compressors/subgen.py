@@ -548,14 +548,16 @@ def _open_among(x, xsq, best, centers, csq, count, delta2, dist: Tensor | None =
 
     x [B, c, d], xsq [B, c]: the chunk's keys; best [B, c]: squared distance to the nearest
     representative of the earlier chunks; ``dist``: the chunk's ``_pair_dists`` when measured.
-    Only keys beyond delta of those representatives can open one, so without ``dist`` they are
-    gathered (in order, padded with covered keys) and measured as in ``_open_in_chunk``, with the
-    same products (the same rounding). A key stays uncovered while every representative it sees is
-    farther than delta: the first uncovered key of each stream opens the next one.
+    A key stays uncovered while every representative it sees is farther than delta; the first
+    uncovered key of each stream opens the next one. Only keys beyond delta of the earlier
+    representatives can open one, so without ``dist`` they are gathered (in order, padded with
+    covered keys) and each new representative is measured against them with the same product as
+    ``_open_in_chunk`` (the same rounding). Streams with nothing left to open leave the batch once
+    they are half of it (at least two streams stay: a batch of one takes another product path).
     """
+    b = x.shape[0]
     cap = centers.shape[1]
     free = best > delta2
-    take = None
     if dist is None:
         free &= (count < cap).unsqueeze(-1)
         per = free.sum(-1)
@@ -563,37 +565,49 @@ def _open_among(x, xsq, best, centers, csq, count, delta2, dist: Tensor | None =
         if u == 0:
             return
         slot = torch.where(free, free.cumsum(-1) - 1, u)  # the candidates' places, in order; the rest: spare column
-        take = torch.zeros(x.shape[0], u + 1, dtype=torch.long, device=x.device)
+        take = torch.zeros(b, u + 1, dtype=torch.long, device=x.device)
         take.scatter_(1, slot, torch.arange(x.shape[1], device=x.device).expand_as(slot))
         take = take[:, :u]
-        x, xsq = x[torch.arange(x.shape[0], device=x.device).unsqueeze(-1), take], torch.gather(xsq, 1, take)
+        x, xsq = x[torch.arange(b, device=x.device).unsqueeze(-1), take], torch.gather(xsq, 1, take)
         free = torch.arange(u, device=x.device) < per.unsqueeze(-1)
-    b = x.shape[0]
-    rows = torch.arange(b, device=x.device)
-    room = cap - count
-    opens, at = [], []
+    keys, ksq = x, xsq
+    ids, room, lim = torch.arange(b, device=x.device), cap - count, delta2
+    who, at, did = [], [], []  # per round: the batch's streams, their first uncovered keys, which opened
     while True:
         has, p = torch.max(free, dim=-1)  # the first uncovered key
         has &= room > 0
-        if not bool(has.any()):
+        k = int(has.sum())
+        if k == 0:
             break
-        opens.append(has)
+        if 2 * k <= ids.numel() and ids.numel() > 2:  # the streams done with this chunk leave the batch
+            keep = has.nonzero().squeeze(-1)
+            if k == 1:
+                keep = torch.cat([keep, (~has).nonzero()[0]])
+            ids, free, room, lim, has, p = (t.index_select(0, keep) for t in (ids, free, room, lim, has, p))
+            if dist is None:
+                x, xsq = x.index_select(0, keep), xsq.index_select(0, keep)
+        who.append(ids)
         at.append(p)
+        did.append(has)
         if dist is not None:
-            d2 = dist[rows, p]
-            free &= (d2 > delta2) | ~has.unsqueeze(-1)
+            d2 = dist.view(-1, dist.shape[-1]).index_select(0, ids * dist.shape[1] + p)
+            free &= (d2 > lim) | ~has.unsqueeze(-1)
         else:
-            lo = int(p[has].min())  # no key before lo sees the new representatives
-            d2 = _sqdist(x[:, lo:], xsq[:, lo:], x[rows, p].unsqueeze(1), xsq[rows, p].unsqueeze(1)).squeeze(-1)
-            free[:, lo:] &= (d2 > delta2) | ~has.unsqueeze(-1)
+            lo = int(p.masked_fill(~has, x.shape[1]).min())  # no key before lo sees a new representative
+            flat = torch.arange(ids.numel(), device=x.device) * x.shape[1] + p
+            c, csq_new = x.view(-1, x.shape[-1]).index_select(0, flat), xsq.view(-1).index_select(0, flat)
+            d2 = _sqdist(x[:, lo:], xsq[:, lo:], c.unsqueeze(1), csq_new.unsqueeze(1)).squeeze(-1)
+            free[:, lo:] &= (d2 > lim) | ~has.unsqueeze(-1)
         room -= has.long()
-    if opens:
-        has, p = torch.stack(opens, 1), torch.stack(at, 1)  # [B, rounds]
-        s, r = has.nonzero().unbind(1)
-        slot = count[s] + has.long().cumsum(1)[s, r] - 1
-        tok = p[s, r]
-        centers[s, slot], csq[s, slot] = x[s, tok], xsq[s, tok]
-        count += has.sum(1)
+    if who:
+        did = torch.cat(did)
+        s, p = torch.cat(who)[did], torch.cat(at)[did]
+        order = torch.sort(s, stable=True).indices  # by stream, each in order of opening
+        s, p = s[order], p[order]
+        per = torch.bincount(s, minlength=b)
+        slot = count[s] + torch.arange(s.numel(), device=s.device) - (per.cumsum(0) - per)[s]
+        centers[s, slot], csq[s, slot] = keys[s, p], ksq[s, p]
+        count += per
 
 
 def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2, dist: Tensor | None = None) -> None:
