@@ -111,25 +111,34 @@ def greedy_kcenter(x: Tensor, k: int) -> KCenter:
 
 
 def _greedy_kcenter(x: Tensor, k: int) -> KCenter:
-    """``greedy_kcenter`` on all streams of x [B, n, d] in lockstep."""
-    b, n, _ = x.shape
+    """``greedy_kcenter`` on all streams of x [B, n, d] in lockstep.
+
+    Each round measures every point against the new center with one batched product (the new
+    center's key as a [B, d, 1] view: the product's rounding depends on its layout) and updates the
+    running nearest distance and center in place (assign kept in int32 until the end).
+    """
+    b, n, d = x.shape
     k = min(k, n)
     xsq = (x * x).sum(-1)
-    rows = torch.arange(b, device=x.device)
+    flat, flat_sq, first = x.reshape(-1, d), xsq.view(-1), torch.arange(b, device=x.device) * n
+    xsq = xsq.unsqueeze(-1)
     best = torch.full((b, n), float("inf"), dtype=x.dtype, device=x.device)
-    assign = torch.zeros(b, n, dtype=torch.long, device=x.device)
-    centers = torch.zeros(b, k, dtype=torch.long, device=x.device)
+    assign = torch.zeros(b, n, dtype=torch.int32, device=x.device)
+    closer = torch.empty(b, n, dtype=torch.bool, device=x.device)
     cur = torch.zeros(b, dtype=torch.long, device=x.device)
+    picks = []
     for j in range(k):
-        centers[:, j] = cur
-        d2 = _sqdist(x, xsq, x[rows, cur].unsqueeze(1), xsq[rows, cur].unsqueeze(1)).squeeze(-1)
-        closer = d2 < best
-        best = torch.where(closer, d2, best)
+        picks.append(cur)
+        at = first + cur
+        c, csq = flat.index_select(0, at), flat_sq.index_select(0, at)
+        d2 = torch.baddbmm(xsq + csq.view(b, 1, 1), x, c.unsqueeze(1).transpose(-1, -2), alpha=-2).view(b, n)
+        torch.lt(d2, best, out=closer)
+        torch.minimum(best, d2, out=best)  # = where(closer, d2, best): no NaN, and equal values are equal
         assign.masked_fill_(closer, j)
-        assign[rows, cur] = j
-        best[rows, cur] = -1.0  # chosen: distance 0, below every unchosen point's
+        assign.view(-1)[at] = j
+        best.view(-1)[at] = -1.0  # chosen: distance 0, below every unchosen point's
         cur = best.argmax(-1)
-    return KCenter(centers, assign, best.amax(-1).clamp_min(0).sqrt())
+    return KCenter(torch.stack(picks, 1), assign.long(), best.amax(-1).clamp_min(0).sqrt())
 
 
 def _nearest(centers: Tensor, csq: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
