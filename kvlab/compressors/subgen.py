@@ -524,7 +524,7 @@ def _fits(
     b, n, d = keys.shape
     cap = m_cap + 1
     live = torch.arange(b, device=keys.device)  # streams still undecided, as rows of the full batch
-    rest, rsq, delta2 = keys, ksq, (delta * delta).unsqueeze(-1)  # the live streams' keys from token ``start`` on
+    rest, rsq, delta2 = keys.contiguous(), ksq, (delta * delta).unsqueeze(-1)  # live streams, from ``start`` on
     start = 0
     centers = keys.new_zeros(b, cap, d)
     csq = torch.full((b, cap), float("inf"), dtype=keys.dtype, device=keys.device)
@@ -536,7 +536,8 @@ def _fits(
             _open_among(x, xsq, torch.full_like(xsq, float("inf")), centers, csq, count, delta2, first)
         else:
             best = _nearest_open(x, xsq, centers, csq, count)
-            _open_among(x, xsq, best, centers, csq, count, delta2)
+            rows = torch.arange(live.numel(), device=keys.device) * rest.shape[1] + (a - start)
+            _open_among(x, xsq, best, centers, csq, count, delta2, src=(rest.view(-1, d), rows))
         done = count >= cap
         if 4 * int(done.sum()) >= live.numel():  # drop the decided streams once they are a quarter
             over[live[done]] = True
@@ -551,12 +552,16 @@ def _fits(
     return ~over
 
 
-def _open_among(x, xsq, best, centers, csq, count, delta2, dist: Tensor | None = None) -> None:
+def _open_among(
+    x, xsq, best, centers, csq, count, delta2, dist: Tensor | None = None, src: tuple[Tensor, Tensor] | None = None
+) -> None:
     """The representatives one chunk opens, in order, for the cluster count only; updates centers,
     csq and count in place (past ``centers.shape[1]`` clusters a stream opens none).
 
     x [B, c, d], xsq [B, c]: the chunk's keys; best [B, c]: squared distance to the nearest
-    representative of the earlier chunks; ``dist``: the chunk's ``_pair_dists`` when measured.
+    representative of the earlier chunks; ``dist``: the chunk's ``_pair_dists`` when measured;
+    ``src``: the keys as rows [N, d] of a matrix and the row [B] of each stream's first key of the
+    chunk (x's rows are gathered from there).
     A key stays uncovered while every representative it sees is farther than delta; the first
     uncovered key of each stream opens the next one. Only keys beyond delta of the earlier
     representatives can open one, so without ``dist`` they are gathered (in order, padded with
@@ -577,7 +582,11 @@ def _open_among(x, xsq, best, centers, csq, count, delta2, dist: Tensor | None =
         take = torch.zeros(b, u + 1, dtype=torch.long, device=x.device)
         take.scatter_(1, slot, torch.arange(x.shape[1], device=x.device).expand_as(slot))
         take = take[:, :u]
-        x, xsq = x[torch.arange(b, device=x.device).unsqueeze(-1), take], torch.gather(xsq, 1, take)
+        if src is None:
+            x = x[torch.arange(b, device=x.device).unsqueeze(-1), take]
+        else:
+            x = src[0].index_select(0, (src[1].unsqueeze(-1) + take).view(-1)).view(b, u, -1)
+        xsq = torch.gather(xsq, 1, take)
         free = torch.arange(u, device=x.device) < per.unsqueeze(-1)
     keys, ksq = x, xsq
     ids, room, lim = torch.arange(b, device=x.device), cap - count, delta2
