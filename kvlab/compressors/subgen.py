@@ -402,6 +402,7 @@ def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
 
 
 GEMM_MIN_COLS = 12  # products with fewer columns take another (small-matrix) path with another rounding
+NEAREST_GROUP = 16  # streams per product in ``_nearest_open``
 
 
 def _nearest_open(x: Tensor, xsq: Tensor, centers: Tensor, csq: Tensor, count: Tensor, index: bool = False):
@@ -409,24 +410,29 @@ def _nearest_open(x: Tensor, xsq: Tensor, centers: Tensor, csq: Tensor, count: T
     ``count`` [B] representatives (centers [B, m, d], csq [B, m]; inf for none): [B, c], and with
     ``index`` also the nearest one's index [B, c].
 
-    One product per stream over its own representatives: the same rounding as one batched product
-    over the most any stream has (unused ones are at infinity), less the padding. While the most is
-    below ``GEMM_MIN_COLS`` the batched product is kept (another rounding).
+    The streams go in groups of ``NEAREST_GROUP`` with similar counts, one product per group over
+    the most representatives of its streams: the same rounding as one product over the most any
+    stream has (the unused ones are at infinity), less the padding. While the most is below
+    ``GEMM_MIN_COLS`` the single product is kept (another rounding).
     """
-    cl = count.tolist()
-    used = max(1, max(cl))
+    used = max(1, int(count.max()))
     if used < GEMM_MIN_COLS:
         d2 = _sqdist(x, xsq, centers[:, :used], csq[:, :used])
         return d2.min(-1) if index else d2.amin(-1)
     best = x.new_empty(x.shape[:2])
     near = torch.empty(x.shape[:2], dtype=torch.long, device=x.device) if index else None
-    for i, m in enumerate(cl):
-        m = max(m, GEMM_MIN_COLS)
-        d2 = torch.addmm(xsq[i].unsqueeze(-1) + csq[i, :m], x[i], centers[i, :m].T, alpha=-2)
+    ranked, order = torch.sort(count, stable=True)
+    for g in range(0, count.numel(), NEAREST_GROUP):
+        rows = order[g : g + NEAREST_GROUP]
+        m = max(int(ranked[g : g + NEAREST_GROUP][-1]), GEMM_MIN_COLS)
+        cg, cgsq = centers[:, :m].index_select(0, rows), csq[:, :m].index_select(0, rows)
+        d2 = _sqdist(x.index_select(0, rows), xsq.index_select(0, rows), cg, cgsq)
         if index:
-            torch.min(d2, -1, out=(best[i], near[i]))
+            v, i = d2.min(-1)
+            best.index_copy_(0, rows, v)
+            near.index_copy_(0, rows, i)
         else:
-            torch.amin(d2, -1, out=best[i])
+            best.index_copy_(0, rows, d2.amin(-1))
     return (best, near) if index else best
 
 
