@@ -52,6 +52,7 @@ lie close to x.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -595,34 +596,38 @@ def _open_among(
         xsq = torch.gather(xsq, 1, take)
         free = torch.arange(u, device=x.device) < per.unsqueeze(-1)
     keys, ksq = x, xsq
-    ids, room, lim = torch.arange(b, device=x.device), cap - count, delta2
+    width = x.shape[1]
+    ids, room, lim = torch.arange(b, device=x.device), cap - count, delta2.squeeze(-1)
+    opened = torch.zeros_like(room)
+    base = ids * width  # each stream's first row in x.view(-1, d)
     who, at, did = [], [], []  # per round: the batch's streams, their first uncovered keys, which opened
-    while True:
+    for rnd in itertools.count():
         has, p = torch.max(free, dim=-1)  # the first uncovered key
-        has &= room > 0
-        k = int(has.sum())
-        if k == 0:
+        has &= opened < room
+        lo = int(p.masked_fill(~has, width).min())  # no key before lo sees a new representative
+        if lo == width:
             break
-        if 2 * k <= ids.numel() and ids.numel() > 2:  # the streams done with this chunk leave the batch
-            keep = has.nonzero().squeeze(-1)
-            if k == 1:
+        if rnd % 4 == 3 and ids.numel() > 2 and 2 * int(has.sum()) <= ids.numel():
+            keep = has.nonzero().squeeze(-1)  # the streams done with this chunk leave the batch
+            if keep.numel() == 1:
                 keep = torch.cat([keep, (~has).nonzero()[0]])
-            ids, free, room, lim, has, p = (t.index_select(0, keep) for t in (ids, free, room, lim, has, p))
+            ids, free, room, opened, lim, has, p = (
+                t.index_select(0, keep) for t in (ids, free, room, opened, lim, has, p)
+            )
             if dist is None:
                 x, xsq = x.index_select(0, keep), xsq.index_select(0, keep)
+                base = torch.arange(ids.numel(), device=x.device) * width
         who.append(ids)
         at.append(p)
         did.append(has)
+        cut = lim.masked_fill(~has, -float("inf")).unsqueeze(-1)  # streams without an opener keep their keys
         if dist is not None:
-            d2 = dist.view(-1, dist.shape[-1]).index_select(0, ids * dist.shape[1] + p)
-            free &= (d2 > lim) | ~has.unsqueeze(-1)
+            free &= dist.view(-1, width).index_select(0, ids * width + p) > cut
         else:
-            lo = int(p.masked_fill(~has, x.shape[1]).min())  # no key before lo sees a new representative
-            flat = torch.arange(ids.numel(), device=x.device) * x.shape[1] + p
-            c, csq_new = x.view(-1, x.shape[-1]).index_select(0, flat), xsq.view(-1).index_select(0, flat)
-            d2 = _sqdist(x[:, lo:], xsq[:, lo:], c.unsqueeze(1), csq_new.unsqueeze(1)).squeeze(-1)
-            free[:, lo:] &= (d2 > lim) | ~has.unsqueeze(-1)
-        room -= has.long()
+            flat = base + p
+            c, c_sq = x.view(-1, x.shape[-1]).index_select(0, flat), xsq.view(-1).index_select(0, flat)
+            free[:, lo:] &= _sqdist(x[:, lo:], xsq[:, lo:], c.unsqueeze(1), c_sq.unsqueeze(1)).squeeze(-1) > cut
+        opened += has
     if who:
         did = torch.cat(did)
         s, p = torch.cat(who)[did], torch.cat(at)[did]
