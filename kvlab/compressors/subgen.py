@@ -491,6 +491,7 @@ def leader_delta(keys: Tensor, m_cap: int, iters: int = 10, chunk: int = 256) ->
     found is made once at the end (``_cluster_stream``: the same pass as the accepting step's).
     The first chunk's distances, which every pass needs, are measured once (``_pair_dists``).
     """
+    keys = keys.contiguous()  # (the prompt's keys come as a view)
     hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
     lo = torch.zeros_like(hi)
     first = _pair_dists(keys[:, :chunk])
