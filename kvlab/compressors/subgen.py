@@ -30,13 +30,14 @@ token.
 The radius delta. The paper assumes a clusterable stream: m clusters of radius delta, m sublinear in
 n, the cluster count never capped. kvlab picks delta per stream (layer, KV head) so that leader
 clustering of the prompt opens about ``m_cap`` clusters, ``m_cap`` being what the byte budget pays
-for: the smallest such radius, by bisection on the prompt (``leader_delta``, whose accepting
-pass also gives the prompt's clustering). Deviation, for the
-budget: the cluster count is still capped at ``m_cap`` while decoding; once a stream has ``m_cap``
-clusters, a far key joins its nearest cluster anyway (the uniform reservoir still estimates that
-cluster's sum without bias; only the variance grows). The plan reports the delta, the clusters
-opened on the prompt and whether the cap bound (``cap_bound``); ``SubGen.cap_bound()`` counts it
-while decoding too. Representatives, samples and M are stored in the cache dtype (16-bit by default).
+for: the smallest such radius, by bisection on the prompt (``leader_delta``: each step only counts
+the clusters; the prompt's clustering at the radius found is made once at the end). Deviation, for
+the budget: the cluster count is still capped at ``m_cap`` while decoding; once a stream has
+``m_cap`` clusters, a far key joins its nearest cluster anyway (the uniform reservoir still
+estimates that cluster's sum without bias; only the variance grows). The plan reports the delta,
+the clusters opened on the prompt and whether the cap bound (``cap_bound``); ``SubGen.cap_bound()``
+counts it while decoding too. Representatives, samples and M are stored in the cache dtype (16-bit
+by default).
 
 ``subgen-kcenter`` is the form of the experiments (Sec. 3.2 of SubGen, Sec. 4.1 of ClusterGen): keep
 the most recent ``l`` tokens plus the ``k`` center tokens (their own keys and values) from one greedy
@@ -481,15 +482,19 @@ class Clustering:
     forced: Tensor
 
 
-def leader_delta(keys: Tensor, m_cap: int, iters: int = 10, chunk: int = 256) -> tuple[Tensor, Clustering]:
+def leader_delta(
+    keys: Tensor, m_cap: int, iters: int = 10, chunk: int = 256, cluster: bool = True
+) -> tuple[Tensor, Clustering | None]:
     """The smallest radius (to 2^-iters of the keys' diameter bound) at which Algorithm 1's leader
     clustering of each stream opens at most ``m_cap`` clusters: bisection on the prompt.
 
     keys [B, n, d] float32. Returns delta [B] and the clustering at that delta. Any delta >= the
     diameter gives one cluster, so the upper end always fits; each step counts the clusters of all
     streams in lockstep (``_fits``, which needs no assignments), and the clustering at the radius
-    found is made once at the end (``_cluster_stream``: the same pass as the accepting step's).
-    The first chunk's distances, which every pass needs, are measured once (``_pair_dists``).
+    found is made once at the end (``_cluster_stream``: the same pass as the accepting step's; None
+    without ``cluster``). The first chunk's distances, which every pass needs, are measured once
+    (``_pair_dists``). Every distance comes from the same product as in ``_cluster_stream`` (the same
+    rounding), so the steps, delta and clustering are those of running it in full at every step.
     """
     keys = keys.contiguous()  # (the prompt's keys come as a view)
     hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
@@ -500,7 +505,7 @@ def leader_delta(keys: Tensor, m_cap: int, iters: int = 10, chunk: int = 256) ->
         mid = (lo + hi) / 2
         fits = _fits(keys, ksq, mid, m_cap, chunk, first)
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-    return hi, Clustering(*_cluster_stream(keys, hi, m_cap, chunk, first))
+    return hi, Clustering(*_cluster_stream(keys, hi, m_cap, chunk, first)) if cluster else None
 
 
 def _pair_dists(x: Tensor) -> Tensor:
@@ -834,9 +839,9 @@ class SubGen(Compressor):
         if self.cfg["delta"] is not None:
             return torch.full(keys.shape[:2], float(self.cfg["delta"])), None
         n_layers, h, n, d = keys.shape
-        radius, clustering = leader_delta(keys.reshape(n_layers * h, n, d).float(), m_cap)
         scale = self.cfg["delta_scale"]
-        return (radius * scale).view(n_layers, h), clustering if scale == 1.0 else None
+        radius, clustering = leader_delta(keys.reshape(n_layers * h, n, d).float(), m_cap, cluster=scale == 1.0)
+        return (radius * scale).view(n_layers, h), clustering
 
     def cap_bound(self) -> dict:
         """How often the cluster cap bound so far (prompt and decoding): keys that joined a cluster
