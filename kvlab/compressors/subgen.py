@@ -89,7 +89,7 @@ class KCenter:
     radius: Tensor
 
 
-KCENTER_BYTES = 8 << 20  # keys of the streams one greedy k-center pass works on together
+KCENTER_BYTES = 16 << 20  # keys of the streams one greedy k-center pass works on together
 
 
 def greedy_kcenter(x: Tensor, k: int) -> KCenter:
@@ -124,6 +124,7 @@ def _greedy_kcenter(x: Tensor, k: int) -> KCenter:
     xsq = (x * x).sum(-1)
     flat, flat_sq, first = x.reshape(-1, d), xsq.view(-1), torch.arange(b, device=x.device) * n
     xsq = xsq.unsqueeze(-1)
+    d2 = torch.empty_like(xsq)  # [B, n, 1]: each round's squared distances, written in place
     best = torch.full((b, n), float("inf"), dtype=x.dtype, device=x.device)
     assign = torch.zeros(b, n, dtype=torch.int32, device=x.device)
     closer = torch.empty(b, n, dtype=torch.bool, device=x.device)
@@ -133,9 +134,9 @@ def _greedy_kcenter(x: Tensor, k: int) -> KCenter:
         picks.append(cur)
         at = first + cur
         c, csq = flat.index_select(0, at), flat_sq.index_select(0, at)
-        d2 = torch.baddbmm(xsq + csq.view(b, 1, 1), x, c.unsqueeze(1).transpose(-1, -2), alpha=-2).view(b, n)
-        torch.lt(d2, best, out=closer)
-        torch.minimum(best, d2, out=best)  # = where(closer, d2, best): no NaN, and equal values are equal
+        torch.add(xsq, csq.view(b, 1, 1), out=d2).baddbmm_(x, c.unsqueeze(1).transpose(-1, -2), alpha=-2)
+        torch.lt(d2.view(b, n), best, out=closer)
+        torch.minimum(best, d2.view(b, n), out=best)  # = where(closer, d2, best): no NaN; equal values are equal
         assign.masked_fill_(closer, j)
         assign.view(-1)[at] = j
         best.view(-1)[at] = -1.0  # chosen: distance 0, below every unchosen point's
