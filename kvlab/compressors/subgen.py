@@ -138,8 +138,8 @@ def _greedy_kcenter(x: Tensor, k: int) -> KCenter:
         torch.lt(d2.view(b, n), best, out=closer)
         torch.minimum(best, d2.view(b, n), out=best)  # = where(closer, d2, best): no NaN; equal values are equal
         assign.masked_fill_(closer, j)
-        assign.view(-1)[at] = j
-        best.view(-1)[at] = -1.0  # chosen: distance 0, below every unchosen point's
+        assign.view(-1).index_fill_(0, at, j)
+        best.view(-1).index_fill_(0, at, -1.0)  # chosen: distance 0, below every unchosen point's
         cur = best.argmax(-1)
     return KCenter(torch.stack(picks, 1), assign.long(), best.amax(-1).clamp_min(0).sqrt())
 
