@@ -24,6 +24,8 @@ reference path. On CUDA every row does: a dense row's
 from __future__ import annotations
 
 import functools
+import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,17 +94,37 @@ class DenseRows:
         return cls(rows, segments)
 
 
+class _Workspace(threading.local):
+    """Float32 buffers reused by every call of a thread: a new multi-megabyte tensor per layer and
+    step would be fresh memory each time, and touching fresh pages costs more than the copy into them."""
+
+    def __init__(self):
+        self.buffers: dict[tuple[str, torch.device], Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        """A float32 tensor of ``shape`` (uninitialized) over this thread's buffer ``name``."""
+        numel = math.prod(shape)
+        buf = self.buffers.get((name, device))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name, device] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel].view(shape)
+
+
+_WORKSPACE = _Workspace()
+
+
 def padded_batch(segments: list[tuple[Tensor, Tensor, Tensor | None]]) -> tuple[Tensor, Tensor, Tensor]:
     """Rows' keys/values padded to the longest: K, V [R, Hkv, N, d] float32 and the bias [R, Hkv, N]
     (the row's log-weights, 0 without them, -inf on the padding). Padded keys and values are zero,
-    so a masked key contributes exactly 0 to the softmax and the output."""
+    so a masked key contributes exactly 0 to the softmax and the output. The three tensors are views
+    of this thread's workspace: valid until its next call."""
     k0 = segments[0][0]
     hkv, d = k0.shape[0], k0.shape[-1]
     lengths = [k.shape[-2] for k, _, _ in segments]
     n_max = max(lengths)
-    big_k = torch.empty(len(segments), hkv, n_max, d, dtype=torch.float32, device=k0.device)
-    big_v = torch.empty_like(big_k)
-    bias = torch.zeros(len(segments), hkv, n_max, dtype=torch.float32, device=k0.device)
+    shape = (len(segments), hkv, n_max, d)
+    big_k, big_v = (_WORKSPACE.take(name, shape, k0.device) for name in ("keys", "values"))
+    bias = _WORKSPACE.take("bias", shape[:-1], k0.device).zero_()
     for i, ((k, v, lw), n) in enumerate(zip(segments, lengths)):
         big_k[i, :, :n].copy_(k)
         big_v[i, :, :n].copy_(v)
