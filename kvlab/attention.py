@@ -125,6 +125,7 @@ class LockstepDecode:
     """
 
     batched: bool = True  # one attention call per layer for the rows that allow it (False: per row)
+    dense_together: bool = True  # dense rows in padded calls (False: each alone, without the padded copy)
 
     def __init__(
         self, compressors: list, observers: list[Callable] | None = None, layer_observers: list[Callable] | None = None
@@ -140,7 +141,9 @@ class LockstepDecode:
     def _attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
         # a row that raises gets zeros (faults.attend); the engine then ends its run
         if self.batched and query.shape[-2] == 1:  # one query per row: dense rows in one call
-            outs = attend_rows(self.compressors, layer, query, guard=faults.guard, attend=faults.attend)
+            outs = attend_rows(
+                self.compressors, layer, query, faults.guard, faults.attend, dense_together=self.dense_together
+            )
         else:  # the per-row reference path (also any query length other than 1)
             outs = [faults.attend(row, comp, layer, query[row]) for row, comp in enumerate(self.compressors)]
         for row, out in enumerate(outs):

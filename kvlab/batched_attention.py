@@ -179,7 +179,12 @@ def length_buckets(lengths: list[int], max_padding: float = MAX_PADDING) -> list
 
 
 def attend_rows(
-    compressors: list, layer: int, query: Tensor, guard: Callable = _unguarded, attend: Callable = _attend
+    compressors: list,
+    layer: int,
+    query: Tensor,
+    guard: Callable = _unguarded,
+    attend: Callable = _attend,
+    dense_together: bool = True,
 ) -> list[Tensor]:
     """Each row's attention output [Hq, 1, d] for one layer: query [B, Hq, 1, d], row i through ``compressors[i]``.
 
@@ -191,7 +196,7 @@ def attend_rows(
     """
     if use_triton(query.device):  # CUDA: each dense row already runs the fused Triton decode kernel
         return [attend(row, comp, layer, query[row]) for row, comp in enumerate(compressors)]
-    dense = DenseRows.collect(compressors, layer, guard)
+    dense = DenseRows.collect(compressors, layer, guard) if dense_together else DenseRows([], [])
     outs: list[Tensor | None] = [None] * len(compressors)
     lengths = [seg[0].shape[-2] for seg in dense.segments]
     for bucket in length_buckets(lengths):
