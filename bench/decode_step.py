@@ -31,11 +31,11 @@ from kvlab.engine import GenerationSettings
 
 def step_ms(engine, ids, specs, new: int, batched: bool) -> float:
     """Mean ms of one lockstep decode step (up to ``new`` - 1 steps after the prefill's first token)."""
-    attention.LockstepDecode.batched = batched
+    attention.LockstepDecode.batched = attention.LockstepDecode.dense_together = batched
     try:
         res = engine.compare(ids, specs, GenerationSettings(max_new_tokens=new))
     finally:
-        attention.LockstepDecode.batched = True
+        attention.LockstepDecode.batched, attention.LockstepDecode.dense_together = True, False
     longest = max(res.runs, key=lambda r: len(r.token_ids))  # decoded every step (others may stop at EOS)
     return longest.timings.decode_s / max(1, len(longest.token_ids) - 1) * 1e3
 

@@ -1,5 +1,9 @@
 """One attention call per layer for the lockstep rows whose cache reads as dense tokens.
 
+The engine batches the dense rows only with ``LockstepDecode.dense_together`` (off by default: on
+the 2-core CPU measured, the padded copy costs more than the per-row calls it saves); the rows of
+a class with ``attend_many`` (QJL, KIVI) always attend in one call per class.
+
 In a lockstep decode step every row (one run) has one query per layer. A row whose cache, for that
 layer, is full-precision keys and values with optional per-token log-weights (``exact``,
 ``streaming``, ``h2o``, ``snapkv``, ``pyramidkv``, ``uniform``, ``balancekv``, ``subgen-kcenter``,

@@ -106,11 +106,11 @@ class Recorder:
 
 def _run(engine, ids, batched: bool):
     probe = Recorder()
-    LockstepDecode.batched = batched
+    LockstepDecode.batched = LockstepDecode.dense_together = batched
     try:
         res = engine.compare(ids, SPECS, GenerationSettings(max_new_tokens=6), probes=[probe])
     finally:
-        LockstepDecode.batched = True
+        LockstepDecode.batched, LockstepDecode.dense_together = True, False
     return res, probe
 
 
