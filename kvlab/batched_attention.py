@@ -71,10 +71,6 @@ def stands_for_attend(cls: type, name: str) -> bool:
     return owner(name) is not None and owner("attend") is owner(name)
 
 
-def segments_stand_for_attend(cls: type) -> bool:
-    return stands_for_attend(cls, "dense_segments")
-
-
 @dataclass
 class DenseRows:
     """The dense rows of one layer: batch row indices and each one's (k, v, logw) views.
@@ -89,7 +85,7 @@ class DenseRows:
     def collect(cls, compressors: list, layer: int, guard: Callable = _unguarded) -> DenseRows:
         rows, segments = [], []
         for row, comp in enumerate(compressors):
-            if not segments_stand_for_attend(type(comp)):
+            if not stands_for_attend(type(comp), "dense_segments"):
                 continue
             seg = guard(row, comp.dense_segments, layer)
             if seg is not None:

@@ -623,8 +623,9 @@ class QJL(Compressor):
             p = torch.softmax(torch.cat([*(scores[i, id(seg)] for seg in st.segments), window], -1), dim=-1)
             probs.append(p)
             outs.append(torch.matmul(p[..., st.n_quantized :], st.res_v.float()))
+        starts = [dict(zip(map(id, st.segments), _starts(st.segments))) for st in layers]  # row -> segment -> first
         for seg, rows in holders:
-            parts = [probs[i][..., lo : lo + seg.n] for i in rows for lo in [_start_of(layers[i], seg)]]
+            parts = [probs[i][..., starts[i][id(seg)] :][..., : seg.n] for i in rows]
             summed = weighted_token_sum(torch.cat(parts, 1), seg.values).chunk(len(rows), dim=1)
             for i, s in zip(rows, summed):
                 outs[i] = outs[i] + s
@@ -708,10 +709,6 @@ def _starts(segments: list[QJLSegment]) -> list[int]:
         out.append(lo)
         lo += seg.n
     return out
-
-
-def _start_of(st: QJLLayer, seg: QJLSegment) -> int:
-    return _starts(st.segments)[next(j for j, s in enumerate(st.segments) if s is seg)]
 
 
 def _holders(layers: list[QJLLayer]) -> list[tuple[QJLSegment, list[int]]]:
