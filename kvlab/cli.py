@@ -280,7 +280,7 @@ def cmd_compare(args) -> int:
         measure=ProbeSettings() if args.probes else None,
         chat=not args.no_chat,
         questions=args.question,
-        protocol=args.protocol,
+        protocol=None if args.task else args.protocol,  # a task's protocol is checked once the task exists
     )
     try:
         comparison.check()
@@ -302,6 +302,11 @@ def cmd_compare(args) -> int:
             raise CliError(str(exc)) from None
         if args.max_new_tokens is None and comparison.source.max_new_tokens:
             comparison.settings.max_new_tokens = comparison.source.max_new_tokens
+        comparison.protocol = args.protocol
+        try:
+            comparison.check()
+        except InputError as exc:
+            raise CliError(str(exc)) from None
     results = []
     try:
         for ev in stream(lm, comparison):
