@@ -123,10 +123,10 @@ def format_calibration(data: dict) -> str:
     rows = [f"task {data['task']} on {data['model']}: exact's accuracy (greedy, full cache)"]
     rows.append(f"{'length':>7}  {'tokens':>6}  {'accuracy':>8}  hits/seeds  by depth")
     for r in data["results"]:
-        depth = " ".join(f"{d}:{v['hits']:g}/{v['seeds']}" for d, v in r["by_depth"].items())
+        depth = " ".join(f"{d}:{round(v['hits'], 2):g}/{v['seeds']}" for d, v in r["by_depth"].items())
         rows.append(
             f"{r['length']:>7}  {r['prompt_tokens_mean']:>6.0f}  {r['accuracy']:>8.2f}  "
-            f"{r['hits']:>4g}/{r['seeds']:<5}  {depth}"
+            f"{round(r['hits'], 2):>4g}/{r['seeds']:<5}  {depth}"
         )
     return "\n".join(rows)
 
