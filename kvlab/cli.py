@@ -272,7 +272,7 @@ def cmd_compare(args) -> int:
         budgets,
         params=_parse_params(args.param),
         settings=GenerationSettings(
-            max_new_tokens=args.max_new_tokens or 32,
+            max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
             do_sample=args.sample,
             temperature=args.temperature,
             seed=args.seed,
@@ -393,7 +393,7 @@ def cmd_sweep(args) -> int:
         methods,
         budgets,
         args.seeds,
-        args.max_new_tokens or (16 if own else None),
+        args.max_new_tokens if args.max_new_tokens is not None else (16 if own else None),
         args.probes,
         args.depth,
         args.model,

@@ -125,7 +125,9 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
         task,
         cfg.methods,
         cfg.budgets,
-        settings=GenerationSettings(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens or 16),
+        settings=GenerationSettings(
+            max_new_tokens=cfg.max_new_tokens if cfg.max_new_tokens is not None else task.max_new_tokens or 16
+        ),
         measure=ProbeSettings() if cfg.probes else None,
         protocol=cfg.protocol,
     )
