@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ratios",
         default=None,
         help="instead of --budgets: compression ratios, the fraction of the cache removed (kvpress's "
-        "leaderboard convention), e.g. 0.25,0.5,0.75 (budget = 1 - ratio)",
+        "leaderboard convention), e.g. 0.25,0.5,0.75 (budget = 1 - ratio); exact runs too, as ratio 0",
     )
     s.add_argument("--seeds", type=int, default=1, help="seeds per length (0..N-1)")
     s.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own (RULER), else 16")
@@ -374,6 +374,8 @@ def cmd_sweep(args) -> int:
     except (TaskError, BudgetError) as exc:
         raise CliError(str(exc)) from None
     methods = method_names(args.methods)
+    if args.ratios is not None and "exact" not in methods:
+        methods = ["exact", *methods]  # the leaderboard's ratio-0 row, the reference every ratio is read against
     try:
         expand_runs(methods, [])
     except InputError as exc:
