@@ -75,7 +75,7 @@ def calibrate(
             t0 = time.perf_counter()
             t = make_task(task, n, seed, lm.encode, depth)
             ids = prompt_ids(lm, t)
-            text = generate_greedy(lm, ids, max_new_tokens)
+            text = generate_greedy(lm, ids, max(max_new_tokens, t.max_new_tokens or 0))
             hit = t.score(text) if t.answer is not None else None
             seconds[n] += time.perf_counter() - t0
             samples.append(
@@ -89,17 +89,21 @@ def calibrate(
 
 
 def summarize(samples: list[dict], lengths: list[int], seconds: dict[int, float] | None = None) -> list[dict]:
-    """One row per length with samples: accuracy, hits, seeds run, mean prompt tokens, hits by depth."""
+    """One row per length with samples: accuracy, hits, seeds run, mean prompt tokens, hits by depth.
+
+    ``hits`` sums the scores (1.0 per exact match; RULER's string match adds the share of the
+    references found), so ``accuracy`` is the mean score.
+    """
     out = []
     for n in lengths:
         mine = [s for s in samples if s["length"] == n]
         if not mine:
             continue
-        hits = sum(bool(s["hit"]) for s in mine)
+        hits = sum(float(s["hit"] or 0) for s in mine)  # RULER's string match can score a share
         by_depth: dict[str, dict] = {}
         for s in sorted(mine, key=lambda s: s["depth"]):
             d = by_depth.setdefault(f"{s['depth']:g}", {"hits": 0, "seeds": 0})
-            d["hits"] += bool(s["hit"])
+            d["hits"] += float(s["hit"] or 0)
             d["seeds"] += 1
         out.append(
             {
@@ -119,10 +123,10 @@ def format_calibration(data: dict) -> str:
     rows = [f"task {data['task']} on {data['model']}: exact's accuracy (greedy, full cache)"]
     rows.append(f"{'length':>7}  {'tokens':>6}  {'accuracy':>8}  hits/seeds  by depth")
     for r in data["results"]:
-        depth = " ".join(f"{d}:{v['hits']}/{v['seeds']}" for d, v in r["by_depth"].items())
+        depth = " ".join(f"{d}:{round(v['hits'], 2):g}/{v['seeds']}" for d, v in r["by_depth"].items())
         rows.append(
             f"{r['length']:>7}  {r['prompt_tokens_mean']:>6.0f}  {r['accuracy']:>8.2f}  "
-            f"{r['hits']:>4}/{r['seeds']:<5}  {depth}"
+            f"{round(r['hits'], 2):>4g}/{r['seeds']:<5}  {depth}"
         )
     return "\n".join(rows)
 

@@ -48,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
     src.add_argument("--context-file", help="read a context from this file; ask it each --question")
-    src.add_argument("--task", help="a built-in task instead of a prompt: passkey, needle, multikey, lines or document")
+    src.add_argument(
+        "--task",
+        help="a built-in task instead of a prompt: passkey, needle, multikey, lines, document, a RULER task "
+        "(niah_single_1, niah_single_2, niah_multikey_1, niah_multivalue, niah_multiquery, vt, cwe, fwe), "
+        "or file:PATH / hub:REPO (a RULER or LongBench row; --seed picks it)",
+    )
     c.add_argument(
         "--question",
         action="append",
@@ -80,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--methods", default="exact,streaming", help="method names, or all, paper, baselines")
     c.add_argument("--budget", default="0.25", help="fractions in (0,1] or token counts like 512t, comma-separated")
-    c.add_argument("--max-new-tokens", type=int, default=32)
+    c.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own (RULER), else 32")
     c.add_argument("--model", default="embedded", help="'embedded', a Hugging Face id, or a local folder")
     c.add_argument("--device", default="auto")
     c.add_argument("--dtype", default="auto")
@@ -97,12 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     sub.add_parser("methods", help="list the methods and their parameters")
     s = sub.add_parser("sweep", help="run a task over lengths x seeds x methods x budgets; JSON, CSV, HTML report")
-    s.add_argument("--task", default="passkey", help="passkey, needle, multikey, lines or document")
+    s.add_argument(
+        "--task",
+        default="passkey",
+        help="passkey, needle, multikey, lines, document, a RULER task (niah_single_1, ..., vt, cwe, fwe), "
+        "several comma-separated, or file:PATH / hub:REPO rows (docs/tasks.md)",
+    )
+    s.add_argument("--suite", choices=("ruler",), help="a task suite instead of --task: ruler (RULER's eight tasks)")
     s.add_argument("--lengths", default="1k", help="comma-separated prompt lengths in tokens, e.g. 1k,2k")
     s.add_argument("--methods", default="all", help="comma-separated method names, or all, paper, baselines")
-    s.add_argument("--budgets", default="0.5,0.25", help="comma-separated budgets (fractions or 512t)")
+    s.add_argument("--budgets", default=None, help="comma-separated budgets: fractions kept or 512t (default 0.5,0.25)")
+    s.add_argument(
+        "--ratios",
+        default=None,
+        help="instead of --budgets: compression ratios, the fraction of the cache removed (kvpress's "
+        "leaderboard convention), e.g. 0.25,0.5,0.75 (budget = 1 - ratio); exact runs too, as ratio 0",
+    )
     s.add_argument("--seeds", type=int, default=1, help="seeds per length (0..N-1)")
-    s.add_argument("--max-new-tokens", type=int, default=16)
+    s.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own (RULER), else 16")
     s.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (passkey, needle, multikey)")
     s.add_argument("--depths", default="", help="needle depths, e.g. 0,0.5,1: a depth x length grid")
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
@@ -122,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tasks", help="built-in tasks: `tasks calibrate` measures exact's accuracy per length")
     tsub = t.add_subparsers(dest="tasks_command", parser_class=_Parser)
     cal = tsub.add_parser("calibrate", help="exact's accuracy on a task per length (greedy, full cache); JSON")
-    cal.add_argument("--task", default="passkey", help="passkey, needle, multikey or lines")
+    cal.add_argument(
+        "--task", default="passkey", help="passkey, needle, multikey, lines or a RULER task (vt, cwe, ...)"
+    )
     cal.add_argument("--lengths", default="1k,2k,4k", help="comma-separated prompt lengths in tokens")
     cal.add_argument("--seeds", type=int, default=20, help="prompts per length (seeds F..F+N-1)")
     cal.add_argument("--first-seed", type=int, default=0, help="F, the first seed (to extend an earlier run)")
@@ -209,6 +228,22 @@ def method_names(spec: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def ratio_budgets(text: str) -> str:
+    """Compression ratios (fractions removed, kvpress) as budgets (fractions kept): "0.25,0.75" -> "0.75,0.25"."""
+    out = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            r = float(x)
+        except ValueError:
+            r = -1.0
+        if not 0 <= r < 1:
+            raise BudgetError(f"ratio {x!r} is not valid; a ratio is the fraction of the cache removed, in [0, 1)")
+        out.append(f"{round(1 - r, 6):g}")
+    if not out:
+        raise BudgetError("--ratios names no ratio; give e.g. 0.25,0.5,0.75")
+    return ",".join(out)
+
+
 def cmd_methods() -> int:
     from kvlab.compressors import methods
 
@@ -237,12 +272,15 @@ def cmd_compare(args) -> int:
         budgets,
         params=_parse_params(args.param),
         settings=GenerationSettings(
-            max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, seed=args.seed
+            max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
+            do_sample=args.sample,
+            temperature=args.temperature,
+            seed=args.seed,
         ),
         measure=ProbeSettings() if args.probes else None,
         chat=not args.no_chat,
         questions=args.question,
-        protocol=args.protocol,
+        protocol=None if args.task else args.protocol,  # a task's protocol is checked once the task exists
     )
     try:
         comparison.check()
@@ -261,6 +299,13 @@ def cmd_compare(args) -> int:
         try:
             comparison.source = make_task(args.task, args.length, args.seed, comparison.encoder(lm))
         except TaskError as exc:
+            raise CliError(str(exc)) from None
+        if args.max_new_tokens is None and comparison.source.max_new_tokens:
+            comparison.settings.max_new_tokens = comparison.source.max_new_tokens
+        comparison.protocol = args.protocol
+        try:
+            comparison.check()
+        except InputError as exc:
             raise CliError(str(exc)) from None
     results = []
     try:
@@ -315,16 +360,22 @@ def _shown(ev) -> bool:
 def cmd_sweep(args) -> int:
     from kvlab.engine import Engine, InputError, expand_runs
     from kvlab.sweep import SweepConfig, budget_labels, run_sweep
-    from kvlab.tasks import TASKS, TaskError, parse_length
+    from kvlab.tasks import OWN_TASKS, SUITES, TASKS, TaskError, parse_length
 
-    if args.task not in TASKS:
-        raise CliError(f"unknown task {args.task!r}; allowed: {', '.join(TASKS)}")
+    task = ",".join(SUITES[args.suite]) if args.suite else args.task
+    for name in task.split(","):
+        if name not in TASKS and not name.startswith(("file:", "hub:")):
+            raise CliError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}, file:PATH or hub:REPO")
+    if args.ratios is not None and args.budgets is not None:
+        raise CliError("give --budgets (fractions kept) or --ratios (fractions removed), not both")
     try:
         lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
-        budgets = budget_labels(args.budgets)
+        budgets = budget_labels(ratio_budgets(args.ratios) if args.ratios is not None else args.budgets or "0.5,0.25")
     except (TaskError, BudgetError) as exc:
         raise CliError(str(exc)) from None
     methods = method_names(args.methods)
+    if args.ratios is not None and "exact" not in methods:
+        methods = ["exact", *methods]  # the leaderboard's ratio-0 row, the reference every ratio is read against
     try:
         expand_runs(methods, [])
     except InputError as exc:
@@ -337,13 +388,14 @@ def cmd_sweep(args) -> int:
         depths = [-1.0]
     if not all(0 <= d <= 1 for d in [*depths, args.depth]):
         raise CliError(f"--depth/--depths {args.depths or args.depth!r}: numbers in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    own = all(t in OWN_TASKS for t in task.split(","))  # kvlab's own tasks keep 16 (and their cells' keys)
     cfg = SweepConfig(
-        args.task,
+        task,
         lengths,
         methods,
         budgets,
         args.seeds,
-        args.max_new_tokens,
+        args.max_new_tokens if args.max_new_tokens is not None else (16 if own else None),
         args.probes,
         args.depth,
         args.model,

@@ -8,7 +8,9 @@ the sweep's cells:
 * attention error per layer — mean relative error per layer, one line per method@budget;
 * bytes per step — KiB held after each decode step at the longest length, one line per run;
 * needle grid (a sweep over several depths) — accuracy per depth x length, one heatmap per
-  method@budget (``kvlab.grids``).
+  method@budget (``kvlab.grids``);
+* leaderboard (runs with task scores at fraction budgets) — average score against the compression
+  ratio, one line per method, and its table per task (``kvlab.leaderboard``).
 """
 
 from __future__ import annotations
@@ -91,13 +93,25 @@ def figures(recs: list[dict]) -> dict[str, go.Figure]:
     items = summaries(recs)
     longest = max((rec["cell"]["length"] for rec in recs), default=0)
     at_longest = summaries([rec for rec in recs if rec["cell"]["length"] == longest])
-    return {
-        "quality": shared.quality_figure(items, "Quality vs memory"),
-        "error": shared.error_per_layer_figure(
-            items, "Attention relative error per layer (mean over steps and cells)", lines=True
-        ),
-        "bytes": shared.bytes_figure(at_longest, f"Bytes held per decode step (length {longest})"),
-    } | _grid(recs)
+    return (
+        {
+            "quality": shared.quality_figure(items, "Quality vs memory"),
+            "error": shared.error_per_layer_figure(
+                items, "Attention relative error per layer (mean over steps and cells)", lines=True
+            ),
+            "bytes": shared.bytes_figure(at_longest, f"Bytes held per decode step (length {longest})"),
+        }
+        | _grid(recs)
+        | _leaderboard(recs)
+    )
+
+
+def _leaderboard(recs: list[dict]) -> dict[str, go.Figure]:
+    """The leaderboard figure when the runs have task scores at fraction budgets (else nothing)."""
+    from kvlab import leaderboard
+
+    items = leaderboard.rows(recs)
+    return {"leaderboard": leaderboard.figure(items)} if items else {}
 
 
 def _grid(recs: list[dict]) -> dict[str, go.Figure]:
@@ -130,6 +144,15 @@ def write_report(cfg, recs: list[dict], path: str | Path) -> Path:
         )
         + "</table>"
     )
+    from kvlab import leaderboard
+
+    board = leaderboard.rows(recs)
+    if board:
+        table += (
+            "<h2>Leaderboard</h2><p>compression ratio = fraction of the cache removed (kvpress's convention); "
+            "budget = fraction kept (kvlab's), 1 - ratio. Scores 0-100, mean over each task's prompts.</p>"
+            + leaderboard.table_html(board)
+        )
     cfg_txt = html.escape(", ".join(f"{k}={v}" for k, v in vars(cfg).items()))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>kvlab sweep: {html.escape(cfg.task)}</title>
 <style>body{{font-family:sans-serif;margin:24px}} table{{border-collapse:collapse}}

@@ -6,7 +6,9 @@ is done, and a re-run skips cells whose file exists (the key includes a hash of 
 changes the result). Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
 sweep ...``, also on CPU-only machines where it runs N gloo processes; or torchrun) process r
 runs cells r, r + W, r + 2W, ...; after a barrier, process 0 merges
-all cell files into ``results.json``, ``results.csv`` and ``report.html``.
+all cell files into ``results.json``, ``results.csv`` and ``report.html``; a sweep with task scores at
+fraction budgets also gets the leaderboard (``kvlab.leaderboard``): ``leaderboard.csv`` in
+kvpress's columns and ``leaderboard.html``, its figure alone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,18 +50,22 @@ CSV_FIELDS = (
 
 @dataclass
 class SweepConfig:
-    task: str
+    task: str  # one task, or several comma-separated (``--suite ruler``: RULER's eight)
     lengths: list[int]
     methods: list[str]
     budgets: list[str]  # budget labels, e.g. ["0.5", "0.25"]
     seeds: int = 1
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16  # None: each task's own (RULER's tasks name theirs), else 16
     probes: bool = True
     depth: float = 0.5
     model: str = "embedded"
     out: str = "sweep-out"
     depths: list[float] = field(default_factory=list)  # needle depths of a depth x length grid; empty: [depth]
     protocol: str = "query-aware"  # or "query-agnostic": the task's question asked after compression
+
+    @property
+    def tasks(self) -> list[str]:
+        return [t.strip() for t in self.task.split(",") if t.strip()]
 
     @property
     def grid_depths(self) -> list[float]:
@@ -82,11 +89,12 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"{self.task}-{self.length}-d{self.depth:g}-s{self.seed}"
+        task = re.sub(r"[^\w.-]+", "_", self.task)  # file:PATH#TASK names hold slashes
+        return f"{task}-{self.length}-d{self.depth:g}-s{self.seed}"
 
 
 def cells(cfg: SweepConfig) -> list[Cell]:
-    return [Cell(cfg.task, n, s, d) for n in cfg.lengths for d in cfg.grid_depths for s in range(cfg.seeds)]
+    return [Cell(t, n, s, d) for t in cfg.tasks for n in cfg.lengths for d in cfg.grid_depths for s in range(cfg.seeds)]
 
 
 def cell_path(cfg: SweepConfig, cell: Cell) -> Path:
@@ -112,11 +120,14 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     from kvlab.run import Comparison, compare
     from kvlab.tasks import make_task
 
+    task = make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cell.depth)
     comparison = Comparison(
-        make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cell.depth),
+        task,
         cfg.methods,
         cfg.budgets,
-        settings=GenerationSettings(max_new_tokens=cfg.max_new_tokens),
+        settings=GenerationSettings(
+            max_new_tokens=cfg.max_new_tokens if cfg.max_new_tokens is not None else task.max_new_tokens or 16
+        ),
         measure=ProbeSettings() if cfg.probes else None,
         protocol=cfg.protocol,
     )
@@ -230,6 +241,7 @@ def rows(recs: list[dict], cfg_depth: float = 0.5) -> Iterator[dict]:
 
 
 def merge(cfg: SweepConfig) -> Path:
+    from kvlab import leaderboard
     from kvlab.report import write_report
 
     out = Path(cfg.out)
@@ -240,6 +252,10 @@ def merge(cfg: SweepConfig) -> Path:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         w.writerows(rows(recs, cfg.depth))
+    board = leaderboard.rows(recs)
+    if board:  # kvpress's leaderboard columns, and the figure alone
+        leaderboard.write_csv(board, out / "leaderboard.csv")
+        leaderboard.figure(board).write_html(out / "leaderboard.html", include_plotlyjs="inline")
     return write_report(cfg, recs, out / "report.html")
 
 

@@ -47,7 +47,20 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-TASKS = ("passkey", "needle", "multikey", "lines", "document")
+OWN_TASKS = ("passkey", "needle", "multikey", "lines", "document")
+# RULER's synthetic tasks (kvlab.ruler.SUITE, written out so that importing this module stays light)
+RULER_TASKS = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_multikey_1",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+)
+TASKS = OWN_TASKS + RULER_TASKS
+SUITES = {"ruler": RULER_TASKS}
 
 _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 _WORDS = (
@@ -98,6 +111,9 @@ class Task:
     meta: dict = field(default_factory=dict)
     question: str = ""
     answer_prefix: str = ""
+    references: list[str] | None = None  # RULER-style answers: strings the reply must contain
+    metric: str = "number"  # "number": first number == answer; "all" / "part": RULER's string match
+    max_new_tokens: int | None = None  # tokens the answer needs, where the task names them
 
     @property
     def context(self) -> str:
@@ -107,9 +123,18 @@ class Task:
         return self.prompt
 
     def score(self, text: str) -> float | None:
-        """Exact match: the first number in the generated text equals the answer (1.0 or 0.0)."""
+        """Exact match: the first number in the generated text equals the answer (1.0 or 0.0).
+
+        RULER's tasks (``metric`` "all" or "part") score by string match over ``references``: the
+        share of them found in the text ("all"), or 1.0 when any is ("part") (``kvlab.ruler``).
+        """
         if self.answer is None:
             return None
+        if self.metric in ("all", "part"):
+            from kvlab.ruler import string_match_all, string_match_part
+
+            refs = self.references or [self.answer]
+            return (string_match_all if self.metric == "all" else string_match_part)(text, refs)
         nums = re.findall(r"\d+", text)
         return float(bool(nums) and nums[0] == self.answer)
 
@@ -358,7 +383,17 @@ def make_task(
         return lines(n, seed, encode)
     if name == "document":
         return document(n, seed, encode)
-    raise TaskError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
+    if name in RULER_TASKS:
+        from kvlab.ruler import make_ruler_task
+
+        return make_ruler_task(name, n, seed, encode, depth)
+    if name.startswith(("file:", "hub:")):
+        from kvlab.datafiles import file_task
+
+        return file_task(name, seed)
+    raise TaskError(
+        f"unknown task {name!r}; allowed: {', '.join(TASKS)}, or file:PATH / hub:REPO of RULER or LongBench rows"
+    )
 
 
 def score_result(task: Task, result) -> None:

@@ -4,7 +4,7 @@
 * Every ``python -m kvlab ...`` / ``kvlab ...`` command in a fenced code block of README.md and
   docs/**/*.md runs and exits 0, in-process (one model load, shared), with small sizes: the test
   rewrites ``--length``/``--lengths`` to a short prompt, ``--seeds`` to 1, a sweep's ``--budgets``
-  to its first budget, ``--max-new-tokens`` to 2 (adding it where missing) and output paths into a
+  (or ``--ratios``) to its first one, ``--max-new-tokens`` to 2 (adding it where missing) and output paths into a
   temporary folder; ``--prompt-file`` reads a short file. What a command means is unchanged; only
   its size is. A command shown twice runs once.
 * Relative links in the Markdown files and ``docs/design.md §N`` citations in the code resolve.
@@ -102,7 +102,7 @@ def small_argv(command: str, tmp: Path) -> list[str]:
             next(it)
             value = SMALL.get(w) or str(tmp / ("doc.txt" if w == "--prompt-file" else f"out{len(argv)}"))
             argv += [w, value]
-        elif w == "--budgets":
+        elif w in ("--budgets", "--ratios"):
             argv += [w, next(it).split(",")[0]]
         else:
             argv.append(w)

@@ -17,6 +17,7 @@ from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import Dashboard
 from kvlab.ui.export import export_ttl_s
 from kvlab.ui.grid import grid_tab
+from kvlab.ui.leaderboard import leaderboard_tab
 from kvlab.ui.methods import default_methods, method_groups, param_rows
 from kvlab.ui.presets import DEFAULT_PRESET, presets
 
@@ -229,6 +230,8 @@ def _views() -> Views:
             )
         with gr.Tab("Needle grid", id="grid"):
             grid_tab()
+        with gr.Tab("Leaderboard", id="leaderboard"):
+            leaderboard_tab()
         with gr.Tab("About", id="about"):
             gr.Markdown(about_markdown())
     return Views(

@@ -51,15 +51,23 @@ def presets(lm: LoadedModel | None = None, n_tokens: int = 1000) -> tuple[dict[s
     """Preset prompts and, for task presets, their ``kvlab.tasks.Task`` (answer + scoring).
 
     Task prompts come from kvlab.tasks sized to ~``n_tokens`` for ``lm``; the built-in texts stand in
-    when that is not possible.
+    when that is not possible. RULER's tasks are offered only where exact can do them on ``lm``
+    (calibrated, ``kvlab.calibrated``).
     """
     texts, tasks = builtin_presets(), {}
     if lm is None:
         return texts, tasks
     try:
-        for label, name in TASK_PRESETS.items():
+        for label, name in {**TASK_PRESETS, **ruler_presets(lm.info.id, n_tokens)}.items():
             task = make_task(name, n_tokens, 0, lm.encode)
             texts[label], tasks[label] = task.prompt, task
     except Exception:  # noqa: BLE001 - presets must never break the page
         pass
     return texts, tasks
+
+
+def ruler_presets(model: str, n_tokens: int) -> dict[str, str]:
+    """Preset label -> RULER task, for the tasks exact can do on ``model`` (``kvlab.calibrated``)."""
+    from kvlab.calibrated import able_tasks
+
+    return {f"RULER {name}": name for name in able_tasks(model, n_tokens)}

@@ -1,0 +1,198 @@
+"""RULER's synthetic tasks (kvlab.ruler), the file loader (kvlab.datafiles) and the leaderboard.
+
+Prompts are built on the embedded model's tokenizer (no generation) except one small sweep
+(two tasks, 200 tokens, exact and StreamingLLM at one ratio) and one comparison on a file row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+
+import pytest
+
+from kvlab import cli, leaderboard
+from kvlab.datafiles import file_task, load_rows
+from kvlab.ruler import SUITE, string_match_all, string_match_part
+from kvlab.tasks import RULER_TASKS, TaskError, make_task, prompt_ids, split_ids
+
+N = 400
+
+
+@pytest.fixture(scope="module")
+def built(lm):
+    return {name: make_task(name, N, 3, lm.encode) for name in SUITE}
+
+
+def test_suite_names_match():
+    assert tuple(SUITE) == RULER_TASKS
+
+
+def test_prompts_fit_the_length_and_end_with_the_question(lm, built):
+    for name, t in built.items():
+        n = len(prompt_ids(lm, t))
+        assert N * 0.85 <= n <= N, (name, n)
+        assert t.prompt.endswith(t.question) and t.context and t.answer_prefix, name
+        assert t.metric == "all" and t.references and t.max_new_tokens, name
+        # the query-agnostic cut: context ids + question ids are the whole prompt's ids
+        ctx, rest = split_ids(lm, t.context, [t.question], [t.answer_prefix])
+        assert ctx + rest[0] == prompt_ids(lm, t), name
+
+
+def test_seeded_and_deterministic(lm, built):
+    for name in ("niah_multikey_1", "vt", "cwe", "fwe"):
+        again = make_task(name, N, 3, lm.encode)
+        other = make_task(name, N, 4, lm.encode)
+        assert again.prompt == built[name].prompt and again.references == built[name].references
+        assert other.prompt != built[name].prompt
+
+
+def test_answers_are_in_the_haystack(built):
+    t = built["niah_single_1"]
+    assert f"is: {t.references[0]}." in t.prompt and "The grass is green." in t.prompt
+    t = built["niah_multivalue"]
+    assert len(t.references) == 4 and all(f"is: {v}." in t.prompt for v in t.references)
+    t = built["niah_multiquery"]
+    assert len(t.references) == 4 and all(k in t.question for k in t.meta["keys"])
+    t = built["niah_multikey_1"]
+    assert len(t.references) == 1 and t.prompt.count("One of the special magic numbers for") == 4
+    t = built["vt"]
+    value = t.question.split("value ")[1].split(" ")[0]
+    assert f"VAR {t.references[0]} = {value}." in t.prompt
+    for a, b in zip(t.references, t.references[1:]):
+        assert t.prompt.index(f"VAR {b} = VAR {a}.") > t.prompt.index(f"VAR {a} =")  # each hop after its source
+
+
+def test_aggregation_answers_are_the_counted_words(built):
+    t = built["cwe"]
+    words = Counter(t.prompt.split("\n")[1].split()[1::2])  # "1. word 2. word ...": every second one
+    top = [w for w, _ in words.most_common(10)]
+    assert sorted(top) == sorted(t.references) and words[t.references[0]] == t.meta["freq_cw"]
+    t = built["fwe"]
+    counts = Counter(w for w in t.context.split("coded words. ")[1].split() if w != "....")
+    assert [w for w, _ in counts.most_common(3)] == t.references
+
+
+def test_string_match_scores():
+    assert string_match_all("They are: 12, 34 and 99.", ["12", "34", "56", "78"]) == 0.5
+    assert string_match_part("They are: 12, 34.", ["56", "34"]) == 1.0
+    assert string_match_part("none", ["56", "34"]) == 0.0
+    assert string_match_all("ABCDE fghij", ["abcde", "FGHIJ"]) == 1.0  # case-insensitive, as RULER
+
+
+def test_task_score_uses_ruler_match(built):
+    t = built["niah_multivalue"]
+    assert t.score(" " + ", ".join(t.references[:3])) == 0.75
+    assert t.score(" nothing") == 0.0
+
+
+def _ruler_row(i: int) -> dict:
+    ctx = "The grass is green. " * 20 + f"One of the special magic numbers for cedar is: {1000 + i}. " + "Sky. " * 10
+    return {
+        "index": i,
+        "input": f"Some special magic numbers are hidden.\n{ctx}\nWhat are all the special magic numbers for cedar?",
+        "outputs": [str(1000 + i)],
+        "answer_prefix": " The special magic numbers for cedar mentioned in the provided text are",
+        "length": 120,
+    }
+
+
+def test_loader_reads_ruler_kvpress_and_longbench_rows(tmp_path):
+    (tmp_path / "niah_single_1").mkdir()
+    (tmp_path / "niah_single_1" / "validation.jsonl").write_text("\n".join(json.dumps(_ruler_row(i)) for i in range(3)))
+    kvpress = {"context": "A doc.", "question": "\nQ?", "answer_prefix": "Answer:", "answer": ["x"], "task": "qa_1"}
+    (tmp_path / "kvpress.jsonl").write_text(json.dumps(kvpress) + "\n")
+    longbench = {
+        "context": "Paris is in France.",
+        "input": "Where is Paris?",
+        "answers": ["France"],
+        "dataset": "hotpotqa",
+    }
+    (tmp_path / "lb.jsonl").write_text(json.dumps(longbench) + "\n")
+    assert len(load_rows(f"file:{tmp_path}")) == 5
+    t = file_task(f"file:{tmp_path}#niah_single_1", 2)
+    assert t.name == "niah_single_1" and t.references == ["1002"] and t.metric == "all"
+    assert t.question == "What are all the special magic numbers for cedar?" and t.prompt.endswith(t.question)
+    assert t.answer_prefix.startswith("The special")
+    q = file_task(f"file:{tmp_path}#qa_1", 0)
+    assert q.metric == "part" and q.prompt == "A doc.\nQ?" and q.score("it is X.") == 1.0
+    lb = file_task(f"file:{tmp_path / 'lb.jsonl'}", 0)
+    assert lb.name == "hotpotqa" and lb.metric == "part" and lb.score("In France") == 1.0
+    with pytest.raises(TaskError, match="has 3 rows"):
+        file_task(f"file:{tmp_path}#niah_single_1", 3)
+    with pytest.raises(TaskError, match="no rows of task"):
+        file_task(f"file:{tmp_path}#vt", 0)
+    with pytest.raises(TaskError, match="does not exist"):
+        file_task(f"file:{tmp_path}/missing.jsonl", 0)
+    with pytest.raises(TaskError, match="not in the local hub cache"):
+        file_task("hub:kvlab-test/no-such-dataset", 0)
+
+
+def test_compare_on_a_file_row_asks_after_compression(lm, tmp_path, capsys):
+    path = tmp_path / "niah.jsonl"
+    path.write_text(json.dumps(_ruler_row(7)) + "\n")
+    argv = ["compare", "--task", f"file:{path}", "--methods", "exact", "--query-agnostic", "--max-new-tokens", "3"]
+    assert cli.main([*argv, "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert out["protocol"] == "query-agnostic" and out["context_tokens"] < out["prompt_tokens"]
+
+
+def test_ratios_become_budgets_and_bad_ones_are_refused(capsys):
+    assert cli.ratio_budgets("0.25,0.5,0.875") == "0.75,0.5,0.125"
+    for argv in (
+        ["sweep", "--suite", "ruler", "--ratios", "1.5"],
+        ["sweep", "--suite", "ruler", "--ratios", "0.5", "--budgets", "0.5"],
+        ["sweep", "--task", "niah_single_1,nope"],
+    ):
+        assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "fraction of the cache removed" in err and "not both" in err and "unknown task 'nope'" in err
+
+
+def test_sweep_writes_the_leaderboard(lm, tmp_path):
+    out = tmp_path / "board"
+    argv = ["sweep", "--task", "niah_single_1,vt", "--lengths", "160", "--methods", "streaming"]  # exact added
+    assert (
+        cli.main([*argv, "--ratios", "0.5", "--no-probes", "--max-new-tokens", "6", "--out", str(out), "--quiet"]) == 0
+    )
+    rows = list(csv.DictReader(open(out / "leaderboard.csv")))
+    assert [r["method"] for r in rows] == ["exact", "streaming"]
+    assert [r["ratio"] for r in rows] == ["0", "0.5"]
+    assert list(rows[0]) == ["method", "ratio", "niah_single_1", "vt", "average"]
+    data = json.loads((out / "results.json").read_text())
+    for r, board in zip(rows, leaderboard.rows_from_results(data)):
+        assert float(r["average"]) == pytest.approx(board.average, abs=0.01)
+        assert float(r["vt"]) == pytest.approx(board.scores["vt"], abs=0.01)
+    report = (out / "report.html").read_text()
+    assert "Leaderboard" in report and "budget (kept)" in report and "plot-leaderboard" in report
+    assert (out / "leaderboard.html").exists()
+
+
+def test_leaderboard_rows_average_per_task():
+    def rec(task, seed, scores):
+        runs = [{"label": lab, "budget": b, "metrics": {"task_score": v}} for lab, b, v in scores]
+        return {"cell": {"task": task, "length": 4096, "seed": seed}, "runs": runs}
+
+    recs = [
+        rec("vt", 0, [("exact", None, 1.0), ("snapkv@0.75", "0.75", 1.0), ("snapkv@512t", "512t", 1.0)]),
+        rec("vt", 1, [("exact", None, 0.6), ("snapkv@0.75", "0.75", 0.0)]),
+        rec("cwe", 0, [("exact", None, 0.2), ("snapkv@0.75", "0.75", 0.1)]),
+    ]
+    rows = leaderboard.rows(recs)
+    assert [(r.method, r.ratio, r.budget) for r in rows] == [("exact", 0.0, 1.0), ("snapkv", 0.25, 0.75)]
+    assert rows[0].scores == pytest.approx({"vt": 80.0, "cwe": 20.0}) and rows[0].average == pytest.approx(50.0)
+    assert rows[1].cells == {"vt": 2, "cwe": 1}  # the token budget has no ratio: left out
+    assert leaderboard.csv_text(rows).splitlines()[2] == "snapkv,0.25,50.00,10.00,30.00"
+    with pytest.raises(leaderboard.LeaderboardError):
+        leaderboard.rows_from_results({"cells": [rec("document", 0, [("exact", None, None)])]})
+
+
+def test_presets_offer_ruler_tasks_only_where_exact_can(monkeypatch):
+    from kvlab import calibrated
+    from kvlab.ui.presets import ruler_presets
+
+    monkeypatch.setitem(calibrated.CALIBRATED, "m", {"vt": {1024: 0.9, 4096: 0.5}, "cwe": {1024: 0.1}})
+    assert ruler_presets("m", 1000) == {"RULER vt": "vt"}
+    assert ruler_presets("m", 4000) == {}
+    assert ruler_presets("never calibrated", 1000) == {}
