@@ -54,8 +54,8 @@ from kvlab.quant import (
     QuantizedGroups,
     cat_groups,
     pack_signs,
+    packed_bytes,
     quantize_groups,
-    storage_bits,
     unpack_signs,
     weighted_token_sum,
 )
@@ -385,7 +385,7 @@ class QJL(Compressor):
     def _value_bytes(self, bits: int) -> float:
         d, g = self.info.head_dim, self.cfg["value_group"]
         n_groups = -(-d // g)
-        return n_groups * (-(-g * storage_bits(bits) // 8) + 4)
+        return n_groups * (packed_bytes(g, bits) + 4)
 
     def _sketch_bytes(self, ms: list[int], m_outs: list[int]) -> float:
         """Sketch bytes per KV head (all layers' S and S_out, float32, shared by the heads of a layer)."""
