@@ -176,18 +176,23 @@ def _check_questions(args) -> None:
 
 
 def format_table(result) -> str:
-    rows = [("run", "KiB", "of exact", "tok/s", "compress s", "text")]
+    """One line per run: peak and mean KiB held over the run (after prefill and every step), each as a fraction
+    of the exact cache's peak / mean, shared per-model KiB (QJL's sketches), speed and the text's opening."""
+    rows = [("run", "peak KiB", "mean KiB", "peak/exact", "mean/exact", "shared KiB", "tok/s", "compress s", "text")]
     for r in result.runs:
         if not r.exact_kv_bytes_per_step:  # refused its budget, or its plan raised: it never ran; say why
-            rows.append((r.label, "—", r.finish_reason, "—", "—", r.error))
+            rows.append((r.label, "—", "—", r.finish_reason, "—", "—", "—", "—", r.error))
             continue
-        exact = r.exact_kv_bytes_per_step[0]
+        mem = r.memory
         text = r.text.replace("\n", " ")
         rows.append(
             (
                 r.label,
-                f"{r.kv_bytes / 1024:.0f}",
-                f"{r.kv_bytes / exact:.3f}",
+                f"{mem['peak_bytes'] / 1024:.0f}",
+                f"{mem['mean_bytes'] / 1024:.0f}",
+                f"{mem['peak_fraction']:.3f}",
+                f"{mem['mean_fraction']:.3f}",
+                f"{mem['shared_bytes'] / 1024:.0f}" if mem["shared_bytes"] else "—",
                 f"{r.timings.tokens_per_s:.1f}",
                 f"{r.timings.compress_s:.3f}",
                 text[:60] + ("…" if len(text) > 60 else ""),

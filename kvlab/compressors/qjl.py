@@ -669,10 +669,19 @@ class QJL(Compressor):
                 yield from seg.tensors()
             yield "residual_keys", st.res_k
             yield "residual_values", st.res_v
-            if self.cfg["count_sketch"]:
-                yield "sketch", st.s
-                if self.n_out:
-                    yield "sketch", st.s_out
+        if self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The sketch matrices S (and S_out), one per layer, shared by every sequence (unless ``count_sketch``)."""
+        if not self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def _sketches(self) -> Iterator[tuple[str, Tensor]]:
+        for st in self.layers:
+            yield "sketch", st.s
+            if self.n_out:
+                yield "sketch", st.s_out
 
     def bits_per_coordinate(self) -> dict[str, float]:
         """Bits per stored coordinate measured from the tensors held (quantized tokens vs window)."""

@@ -219,7 +219,16 @@ class QJLStore(ComposedStore):
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         yield from super().tensors()
-        if self.composing() and self.cfg["count_sketch"]:
+        if self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The sketch matrices, one per layer, shared by every sequence (unless ``count_sketch``)."""
+        if not self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def _sketches(self) -> Iterator[tuple[str, Tensor]]:
+        if self.composing():
             for layer in self.layers:
                 yield "sketch", layer.s
                 if self.n_out:
