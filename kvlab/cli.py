@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvlab.budgets import BudgetError, parse_budgets
+from kvlab.reproduce.registry import REPRODUCTIONS
 
 
 class CliError(Exception):
@@ -136,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("reproduce", help="measure a paper's claim on the model: one reproduction by name, or all")
     r.add_argument(
         "name",
-        help="balancekv-fig2, qjl-estimator, qjl-3bit, clustergen-lines, "
-        "scissorhands-persistence, scissorhands-ppl, or all",
+        help=", ".join(REPRODUCTIONS) + ", or all",
     )
     r.add_argument("--out", default="reproduce-out", help="output folder (NAME.json, NAME.html, summary.json)")
     r.add_argument("--quick", action="store_true", help="small settings (short prompts, few seeds): a smoke run")

@@ -20,6 +20,7 @@ TINY = {
         "task_length": 160,
         "task_seeds": 1,
     },
+    "qjl-kivi-rd": {"length": 224, "max_new_tokens": 4, "seed": 0, "bits": [3, 6]},
     "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 8},
     "scissorhands-persistence": {"length": 128},
     "scissorhands-ppl": {"length": 128, "ratios": [2], "max_new_tokens": 4},
