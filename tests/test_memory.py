@@ -89,3 +89,15 @@ def test_sweep_rows_carry_peak_and_mean():
     assert (
         row["peak_bytes"] == 50 * PER_TOKEN and row["mean_fraction"] < row["peak_fraction"] and row["budget_use"] < 0.65
     )
+
+
+def test_metrics_csv_has_peak_and_mean():
+    import csv
+    import io
+
+    from kvlab.ui.export import metrics_csv
+
+    rows = list(csv.DictReader(io.StringIO(metrics_csv(_result()))))
+    sc = rows[1]
+    assert int(sc["peak_bytes"]) == 50 * PER_TOKEN and float(sc["mean_fraction"]) < float(sc["peak_fraction"])
+    assert int(rows[2]["shared_bytes"]) == 3 << 20
