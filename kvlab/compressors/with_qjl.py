@@ -260,8 +260,8 @@ QJL_PARAMS = (
     Param(
         "count_sketch",
         False,
-        "count the sketch matrices as held bytes (they are regenerated from the seed, so by "
-        "default they are not, as in qjl)",
+        "count the sketch matrices in each sequence's held bytes (the budget then pays for them); by default "
+        "they are per-model state, one copy shared across sequences, shown apart (shared_bytes), as in qjl",
     ),
 )
 
