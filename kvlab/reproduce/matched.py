@@ -64,3 +64,40 @@ def spread(peaks: list[float]) -> float:
     """How far apart the peaks are: max / min - 1 (0 when they are equal)."""
     peaks = [p for p in peaks if p > 0]
     return max(peaks) / min(peaks) - 1 if peaks else math.inf
+
+
+def simulate_bytes(info, method: str, budget, params: dict, n_prompt: int, steps: int, seed: int = 0) -> list[int]:
+    """The bytes ``method`` holds after compressing an ``n_prompt``-token prompt and after each of ``steps``
+    decode steps, from its own tensors (``nbytes``), on random keys and values: the bytes depend on the
+    shapes and the knobs, not on the numbers. A plan predicts the worst case (QJL counts its window full,
+    though it flushes in groups and often holds less); this is what a run will hold."""
+    import torch
+
+    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.registry import get
+
+    comp = get(method)(info, budget, params, seed=seed)
+    comp.decode_steps = steps
+    comp.plan(n_prompt)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (info.n_layers, info.n_kv_heads, n_prompt, info.head_dim)
+    keys, values = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+    queries = torch.randn(info.n_layers, info.n_heads, 1, info.head_dim, generator=gen)
+    with torch.inference_mode():
+        comp.compress(PrefillState(keys, values, queries, info.head_dim**-0.5))
+        held = [comp.nbytes()]
+        for j in range(steps):
+            k = torch.randn(info.n_kv_heads, 1, info.head_dim, generator=gen)
+            for layer in range(info.n_layers):
+                comp.append(layer, k, k, n_prompt + j)
+            held.append(comp.nbytes())
+    return held
+
+
+def held_fraction(info, held: list[int], n_prompt: int) -> float:
+    """The largest share of the exact cache that ``held`` (bytes after prefill and each step) reaches,
+    rounded up to 4 decimals: the budget fraction a run holding those bytes needs."""
+    from kvlab.budgets import exact_bytes
+
+    worst = max(h / exact_bytes(info, n_prompt + j) for j, h in enumerate(held))
+    return min(1.0, math.ceil(worst * 1e4) / 1e4)
