@@ -119,7 +119,7 @@ if _runtime.HAVE_TRITON:
         per: tl.constexpr = 8 // SB
         grp = offs_d // VG
         mask = mask_n[:, None] & mask_d[None, :]
-        if VG * SB % 8 == 0:  # groups end on byte boundaries: channel c is in byte c // per; load each byte once
+        if (VG * SB % 8 == 0) and (8 % SB == 0):  # whole codes per byte, groups on byte boundaries: load each byte once
             b = tl.arange(0, D_PAD // per)
             byte = tl.load(
                 v_ptr + rows[:, None] * (NG * VBPG) + b[None, :],
@@ -128,12 +128,13 @@ if _runtime.HAVE_TRITON:
             )
             code = (byte.to(tl.int32)[:, :, None] >> (tl.arange(0, per) * SB)[None, None, :]) & ((1 << SB) - 1)
             code = tl.reshape(code, (BLOCK_N, D_PAD))
-        else:  # groups padded to whole bytes: gather per channel
-            within = offs_d % VG
-            byte = tl.load(
-                v_ptr + rows[:, None] * (NG * VBPG) + (grp * VBPG + within // per)[None, :], mask=mask, other=0
-            )
-            code = (byte.to(tl.int32) >> ((within % per) * SB)[None, :]) & ((1 << SB) - 1)
+        else:  # gather per channel: bits [w*SB, (w+1)*SB) of its group's bytes, which may span two (3-bit codes)
+            bit = (offs_d % VG) * SB
+            at = rows[:, None] * (NG * VBPG) + (grp * VBPG + bit // 8)[None, :]
+            lo = tl.load(v_ptr + at, mask=mask, other=0).to(tl.int32)
+            spans = mask & ((bit % 8 + SB > 8) & (bit // 8 + 1 < VBPG))[None, :]
+            hi = tl.load(v_ptr + at + 1, mask=spans, other=0).to(tl.int32)
+            code = ((lo | (hi << 8)) >> (bit % 8)[None, :]) & ((1 << SB) - 1)
         sm = rows[:, None] * NG + grp[None, :]
         scale = tl.load(vs_ptr + sm, mask=mask, other=0.0).to(tl.float32)
         low = tl.load(vm_ptr + sm, mask=mask, other=0.0).to(tl.float32)

@@ -5,10 +5,13 @@ and KIVI (per-channel keys, per-token values); ``kvlab.quant`` re-exports them:
 
 * ``pack_signs``: signs packed 8 per byte along the last dim, LSB first — byte ``b`` holds the
   sign of element ``8b + j`` in bit ``j``; bit 1 means the element is ``>= 0``.
-* ``pack_codes``: b-bit integer codes packed ``8 // b`` per byte along the last dim, LSB first —
-  code ``k * (8 // b) + j`` of a row sits in bits ``[j*b, (j+1)*b)`` of byte ``k``. b in
-  {1, 2, 4, 8}; 3-bit codes are stored one per nibble (as if b = 4, so they cost 4 bits each —
-  the byte counts say so).
+* ``pack_codes``: b-bit integer codes packed along the last dim as one little-endian bit stream,
+  LSB first — code ``i`` of a row sits in bits ``[i*b, (i+1)*b)`` of the row's bytes read as one
+  little-endian integer. b in {1, 2, 3, 4, 8}; a row of n codes takes ``packed_bytes(n, b)`` =
+  ceil(n b / 8) bytes. For b = 1, 2, 4, 8 that is ``8 // b`` codes per byte (code
+  ``k * (8 // b) + j`` in bits ``[j*b, (j+1)*b)`` of byte ``k``); for b = 3 it is 8 codes in 3
+  bytes (a 24-bit word per 8 codes, the last word cut to the bytes its codes reach), so 3-bit
+  codes cost 3 bits.
 * ``quantize_groups``: asymmetric (min/scale) quantization in groups of ``group`` consecutive
   elements along any dim, with one float16 scale and one float16 minimum per group.
 """
@@ -27,10 +30,15 @@ SUPPORTED_BITS = (1, 2, 3, 4, 8)
 
 
 def storage_bits(bits: int) -> int:
-    """Bits one code really occupies once packed (3-bit codes take a nibble)."""
+    """Bits one code occupies once packed: ``bits`` itself (3-bit codes are packed 8 in 3 bytes)."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits} not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
-    return 4 if bits == 3 else bits
+    return bits
+
+
+def packed_bytes(n: int, bits: int) -> int:
+    """Bytes ``pack_codes`` uses for a row of ``n`` ``bits``-bit codes: ceil(n * bits / 8)."""
+    return -(-n * storage_bits(bits) // 8)
 
 
 def _pad_last(x: Tensor, multiple: int) -> Tensor:
@@ -39,11 +47,13 @@ def _pad_last(x: Tensor, multiple: int) -> Tensor:
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """Pack integer codes in [0, 2^bits) along the last dim: [..., n] -> uint8 [..., ceil(n / (8 // sb))].
+    """Pack integer codes in [0, 2^bits) along the last dim: [..., n] -> uint8 [..., packed_bytes(n, bits)].
 
-    sb = ``storage_bits(bits)``; the last byte is zero-padded when n is not a multiple of 8 // sb.
+    The last byte is zero-padded when n * bits is not a multiple of 8.
     """
     sb = storage_bits(bits)
+    if sb == 3:
+        return _pack_3bit(codes)
     per = 8 // sb
     c = _pad_last(codes.to(torch.uint8), per)
     c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
@@ -51,10 +61,36 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return (c << shifts).sum(-1, dtype=torch.uint8) if per > 1 else c.squeeze(-1)
 
 
+_SHIFTS_3 = tuple(range(0, 24, 3))  # bit offsets of the 8 codes in a 24-bit word
+
+
+def _pack_3bit(codes: Tensor) -> Tensor:
+    """3-bit codes [..., n] -> uint8 [..., ceil(3n / 8)]: each 8 codes form a 24-bit little-endian word."""
+    n = codes.shape[-1]
+    c = _pad_last(codes.to(torch.int32), 8)
+    c = c.reshape(*c.shape[:-1], -1, 8)
+    word = (c << torch.tensor(_SHIFTS_3, dtype=torch.int32, device=c.device)).sum(-1, dtype=torch.int32)
+    byte_shifts = torch.tensor((0, 8, 16), dtype=torch.int32, device=c.device)
+    out = ((word.unsqueeze(-1) >> byte_shifts) & 0xFF).to(torch.uint8)  # [..., words, 3]
+    return out.reshape(*out.shape[:-2], -1)[..., : packed_bytes(n, 3)]
+
+
+def _words_3bit(packed: Tensor) -> Tensor:
+    """Packed 3-bit rows uint8 [..., nbytes] -> int32 [..., ceil(nbytes / 3)]: the 24-bit words (zero-padded)."""
+    b = _pad_last(packed, 3).to(torch.int32)
+    b = b.reshape(*b.shape[:-1], -1, 3)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+
+
 @functools.cache
 def code_table(bits: int, device: str) -> Tensor:
-    """uint8 [256, 8 // sb]: the codes held by every byte value (a lookup is faster than shifting)."""
+    """uint8 [256, 8 // sb]: the codes held by every byte value (a lookup is faster than shifting).
+
+    For 3-bit codes: uint8 [4096, 4], the codes held by every 12-bit half of a 24-bit word."""
     sb = storage_bits(bits)
+    if sb == 3:
+        shifts = torch.tensor(_SHIFTS_3[:4], dtype=torch.int64)
+        return ((torch.arange(4096).unsqueeze(-1) >> shifts) & 7).to(torch.uint8).to(device)
     shifts = torch.arange(0, 8, sb, dtype=torch.int64)
     return ((torch.arange(256).unsqueeze(-1) >> shifts) & ((1 << sb) - 1)).to(torch.uint8).to(device)
 
@@ -73,8 +109,18 @@ def code_pair_table(bits: int, device: str) -> Tensor:
     return torch.cat([t.repeat(256, 1), t.repeat_interleave(256, 0)], 1).to(device)
 
 
+def _unpack_3bit(packed: Tensor, table: Tensor) -> Tensor:
+    """Packed 3-bit rows uint8 [..., nbytes] -> codes [..., 8 * ceil(nbytes / 3)] (padding codes included),
+    looked up in ``table`` ([4096, 4]: the codes of every 12-bit half word) as its dtype."""
+    w = _words_3bit(packed)
+    halves = torch.stack([w & 0xFFF, w >> 12], -1)  # [..., words, 2]
+    return torch.nn.functional.embedding(halves, table).reshape(*packed.shape[:-1], -1)
+
+
 def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of ``pack_codes``: uint8 [..., nbytes] -> uint8 codes [..., n]."""
+    if storage_bits(bits) == 3:
+        return _unpack_3bit(packed, code_table(3, str(packed.device)))[..., :n]
     c = code_table(bits, str(packed.device))[packed.long()]
     return c.reshape(*packed.shape[:-1], -1)[..., :n]
 
@@ -98,7 +144,7 @@ class QuantizedGroups:
     Layout: the quantized dim ``dim`` of the original ``shape`` is moved last and split into
     ``n_groups`` groups of ``group`` elements (the last group padded by repeating its final
     element when ``length`` is not a multiple of ``group``). With ``rest`` the other dims in their
-    original order: codes uint8 [*rest, n_groups, ceil(group * sb / 8)] (packed, see
+    original order: codes uint8 [*rest, n_groups, packed_bytes(group, bits)] (packed, see
     ``pack_codes``), scale and minimum float16 [*rest, n_groups]; x ~= minimum + scale * code.
     """
 
@@ -196,18 +242,26 @@ def _groups_first(codes: Tensor) -> Tensor:
 
 
 def _float_codes(codes: Tensor, bits: int) -> Tensor:
-    """Packed codes uint8 [..., nbytes] (contiguous) -> float32 [..., nbytes * (8 // sb)], padding codes included.
+    """Packed codes uint8 [..., nbytes] (contiguous) -> float32 [..., >= nbytes * 8 // bits], padding codes included.
 
-    Two bytes per lookup (``code_pair_table``) when the rows hold an even number of bytes."""
+    Two bytes per lookup (``code_pair_table``) when the rows hold an even number of bytes; 3-bit codes
+    twelve bits per lookup."""
     sb, dev = storage_bits(bits), str(codes.device)
     if sb == 8:
         return codes.float()
+    if sb == 3:
+        return _unpack_3bit(codes, _float_table_3bit(dev))
     if codes.shape[-1] % 2 == 0 and sys.byteorder == "little":
         pairs = codes.view(torch.int16).int() & 0xFFFF
         out = torch.nn.functional.embedding(pairs, code_pair_table(bits, dev))
     else:
         out = torch.nn.functional.embedding(codes.int(), code_table(bits, dev).float())
     return out.reshape(*codes.shape[:-1], -1)
+
+
+@functools.cache
+def _float_table_3bit(device: str) -> Tensor:
+    return code_table(3, "cpu").float().to(device)
 
 
 def cat_groups(parts: list[QuantizedGroups], dim: int) -> QuantizedGroups:
@@ -253,6 +307,7 @@ __all__ = [
     "group_error_bound",
     "pack_codes",
     "pack_signs",
+    "packed_bytes",
     "sign_table",
     "quantize_groups",
     "storage_bits",

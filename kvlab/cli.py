@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvlab.budgets import BudgetError, parse_budgets
+from kvlab.reproduce.registry import REPRODUCTIONS
 
 
 class CliError(Exception):
@@ -155,8 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("reproduce", help="measure a paper's claim on the model: one reproduction by name, or all")
     r.add_argument(
         "name",
-        help="balancekv-fig2, qjl-estimator, qjl-3bit, clustergen-lines, "
-        "scissorhands-persistence, scissorhands-ppl, or all",
+        help=", ".join(REPRODUCTIONS) + ", or all",
     )
     r.add_argument("--out", default="reproduce-out", help="output folder (NAME.json, NAME.html, summary.json)")
     r.add_argument("--quick", action="store_true", help="small settings (short prompts, few seeds): a smoke run")
@@ -195,18 +195,23 @@ def _check_questions(args) -> None:
 
 
 def format_table(result) -> str:
-    rows = [("run", "KiB", "of exact", "tok/s", "compress s", "text")]
+    """One line per run: peak and mean KiB held over the run (after prefill and every step), each as a fraction
+    of the exact cache's peak / mean, shared per-model KiB (QJL's sketches), speed and the text's opening."""
+    rows = [("run", "peak KiB", "mean KiB", "peak/exact", "mean/exact", "shared KiB", "tok/s", "compress s", "text")]
     for r in result.runs:
         if not r.exact_kv_bytes_per_step:  # refused its budget, or its plan raised: it never ran; say why
-            rows.append((r.label, "—", r.finish_reason, "—", "—", r.error))
+            rows.append((r.label, "—", "—", r.finish_reason, "—", "—", "—", "—", r.error))
             continue
-        exact = r.exact_kv_bytes_per_step[0]
+        mem = r.memory
         text = r.text.replace("\n", " ")
         rows.append(
             (
                 r.label,
-                f"{r.kv_bytes / 1024:.0f}",
-                f"{r.kv_bytes / exact:.3f}",
+                f"{mem['peak_bytes'] / 1024:.0f}",
+                f"{mem['mean_bytes'] / 1024:.0f}",
+                f"{mem['peak_fraction']:.3f}",
+                f"{mem['mean_fraction']:.3f}",
+                f"{mem['shared_bytes'] / 1024:.0f}" if mem["shared_bytes"] else "—",
                 f"{r.timings.tokens_per_s:.1f}",
                 f"{r.timings.compress_s:.3f}",
                 text[:60] + ("…" if len(text) > 60 else ""),

@@ -484,6 +484,7 @@ class Engine:
                 params=_jsonable({**comp.cfg, **knobs[i]}),
                 kv_bytes=comp.nbytes(),
                 kv_bytes_breakdown=comp.nbytes_by_kind(),
+                shared_bytes=comp.shared_nbytes_by_kind(),
                 timings=RunTimings(prefill_s=prefill_s, compress_s=comp_s),
                 error=error,
             )

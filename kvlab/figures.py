@@ -74,6 +74,8 @@ class RunSummary:
     error_per_layer: list[float | None] | None  # mean over decode steps, per layer
     kv_bytes_per_step: list[float]  # [k] after k decode steps
     exact_kv_bytes_per_step: list[float]
+    peak_fraction: float | None = None  # the most bytes held over the run / the exact cache's most
+    mean_fraction: float | None = None  # the bytes held, averaged over the run / the exact cache's mean
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ QUALITY = (
     Measure("1 − attention relative error", lambda m: _one_minus(m.get("attn_rel_error_mean"))),
     Measure("text similarity to exact", lambda m: m.get("text_similarity")),
 )
-BYTES_HELD = "bytes held (% of exact)"
+BYTES_HELD = "peak bytes held (% of exact)"
 
 
 def quality_measure(items: list[RunSummary]) -> Measure | None:
@@ -104,8 +106,9 @@ def quality_measure(items: list[RunSummary]) -> Measure | None:
 
 
 def quality_figure(items: list[RunSummary], title: str) -> go.Figure:
-    """Quality against bytes held (compressed runs), one line per method through its budgets."""
-    items = [it for it in items if it.method != "exact" and it.bytes_fraction is not None]
+    """Quality against the peak bytes held (compressed runs; the mean in the hover), one line per method through
+    its budgets. Runs without a peak (older results) are placed at their bytes after compression."""
+    items = [it for it in items if it.method != "exact" and _peak(it) is not None]
     q = quality_measure(items)
     if q is None:
         return no_data(title, "no quality measurements in this result")
@@ -115,17 +118,19 @@ def quality_figure(items: list[RunSummary], title: str) -> go.Figure:
             by_method.setdefault(it.method, []).append(it)
     fig = go.Figure()
     for method, pts in by_method.items():
-        pts.sort(key=lambda it: (it.bytes_fraction, q.read(it.metrics)))
+        pts.sort(key=lambda it: (_peak(it), q.read(it.metrics)))
         fig.add_trace(
             go.Scatter(
-                x=[100 * it.bytes_fraction for it in pts],
+                x=[100 * _peak(it) for it in pts],
                 y=[q.read(it.metrics) for it in pts],
                 text=[it.label for it in pts],
+                customdata=[100 * (it.mean_fraction if finite(it.mean_fraction) else _peak(it)) for it in pts],
                 name=method,
                 mode="lines+markers",
                 marker=dict(size=9),
                 line=dict(color=pts[0].color),
-                hovertemplate="%{text}<br>%{x:.1f}% of exact bytes<br>%{y:.3f}<extra></extra>",
+                hovertemplate="%{text}<br>peak %{x:.1f}% · mean %{customdata:.1f}% of exact bytes<br>%{y:.3f}"
+                "<extra></extra>",
             )
         )
     fig.update_xaxes(title=BYTES_HELD, rangemode="tozero")
@@ -141,6 +146,10 @@ def quality_figure(items: list[RunSummary], title: str) -> go.Figure:
             font=dict(size=11, color="#888"),
         )
     return layout(fig, 360, f"{title} ({q.title})")
+
+
+def _peak(it: RunSummary) -> float | None:
+    return it.peak_fraction if finite(it.peak_fraction) else it.bytes_fraction
 
 
 def error_per_layer_figure(items: list[RunSummary], title: str, lines: bool = False) -> go.Figure:
@@ -191,15 +200,28 @@ def bytes_figure(items: list[RunSummary], title: str) -> go.Figure:
         )
     )
     for it in items:
+        steps = list(range(len(it.kv_bytes_per_step)))
         fig.add_trace(
             go.Scatter(
-                x=list(range(len(it.kv_bytes_per_step))),
+                x=steps,
                 y=[b / KIB for b in it.kv_bytes_per_step],
                 name=it.label,
                 mode="lines",
                 line=dict(color=it.color),
             )
         )
-    fig.update_xaxes(title="decode step (0 = after prefill)")
+        mean = sum(it.kv_bytes_per_step) / len(it.kv_bytes_per_step) / KIB  # the mean over the run, dotted
+        fig.add_trace(
+            go.Scatter(
+                x=[steps[0], steps[-1]],
+                y=[mean, mean],
+                name=f"{it.label} mean",
+                mode="lines",
+                line=dict(color=it.color, dash="dot", width=1),
+                showlegend=False,
+                hovertemplate=f"{it.label}: mean %{{y:,.0f}} KiB over the run<extra></extra>",
+            )
+        )
+    fig.update_xaxes(title="decode step (0 = after prefill; dotted: each run's mean)")
     fig.update_yaxes(title="KiB held", rangemode="tozero")
     return layout(fig, 380, title)

@@ -64,6 +64,7 @@ class HealthProbe:
         exact = runs[self.exact] if self.exact is not None else None
         for i, r in enumerate(runs):
             flags = bytes_flags(r, self.n, self.comps[i].streaming, self.question_tokens)
+            r.budget_use = budget_use(r, self.n, self.comps[i].streaming, self.question_tokens)
             if i in self.non_finite:
                 flags.append(
                     _flag("non_finite_logits", f"NaN or inf in the logits at decode step {self.non_finite[i]}")
@@ -101,8 +102,8 @@ def _budget(run) -> Budget | None:
     return None if run.budget is None else Budget.parse(run.budget)
 
 
-def bytes_flags(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> list[dict]:
-    """``over_budget`` when the bytes held exceed what the budget allows by more than ``TOLERANCE``.
+def budget_limits(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> list[float]:
+    """The bytes the run's budget allows at each entry of ``run.kv_bytes_per_step`` ([] without a budget).
 
     A streaming method holds its budget's share of every token seen; a prefill-only method holds
     its share of the prompt plus its generated tokens in full (docs/design.md, budgets).
@@ -112,14 +113,34 @@ def bytes_flags(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -
     budget = _budget(run)
     if budget is None:
         return []
-    worst = None
+    limits = []
     prompt_exact = run.exact_kv_bytes_per_step[0] if run.exact_kv_bytes_per_step else 0
-    for k, (held, exact) in enumerate(zip(run.kv_bytes_per_step, run.exact_kv_bytes_per_step)):
+    for k, exact in enumerate(run.exact_kv_bytes_per_step):
         if streaming:
             seen = n_prompt + k if not question_tokens or k == 0 else n_prompt + question_tokens + k - 1
-            limit = budget.fraction_of(seen) * exact
+            limits.append(budget.fraction_of(seen) * exact)
         else:
-            limit = budget.fraction_of(n_prompt) * prompt_exact + (exact - prompt_exact)
+            limits.append(budget.fraction_of(n_prompt) * prompt_exact + (exact - prompt_exact))
+    return limits
+
+
+def budget_use(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> float | None:
+    """Mean over the run (after prefill and every step) of the bytes held / the bytes the budget allows
+    then: near 1 for a method that fills its budget, well below for one that holds much less for most
+    of the run (Scissorhands after its first eviction). None without a budget."""
+    pairs = [
+        (h, a) for h, a in zip(run.kv_bytes_per_step, budget_limits(run, n_prompt, streaming, question_tokens)) if a > 0
+    ]
+    return round(sum(h / a for h, a in pairs) / len(pairs), 4) if pairs else None
+
+
+def bytes_flags(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> list[dict]:
+    """``over_budget`` when the bytes held exceed what the budget allows (``budget_limits``) by more than
+    ``TOLERANCE``: the budget caps the peak."""
+    worst = None
+    for k, (held, limit) in enumerate(
+        zip(run.kv_bytes_per_step, budget_limits(run, n_prompt, streaming, question_tokens))
+    ):
         if limit > 0 and held > (1 + TOLERANCE) * limit and (worst is None or held / limit > worst[1]):
             worst = (k, held / limit)
     if worst is None:

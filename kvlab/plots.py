@@ -66,7 +66,9 @@ def fraction_held(run: RunResult) -> float | None:
 
 # ----- memory -----------------------------------------------------------------------------------
 def gauges(result: CompareResult, per_row: int = 5) -> go.Figure:
-    """One gauge per run: bytes held after compression as % of the exact cache; the number is % saved."""
+    """One gauge per run: the peak bytes held over the run as % of the exact cache's peak (the bar and the
+    number) and the mean over the run as % of the exact cache's mean (the darker band); shared per-model
+    bytes (QJL's sketches) are named under the title."""
     runs = result.runs
     if not runs:
         return no_data("Cache size", "no runs yet")
@@ -74,29 +76,33 @@ def gauges(result: CompareResult, per_row: int = 5) -> go.Figure:
     cols = min(per_row, len(runs))
     fig = make_subplots(rows=rows, cols=cols, specs=[[{"type": "indicator"}] * cols for _ in range(rows)])
     for i, r in enumerate(runs):
-        held = 100 * (fraction_held(r) or 0.0)
+        mem = r.memory
+        peak, mean = 100 * (mem["peak_fraction"] or 0.0), 100 * (mem["mean_fraction"] or 0.0)
+        shared = f"<br>+ {mem['shared_bytes'] / KIB:,.0f} KiB shared across sequences" if mem["shared_bytes"] else ""
         fig.add_trace(
             go.Indicator(
                 mode="gauge+number",
-                value=held,
-                number=dict(suffix="%", valueformat=".1f", font=dict(size=22)),
+                value=peak,
+                number=dict(suffix="% peak", valueformat=".1f", font=dict(size=20)),
                 title=dict(
                     text=f"{r.label}<br><span style='font-size:11px;color:#666'>"
-                    f"{r.kv_bytes / KIB:,.0f} of {exact_bytes_at_prefill(r) / KIB:,.0f} KiB · "
-                    f"{100 - held:.0f}% saved</span>",
+                    f"peak {mem['peak_bytes'] / KIB:,.0f} · mean {mem['mean_bytes'] / KIB:,.0f} of "
+                    f"{mem['exact_peak_bytes'] / KIB:,.0f} KiB · mean {mean:.0f}%{shared}</span>",
                     font=dict(size=13),
                 ),
                 gauge=dict(
                     axis=dict(range=[0, 100], ticksuffix="%"),
                     bar=dict(color=color_of(result, r.label)),
-                    steps=[dict(range=[0, 100], color="#f3f3f3")],
+                    steps=[dict(range=[0, 100], color="#f3f3f3"), dict(range=[0, mean], color="#cfcfcf")],
                     threshold=dict(line=dict(color="#333", width=2), value=100),
                 ),
             ),
             row=i // per_row + 1,
             col=i % per_row + 1,
         )
-    fig = _layout(fig, 230 * rows + 30, "Cache held after compression (% of the exact cache)")
+    fig = _layout(
+        fig, 230 * rows + 30, "Cache held: peak (bar) and mean over the run (grey band), % of the exact cache"
+    )
     fig.update_layout(margin=dict(l=30, r=30, t=90, b=10))
     return fig
 
@@ -454,6 +460,8 @@ def summaries(result: CompareResult) -> list[RunSummary]:
                 error_per_layer=None if m is None else [_mean(col) for col in zip(*m)],
                 kv_bytes_per_step=list(r.kv_bytes_per_step),
                 exact_kv_bytes_per_step=list(r.exact_kv_bytes_per_step),
+                peak_fraction=r.memory["peak_fraction"],
+                mean_fraction=r.memory["mean_fraction"],
             )
         )
     return out

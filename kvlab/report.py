@@ -3,10 +3,14 @@
 Figures, the same builders and axes as the dashboard's (``kvlab.figures``), each label averaged over
 the sweep's cells:
 * quality vs memory — the first ``figures.QUALITY`` measure the runs have (task score for the
-  built-in tasks) against the share of the exact cache's bytes held, one line per method through
-  its budgets;
+  built-in tasks) against the peak share of the exact cache's bytes held (the mean in the hover),
+  one line per method through its budgets;
 * attention error per layer — mean relative error per layer, one line per method@budget;
-* bytes per step — KiB held after each decode step at the longest length, one line per run;
+* bytes per step — KiB held after each decode step at the longest length, one line per run, its
+  mean over the run dotted;
+
+The summary table gives each label's peak and mean bytes (fractions of the exact cache's), its
+budget use (mean bytes held / bytes allowed) and shared per-model KiB (QJL's sketches).
 * needle grid (a sweep over several depths) — accuracy per depth x length, one heatmap per
   method@budget (``kvlab.grids``);
 * leaderboard (runs with task scores at fraction budgets) — average score against the compression
@@ -22,6 +26,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from kvlab import figures as shared
+from kvlab.results import memory_figures
 
 
 def _mean(xs) -> float | None:
@@ -60,25 +65,58 @@ def summaries(recs: list[dict]) -> list[shared.RunSummary]:
                 error_per_layer=[_mean(col) for col in zip(*per_layer)] if per_layer else None,
                 kv_bytes_per_step=_mean_series([r["kv_bytes_per_step"] for r in runs]),
                 exact_kv_bytes_per_step=_mean_series([r["exact_kv_bytes_per_step"] for r in runs]),
+                peak_fraction=_mean(_memory(r)["peak_fraction"] for r in runs),
+                mean_fraction=_mean(_memory(r)["mean_fraction"] for r in runs),
             )
         )
     return out
 
 
+def _memory(r: dict) -> dict:
+    """A compact run's peak and mean bytes (``kvlab.results.memory_figures``)."""
+    return memory_figures(
+        r["kv_bytes_per_step"], r["exact_kv_bytes_per_step"], r.get("budget_use"), r.get("shared_bytes")
+    )
+
+
+def _fmt(v, spec: str = ".3f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+SUMMARY_HEAD = (
+    "label",
+    "cells",
+    "peak (of exact)",
+    "mean (of exact)",
+    "budget use",
+    "shared KiB",
+    "task score",
+    "text similarity",
+    "KL",
+    "top-1",
+    "attn error",
+)
+
+
 def summary_rows(recs: list[dict]) -> list[tuple]:
+    """One row per label (``SUMMARY_HEAD``), averaged over the cells: the peak and mean bytes held as fractions
+    of the exact cache's, the mean budget use, shared per-model KiB, and the quality measures."""
     out = []
     for label, runs in _by_label(recs).items():
 
         def avg(key, runs=runs):
-            v = _mean(r["metrics"].get(key) for r in runs)
-            return "—" if v is None else f"{v:.3f}"
+            return _fmt(_mean(r["metrics"].get(key) for r in runs))
 
-        frac = _mean(r["kv_bytes"] / r["exact_kv_bytes_per_step"][0] for r in runs)
+        mem = [_memory(r) for r in runs]
+        shared_kib = _mean(m["shared_bytes"] / 1024 for m in mem)
         out.append(
             (
                 label,
                 len(runs),
-                f"{frac:.3f}",
+                _fmt(_mean(m["peak_fraction"] for m in mem)),
+                _fmt(_mean(m["mean_fraction"] for m in mem)),
+                _fmt(_mean(m["budget_use"] for m in mem), ".2f"),
+                _fmt(shared_kib, ",.0f") if shared_kib else "—",
                 avg("task_score"),
                 avg("text_similarity"),
                 avg("kl_mean"),
@@ -134,7 +172,7 @@ def write_report(cfg, recs: list[dict], path: str | Path) -> Path:
             + fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, div_id=f"plot-{name}")
             + "</section>"
         )
-    head = ("label", "cells", "bytes fraction", "task score", "text similarity", "KL", "top-1", "attn error")
+    head = SUMMARY_HEAD
     table = (
         "<table><tr>"
         + "".join(f"<th>{h}</th>" for h in head)

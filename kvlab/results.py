@@ -12,6 +12,24 @@ QUERY_AGNOSTIC = "query-agnostic"  # the context is compressed alone; the questi
 PROTOCOLS = (QUERY_AWARE, QUERY_AGNOSTIC)
 
 
+def memory_figures(held: list, exact: list, budget_use: float | None = None, shared: dict | None = None) -> dict:
+    """Peak and mean of the bytes ``held`` over a run (after prefill and after every step), with the exact
+    cache's over the same points (``exact``): ``peak_fraction`` = peak / exact peak, ``mean_fraction`` =
+    mean / exact mean; ``budget_use`` and the shared bytes' total are passed through."""
+    peak, mean = (max(held), sum(held) / len(held)) if held else (0, 0.0)
+    ex_peak, ex_mean = (max(exact), sum(exact) / len(exact)) if exact else (0, 0.0)
+    return {
+        "peak_bytes": peak,
+        "mean_bytes": round(mean, 1),
+        "exact_peak_bytes": ex_peak,
+        "exact_mean_bytes": round(ex_mean, 1),
+        "peak_fraction": round(peak / ex_peak, 4) if ex_peak else None,
+        "mean_fraction": round(mean / ex_mean, 4) if ex_mean else None,
+        "budget_use": budget_use,
+        "shared_bytes": sum((shared or {}).values()),
+    }
+
+
 @dataclass
 class RunTimings:
     prefill_s: float = 0.0
@@ -41,10 +59,32 @@ class RunResult:
     extras: dict = field(default_factory=dict)  # e.g. kept positions for heatmaps
     health: list = field(default_factory=list)  # flags: [{"flag": name, "detail": text}] (kvlab.health)
     error: str = ""  # why the run ended early (a refusal or the exception), empty when it ran to the end
+    # per-model state one copy of which serves every sequence (QJL's sketches), not in kv_bytes: kind -> bytes
+    shared_bytes: dict = field(default_factory=dict)
+    # mean over the run of the bytes held / the bytes its budget allows at that point (kvlab.health.budget_use)
+    budget_use: float | None = None
 
     @property
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget}"
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        """The most bytes held at any point of the run (after prefill or any step): what a budget caps."""
+        return max(self.kv_bytes_per_step, default=self.kv_bytes)
+
+    @property
+    def mean_kv_bytes(self) -> float:
+        """The bytes held, averaged over the run (after prefill and after every step)."""
+        s = self.kv_bytes_per_step
+        return sum(s) / len(s) if s else float(self.kv_bytes)
+
+    @property
+    def memory(self) -> dict:
+        """The run's two memory figures with the exact cache's (``memory_figures``), written to the JSON."""
+        return memory_figures(
+            self.kv_bytes_per_step or [self.kv_bytes], self.exact_kv_bytes_per_step, self.budget_use, self.shared_bytes
+        )
 
     @property
     def saving(self) -> float:
@@ -67,7 +107,11 @@ class CompareResult:
     context_tokens: int = 0  # query-agnostic: the prompt's first tokens, compressed without the question
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The result as JSON-ready dicts; each run also gets its ``memory`` figures (derived, not read back)."""
+        out = asdict(self)
+        for r, d in zip(self.runs, out["runs"]):
+            d["memory"] = r.memory
+        return out
 
     def dumps(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_json(), indent=indent)

@@ -167,8 +167,16 @@ class _Check:
             kv = self.typed(r, p, "kv_bytes", (int,), required=False)
             if isinstance(kv, int) and kv < 0:
                 self.bad(f"{p}.kv_bytes", "must be >= 0")
-            for key in ("params", "kv_bytes_breakdown", "timings", "metrics", "extras"):
+            for key in ("params", "kv_bytes_breakdown", "timings", "metrics", "extras", "memory"):
                 self.typed(r, p, key, (dict,), required=False)
+            shared = self.typed(r, p, "shared_bytes", (dict,), required=False)
+            if shared is not None and not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in shared.values()
+            ):
+                self.bad(f"{p}.shared_bytes", "must map names to non-negative integers")
+            use = self.typed(r, p, "budget_use", (int, float, type(None)), required=False)
+            if isinstance(use, (int, float)) and not isinstance(use, bool) and use < 0:
+                self.bad(f"{p}.budget_use", "must be >= 0")
             health = self.typed(r, p, "health", (list,), required=False)
             if health is not None and not all(isinstance(f, dict) for f in health):
                 self.bad(f"{p}.health", "must be a list of objects")

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvlab.results import memory_figures
+
 CSV_FIELDS = (
     "task",
     "protocol",
@@ -35,6 +37,12 @@ CSV_FIELDS = (
     "kv_bytes",
     "exact_bytes",
     "bytes_fraction",
+    "peak_bytes",
+    "mean_bytes",
+    "peak_fraction",
+    "mean_fraction",
+    "budget_use",
+    "shared_bytes",
     "task_score",
     "text_similarity",
     "first_divergence",
@@ -160,6 +168,8 @@ def _compact(r) -> dict:
         "kv_bytes": r.kv_bytes,
         "kv_bytes_per_step": r.kv_bytes_per_step,
         "exact_kv_bytes_per_step": r.exact_kv_bytes_per_step,
+        "budget_use": r.budget_use,
+        "shared_bytes": r.shared_bytes,
         "timings": asdict(r.timings),
         "metrics": m,
     }
@@ -224,6 +234,13 @@ def rows(recs: list[dict], cfg_depth: float = 0.5) -> Iterator[dict]:
                 "kv_bytes": r["kv_bytes"],
                 "exact_bytes": exact,
                 "bytes_fraction": r["kv_bytes"] / exact,
+                **{
+                    k: v
+                    for k, v in memory_figures(
+                        r["kv_bytes_per_step"], r["exact_kv_bytes_per_step"], r.get("budget_use"), r.get("shared_bytes")
+                    ).items()
+                    if k in CSV_FIELDS
+                },
                 **{
                     k: m.get(k)
                     for k in (

@@ -126,7 +126,7 @@ def test_a_refused_run_is_recorded_shown_and_exported_while_the_others_run(engin
     assert exact.token_ids and not exact.error
     from kvlab.cli import format_table
 
-    assert re.search(r"qjl@0\.01\s+—\s+refused\s.*qjl cannot fit", format_table(result))  # the CLI's table too
+    assert re.search(r"qjl@0\.01\s+—\s+—\s+refused\s.*qjl cannot fit", format_table(result))  # the CLI's table too
     html = cards_html(result, None)
     assert "refused" in html and "qjl cannot fit budget 0.01" in html and html.count("kv-card ") == 3
     data = json.loads(json.dumps(result.to_json()))

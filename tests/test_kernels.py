@@ -56,6 +56,7 @@ ATTN_CASES = [
         dict(g=3, d=64, n=50, kind="qjl", bits=2, value_group=18),
     ),  # groups not byte-aligned
     ("attn_qjl_8bit_g4_d64", dict(g=4, d=64, n=40, kind="qjl", bits=8)),
+    ("attn_qjl_3bit_group20_g3_d64", dict(g=3, d=64, n=45, kind="qjl", bits=3, value_group=20)),  # codes span bytes
 ]
 
 

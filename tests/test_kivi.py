@@ -64,10 +64,9 @@ def test_bytes_are_packed_storage(lm, prefill_state):
     for bits, residual in ((2, 0), (4, 100), (3, 64)):
         comp, knobs = _kivi(lm, prefill_state, bits=bits, residual=residual)
         assert comp.nbytes() == kivi_bytes(lm.info, n, bits, 32, residual)
-        per_elem = 4 if bits == 3 else bits  # 3-bit codes are stored in nibbles
         codes = comp.nbytes_by_kind()["keys_codes"] + comp.nbytes_by_kind()["values_codes"]
         coords = lm.info.n_layers * lm.info.n_kv_heads * knobs["quantized_tokens"] * lm.info.head_dim
-        assert codes == 2 * coords * per_elem // 8
+        assert codes == 2 * coords * bits // 8  # 3-bit codes cost 3 bits (8 in 3 bytes)
     two, knobs = _kivi(lm, prefill_state, bits=2, residual=0)
     # against the 16-bit exact cache a quantized number costs (2 code bits + (16 + 16) / 32 bits of fp16 scale and
     # minimum) / 16 = 3/16, and the partial group left over (n - nq tokens) stays in 16 bits: 1 each. With n = 715,
@@ -100,20 +99,21 @@ def test_residual_flushed_in_groups(lm, prefill_state):
 
 def test_budget_maps_to_bits_and_residual(lm, prefill_state):
     # Against the 16-bit exact cache a budget fraction f buys 16 f bits per number. KIVI-B costs B code bits
-    # (3 bits take a nibble: 4) + 32 / 32 bits of fp16 scale and minimum per group of 32: 5 bits for 4 and 3, 3 bits
-    # for 2. With the partial group (11 of n = 715 tokens) in 16 bits and no residual: KIVI-4 holds
-    # (704 * 5/16 + 11) / 715 = 0.323 of exact, KIVI-2 (704 * 3/16 + 11) / 715 = 0.2. So 0.5 (8 bits) and
-    # 0.375 (6 bits) take 4 bits, 0.25 (4 bits) takes 2, and 0.125 (2 bits) is below KIVI's smallest configuration.
+    # (3 bits packed 8 in 3 bytes cost 3) + 32 / 32 bits of fp16 scale and minimum per group of 32: 5, 4 and 3 bits
+    # for 4, 3 and 2. With the partial group (11 of n = 715 tokens) in 16 bits and no residual: KIVI-4 holds
+    # (704 * 5/16 + 11) / 715 = 0.323 of exact, KIVI-3 (704 * 4/16 + 11) / 715 = 0.262, KIVI-2
+    # (704 * 3/16 + 11) / 715 = 0.2. So 0.5 (8 bits) and 0.375 (6 bits) take 4 bits, 0.3 takes 3, 0.25 (4 bits)
+    # takes 2, and 0.125 (2 bits) is below KIVI's smallest configuration.
     n = prefill_state.n_tokens
     seen = {}
-    for budget in ("0.5", "0.375", "0.25"):
+    for budget in ("0.5", "0.375", "0.3", "0.25"):
         comp, knobs = _kivi(lm, prefill_state, budget)
         target = float(budget) * exact_bytes(lm.info, n)
         assert comp.nbytes() <= target and knobs["fits_budget"]
         # the residual is as long as fits: one more group of full-precision tokens would not
         assert kivi_bytes(lm.info, n, knobs["bits"], 32, knobs["residual"] + 32) > target
         seen[budget] = knobs["bits"]
-    assert seen == {"0.5": 4, "0.375": 4, "0.25": 2}
+    assert seen == {"0.5": 4, "0.375": 4, "0.3": 3, "0.25": 2}
     # no configuration holds 0.125: the plan refuses, naming the smallest budget that it can hold here
     with pytest.raises(BudgetRefused, match=r"kivi cannot fit budget 0.125 on a 715-token prompt") as refused:
         _kivi(lm, prefill_state, "0.125")

@@ -389,3 +389,24 @@ def test_forks_share_segments_and_attend_together(lm, prefill_state, monkeypatch
         assert sorted(scored) == [3, 3, 3, 9]  # the shared segment once with every fork's 3 query heads per KV head
         for i, f in enumerate(forks):
             torch.testing.assert_close(got[i], f.attend(layer, q[i]), atol=1e-5, rtol=1e-4)
+
+
+def test_sketches_are_shared_state_unless_counted(lm, prefill_state):
+    """S and S_out (float32, one per layer) are shown apart as shared across sequences; count_sketch=true moves
+    them into the bytes a sequence holds, and the planner then shrinks m to make room."""
+    n, d = prefill_state.n_tokens, lm.info.head_dim
+    apart, counted = _qjl(lm, n=n), _qjl(lm, n=n, count_sketch=True)
+    apart.compress(prefill_state)
+    counted.compress(prefill_state)
+    sizes = sum((st.s.shape[0] + st.s_out.shape[0]) * d * 4 for st in apart.layers)
+    assert apart.shared_nbytes_by_kind() == {"sketch": sizes} and "sketch" not in apart.nbytes_by_kind()
+    assert counted.shared_nbytes_by_kind() == {} and counted.nbytes_by_kind()["sketch"] > 0
+    assert counted.qplan.m[-1] < apart.qplan.m[-1] and counted.nbytes() <= 1.05 * 0.25 * exact_bytes(lm.info, n)
+
+
+def test_three_bit_values_cost_three_bits(lm, prefill_state):
+    c = _qjl(lm, "0.5", n=prefill_state.n_tokens, m=128, n_outliers=0, value_bits=3, residual=64)
+    c.compress(prefill_state)
+    n_q, layers, heads, d = c.layers[0].n_quantized, lm.info.n_layers, lm.info.n_kv_heads, lm.info.head_dim
+    assert c.nbytes_by_kind()["value_codes"] == heads * n_q * d * 3 // 8 * layers
+    assert c.bits_per_coordinate()["values"] == pytest.approx(4.0)  # 3 code bits + 32 bits of scale/min per 32

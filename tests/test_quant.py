@@ -40,14 +40,36 @@ def test_code_round_trip_and_size(bits):
     n = 37
     codes = torch.randint(0, 1 << bits, (4, 6, n), generator=g)
     packed = pack_codes(codes, bits)
-    per_byte = 8 // (4 if bits == 3 else bits)
-    assert packed.shape == (4, 6, -(-n // per_byte))
+    assert packed.shape == (4, 6, -(-n * bits // 8))  # ceil(n bits / 8): 3-bit codes cost 3 bits
     assert torch.equal(unpack_codes(packed, bits, n), codes.to(torch.uint8))
 
 
 def test_pack_codes_layout():
     assert pack_codes(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
     assert pack_codes(torch.tensor([5, 12]), 4).tolist() == [5 | 12 << 4]
+
+
+def test_three_bit_codes_pack_eight_in_three_bytes():
+    """8 codes in one 24-bit little-endian word; a row of 11 codes takes ceil(33 / 8) = 5 bytes."""
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0, 6, 5, 3])
+    word = sum(int(c) << (3 * i) for i, c in enumerate(codes[:8]))
+    tail = sum(int(c) << (3 * i) for i, c in enumerate(codes[8:]))
+    packed = pack_codes(codes, 3)
+    assert packed.tolist() == [word & 255, word >> 8 & 255, word >> 16, tail & 255, tail >> 8]
+    assert torch.equal(unpack_codes(packed, 3, 11), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("group", [32, 20, 7])
+def test_three_bit_groups_cost_three_bits(group):
+    """KIVI-3 and QJL's 3-bit values: the codes held cost 3 bits a number (plus the fp16 scale and minimum)."""
+    x = torch.randn(2, 40, 64)
+    q3, q4 = quantize_groups(x, 3, group, -1), quantize_groups(x, 4, group, -1)
+    n_groups = -(-64 // group)
+    assert q3.codes.shape[-1] == -(-group * 3 // 8) and q4.codes.shape[-1] == -(-group * 4 // 8)
+    assert q3.nbytes() == 2 * 40 * n_groups * (-(-group * 3 // 8) + 4) < q4.nbytes()
+    ref = torch.stack([unpack_codes(pack_codes(c, 3), 3, group) for c in unpack_codes(q3.codes, 3, group)])
+    assert torch.equal(ref, unpack_codes(q3.codes, 3, group))
+    assert (dequantize_groups(q3) - x).abs().le(group_error_bound(q3)).all()
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])

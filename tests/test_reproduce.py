@@ -20,6 +20,7 @@ TINY = {
         "task_length": 160,
         "task_seeds": 1,
     },
+    "qjl-kivi-rd": {"length": 224, "max_new_tokens": 4, "seed": 0, "bits": [2, 6]},
     "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 8},
     "scissorhands-persistence": {"length": 128},
     "scissorhands-ppl": {"length": 128, "ratios": [2], "max_new_tokens": 4},
@@ -85,7 +86,12 @@ def test_qjl_3bit_uses_the_papers_configuration(ctx, reports):
     runs = rep.data["runs"]
     q = runs["qjl"]["params"]
     assert q["m"] == 2 * ctx.info.head_dim and q["value_bits"] == 2 and q["residual"] == 128
-    assert runs["qjl"]["bits_per_number"] < runs["kivi-4"]["bits_per_number"]
+    # every other run is planned to the paper's QJL's peak: none holds more, and the first row judges the spread
+    peaks = [runs[x]["peak_bytes"] for x in ("qjl", "qjl-no-outliers", "kivi-2", "kivi-3", "kivi-4")]
+    assert max(peaks) <= 1.002 * runs["qjl"]["peak_bytes"] and min(peaks) >= 0.85 * max(peaks)
+    assert rep.rows[0].holds == (max(peaks) / min(peaks) - 1 <= 0.05)
+    assert [runs[f"kivi-{b}"]["params"]["bits"] for b in (2, 3, 4)] == [2, 3, 4]
+    assert runs["qjl-no-outliers"]["params"]["m"] > q["m"]  # the outlier sketch's bytes buy a larger main sketch
     passkey = rep.data["tasks"]["passkey"]
     assert passkey["accuracy"]["exact"] == 1.0  # the calibrated task: the reference finds the key
     assert any(r.setting.startswith("passkey accuracy") for r in rep.rows)
@@ -114,3 +120,16 @@ def test_cli_rejects_unknown_reproduction(capsys):
     assert main(["reproduce", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "allowed" in err and "qjl-3bit" in err
+
+
+def test_qjl_kivi_rd_matches_peaks_or_says_why(ctx, reports):
+    rep = _run("qjl-kivi-rd", ctx, reports)
+    low, high = rep.data["points"]
+    assert low["qjl"]["ran"] and not low["kivi"]["ran"] and rep.rows[0].holds is None  # KIVI cannot hold 2 bits
+    assert "refused" in rep.rows[0].kvlab
+    q, k = high["qjl"], high["kivi"]  # QJL planned to KIVI's peak: the two peaks meet (closer on longer prompts)
+    gap = abs(q["peak_bytes"] / k["peak_bytes"] - 1)
+    assert q["ran"] and k["ran"] and gap <= 0.1 and 5 <= k["peak_bits"] <= 6
+    assert (rep.rows[1].holds is None) == (
+        max(q["peak_bytes"], k["peak_bytes"]) / min(q["peak_bytes"], k["peak_bytes"]) - 1 > 0.05
+    )

@@ -34,6 +34,13 @@ from kvlab.models import ModelInfo
 from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes, weights_on_positions
 
 
+def _bytes_by_kind(tensors: Iterator[tuple[str, Tensor]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for kind, t in tensors:
+        out[kind] = out.get(kind, 0) + tensor_bytes(t)
+    return out
+
+
 class ParamError(ValueError):
     pass
 
@@ -306,10 +313,17 @@ class Compressor:
         return sum(tensor_bytes(t) for _, t in self.tensors())
 
     def nbytes_by_kind(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for kind, t in self.tensors():
-            out[kind] = out.get(kind, 0) + tensor_bytes(t)
-        return out
+        return _bytes_by_kind(self.tensors())
+
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Per-model state that one copy of serves every sequence (QJL's random sketches), as (kind, tensor).
+
+        Not part of ``tensors``/``nbytes`` (the bytes a sequence holds) unless the method is told to count
+        it per sequence; shown apart as "shared across sequences"."""
+        return iter(())
+
+    def shared_nbytes_by_kind(self) -> dict[str, int]:
+        return _bytes_by_kind(self.shared_tensors())
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """The method's own attention weights for one query, by token position (for the attention maps).

@@ -29,7 +29,7 @@ from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import DenseCompressor, Param, PrefillState, _Growable
 from kvlab.compressors.registry import get
 from kvlab.ops import gather_tokens
-from kvlab.quant import QuantizedGroups, quantize_groups, storage_bits
+from kvlab.quant import QuantizedGroups, packed_bytes, quantize_groups
 
 
 # ----- per-token quantized codes (KIVI's keys and values, QJL's values) --------------------------
@@ -55,7 +55,7 @@ def gather_quantized(q: QuantizedGroups, idx: Tensor) -> QuantizedGroups:
 def quantized_token_bytes(d: int, bits: int, group: int) -> int:
     """Bytes of one token's [d] vector quantized per token: packed codes + fp16 scale and minimum per group."""
     g = min(group, d)
-    return -(-d // g) * (-(-g * storage_bits(bits) // 8) + 4)
+    return -(-d // g) * (packed_bytes(g, bits) + 4)
 
 
 # ----- the shared machinery: a per-layer store and the mixin that installs it --------------------

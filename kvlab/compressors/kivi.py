@@ -9,7 +9,7 @@ residual) and are quantized ``group`` tokens at a time as decoding pushes them o
 
 Here the residual holds between ``residual`` and ``residual + group - 1`` tokens (keys and values
 alike): when it reaches ``residual + group`` tokens, its oldest ``group`` are quantized. Storage is
-packed codes (``kvlab.quant``; 3-bit codes take a nibble), float16 scales and minimums, and the
+packed codes (``kvlab.quant``; 3-bit codes packed 8 in 3 bytes), float16 scales and minimums, and the
 full-precision residual; positions are implicit (every token is kept). The budget picks the
 highest bit-width whose quantized cache fits, then the longest residual that still fits, both
 held at every decode step (the residual grows by up to ``group - 1`` full-precision tokens between
@@ -34,8 +34,8 @@ from kvlab.quant import (
     QuantizedGroups,
     cat_groups,
     dequantize_groups,
+    packed_bytes,
     quantize_groups,
-    storage_bits,
     weighted_token_sum,
 )
 
@@ -78,10 +78,10 @@ def quantized_len(n: int, residual: int, group: int) -> int:
 
 def kivi_held(info: ModelInfo, nq: int, r: int, bits: int, group: int) -> int:
     """Bytes ``KIVI`` holds with ``nq`` quantized tokens (whole groups) and ``r`` full-precision ones."""
-    d, sb = info.head_dim, storage_bits(bits)
+    d = info.head_dim
     gv = min(group, d)
-    key = d * (nq // group) * (-(-group * sb // 8) + 4)  # packed codes + fp16 scale + fp16 min per group
-    val = nq * (-(-d // gv)) * (-(-gv * sb // 8) + 4)
+    key = d * (nq // group) * (packed_bytes(group, bits) + 4)  # packed codes + fp16 scale + fp16 min per group
+    val = nq * (-(-d // gv)) * (packed_bytes(gv, bits) + 4)
     return info.n_layers * info.n_kv_heads * (key + val + r * d * 2 * info.dtype_bytes)
 
 

@@ -54,8 +54,8 @@ from kvlab.quant import (
     QuantizedGroups,
     cat_groups,
     pack_signs,
+    packed_bytes,
     quantize_groups,
-    storage_bits,
     unpack_signs,
     weighted_token_sum,
 )
@@ -350,7 +350,8 @@ class QJL(Compressor):
         Param(
             "count_sketch",
             False,
-            "count the sketch matrices as held bytes (they are regenerated from the seed, so by default they are not)",
+            "count the sketch matrices in each sequence's held bytes (the budget then pays for them); by default "
+            "they are per-model state, one copy shared across sequences, shown apart (shared_bytes)",
         ),
     )
 
@@ -385,7 +386,7 @@ class QJL(Compressor):
     def _value_bytes(self, bits: int) -> float:
         d, g = self.info.head_dim, self.cfg["value_group"]
         n_groups = -(-d // g)
-        return n_groups * (-(-g * storage_bits(bits) // 8) + 4)
+        return n_groups * (packed_bytes(g, bits) + 4)
 
     def _sketch_bytes(self, ms: list[int], m_outs: list[int]) -> float:
         """Sketch bytes per KV head (all layers' S and S_out, float32, shared by the heads of a layer)."""
@@ -669,10 +670,19 @@ class QJL(Compressor):
                 yield from seg.tensors()
             yield "residual_keys", st.res_k
             yield "residual_values", st.res_v
-            if self.cfg["count_sketch"]:
-                yield "sketch", st.s
-                if self.n_out:
-                    yield "sketch", st.s_out
+        if self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The sketch matrices S (and S_out), one per layer, shared by every sequence (unless ``count_sketch``)."""
+        if not self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def _sketches(self) -> Iterator[tuple[str, Tensor]]:
+        for st in self.layers:
+            yield "sketch", st.s
+            if self.n_out:
+                yield "sketch", st.s_out
 
     def bits_per_coordinate(self) -> dict[str, float]:
         """Bits per stored coordinate measured from the tensors held (quantized tokens vs window)."""

@@ -219,7 +219,16 @@ class QJLStore(ComposedStore):
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         yield from super().tensors()
-        if self.composing() and self.cfg["count_sketch"]:
+        if self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The sketch matrices, one per layer, shared by every sequence (unless ``count_sketch``)."""
+        if not self.cfg["count_sketch"]:
+            yield from self._sketches()
+
+    def _sketches(self) -> Iterator[tuple[str, Tensor]]:
+        if self.composing():
             for layer in self.layers:
                 yield "sketch", layer.s
                 if self.n_out:
@@ -251,8 +260,8 @@ QJL_PARAMS = (
     Param(
         "count_sketch",
         False,
-        "count the sketch matrices as held bytes (they are regenerated from the seed, so by "
-        "default they are not, as in qjl)",
+        "count the sketch matrices in each sequence's held bytes (the budget then pays for them); by default "
+        "they are per-model state, one copy shared across sequences, shown apart (shared_bytes), as in qjl",
     ),
 )
 

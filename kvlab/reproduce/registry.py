@@ -9,6 +9,7 @@ _MODULES = {
     "balancekv-fig2": "balancekv_fig2",
     "qjl-estimator": "qjl_estimator",
     "qjl-3bit": "qjl_3bit",
+    "qjl-kivi-rd": "qjl_kivi_rd",
     "clustergen-lines": "clustergen_lines",
     "scissorhands-persistence": "scissorhands_persistence",
     "scissorhands-ppl": "scissorhands_ppl",

@@ -74,8 +74,7 @@ def _card(
 ) -> str:
     if run.finish_reason == "refused":
         return _refused_card(run, group, color)
-    ex_bytes = plots.exact_bytes_at_prefill(run)
-    held = 100 * run.kv_bytes / ex_bytes if ex_bytes else 0.0
+    mem = run.memory
     if run is exact or exact is None:
         div = "reference" if run is exact else "no exact run to compare"
     elif live:
@@ -93,10 +92,44 @@ def _card(
         f"<div class='kv-card kv-{html.escape(group)}' style='border-top-color:{color}'>"
         f"<div class='kv-card-head'><b>{html.escape(run.label)}</b>"
         f"<span class='kv-chip'>{html.escape(GROUP_TITLES.get(group, group))}</span>{extra}</div>"
-        f"<div class='kv-stats'><span>{run.kv_bytes / 1024:,.0f} / {ex_bytes / 1024:,.0f} KiB</span>"
-        f"<span>{100 - held:.0f}% saved</span><span>{tps}</span></div>"
+        f"{memory_html(mem)}<span>{tps}</span></div>{shared_html(run)}"
         f"<div class='kv-div'>{html.escape(div)}</div>{error_html(run)}{health_html(run)}"
         f"<pre class='kv-text'>{diff_text_html(run, exact, lm)}</pre></div>"
+    )
+
+
+LOW_BUDGET_USE = 0.75  # a run holding less than this share of its budget on average says so on its card
+
+
+def memory_html(mem: dict) -> str:
+    """The opening of a card's stats line: peak and mean KiB held over the run (``RunResult.memory``) against
+    the exact cache's peak, the saving at the peak, and a chip when the run holds much less than its budget
+    for most of the run."""
+    saved = 100 * (1 - mem["peak_fraction"]) if mem["peak_fraction"] is not None else 0.0
+    use = mem.get("budget_use")
+    low = (
+        f"<span class='kv-chip kv-underfill' title='mean over the run of bytes held / bytes the budget allows'>"
+        f"holds {100 * use:.0f}% of its budget on average</span>"
+        if use is not None and use < LOW_BUDGET_USE
+        else ""
+    )
+    return (
+        f"<div class='kv-stats'><span title='most held at any point (what the budget caps) / mean over the run'>"
+        f"peak {mem['peak_bytes'] / 1024:,.0f} · mean {mem['mean_bytes'] / 1024:,.0f} / "
+        f"{mem['exact_peak_bytes'] / 1024:,.0f} KiB</span><span>{saved:.0f}% saved</span>{low}"
+    )
+
+
+def shared_html(run: RunResult) -> str:
+    """Per-model state shared across sequences (QJL's sketches), not counted in the bytes above; nothing if none."""
+    shared = run.shared_bytes or {}
+    total = sum(shared.values())
+    if not total:
+        return ""
+    kinds = ", ".join(html.escape(str(k)) for k in shared)
+    return (
+        f"<div class='kv-shared'>shared across sequences: {total / 1024:,.0f} KiB ({kinds}; "
+        "not counted above, count_sketch=true counts it per sequence)</div>"
     )
 
 

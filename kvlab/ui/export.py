@@ -35,7 +35,8 @@ SUMMARY_METRICS = (
 
 
 def metrics_csv(result: CompareResult) -> str:
-    """One row per run: bytes, saving, timings and the scalar metrics."""
+    """One row per run: bytes (after compression; the peak and mean over the run with their fractions of the
+    exact cache's; budget use; shared per-model bytes), timings and the scalar metrics."""
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(
@@ -46,6 +47,12 @@ def metrics_csv(result: CompareResult) -> str:
             "kv_bytes",
             "exact_bytes",
             "fraction_held",
+            "peak_bytes",
+            "mean_bytes",
+            "peak_fraction",
+            "mean_fraction",
+            "budget_use",
+            "shared_bytes",
             "tokens_per_s",
             "prefill_s",
             "compress_s",
@@ -56,6 +63,7 @@ def metrics_csv(result: CompareResult) -> str:
     )
     for r in result.runs:
         ex = plots.exact_bytes_at_prefill(r)
+        mem = r.memory
         w.writerow(
             [
                 r.label,
@@ -64,6 +72,17 @@ def metrics_csv(result: CompareResult) -> str:
                 r.kv_bytes,
                 ex,
                 f"{r.kv_bytes / ex:.4f}" if ex else "",
+                *(
+                    "" if mem[k] is None else mem[k]
+                    for k in (
+                        "peak_bytes",
+                        "mean_bytes",
+                        "peak_fraction",
+                        "mean_fraction",
+                        "budget_use",
+                        "shared_bytes",
+                    )
+                ),
                 f"{r.timings.tokens_per_s:.2f}",
                 f"{r.timings.prefill_s:.3f}",
                 f"{r.timings.compress_s:.3f}",
