@@ -12,6 +12,8 @@ _MODULES = {
     "clustergen-lines": "clustergen_lines",
     "scissorhands-persistence": "scissorhands_persistence",
     "scissorhands-ppl": "scissorhands_ppl",
+    "subgen-theorem1": "subgen_theorem1",
+    "subgen-sublinear": "subgen_sublinear",
 }
 REPRODUCTIONS = tuple(_MODULES)
 
