@@ -120,7 +120,7 @@ class Scissorhands(ScoredEvictionCompressor):
                 "r": [min(round(cfg["r_ratio"] * c), c - m) for c, m in zip(caps, ms)],
             }
             knobs["layer_B"] = caps
-        return {**knobs, "prompt": cfg["prompt"]}
+        return {**knobs, "prompt": "token"} if self.token_prompt else knobs
 
     def planned_tokens(self, n_prompt: int) -> int:
         """Mean kept tokens per layer (per-layer budgets sum to L x B, each capped by the prompt)."""
