@@ -45,8 +45,8 @@ def run(ctx: Context) -> Report:
     n = len(ids)
     b = Budget(tokens=n // 2)
     ctx.log(f"{NAME}: {n}-token prompt")
-    first = perplexities(ctx, ids, [RunSpec("scissorhands", b), RunSpec("scissorhands+kivi4", b)], cfg["max_new_tokens"])
-    exact, sh, q4 = first
+    specs = [RunSpec("scissorhands", b), RunSpec("scissorhands+kivi4", b)]
+    exact, sh, q4 = perplexities(ctx, ids, specs, cfg["max_new_tokens"])
     peak_sh = held(sh)[0]
     second = perplexities(
         ctx, ids, [RunSpec("scissorhands+kivi4", Budget(fraction=round(peak_sh, 3)))], cfg["max_new_tokens"]
