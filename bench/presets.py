@@ -5,7 +5,7 @@ lockstep comparison with the probes on: teacher-forced KL and top-1 agreement al
 attention relative error, and the peak / mean bytes held (fractions of the exact cache's). Writes
 ``bench/results/presets.json`` and prints a Markdown table per method; the method pages quote them.
 
-    PYTHONPATH=. python bench/presets.py [--length 768] [--new 16]
+    python -m bench.presets [--length 768] [--new 16]
 """
 
 from __future__ import annotations
