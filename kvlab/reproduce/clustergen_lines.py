@@ -48,8 +48,8 @@ CLAIMS = (
 PAPER = {"exact": "0.68", "subgen-kcenter": "0.44", "streaming": "0.38", "h2o": "0.38"}
 LABELS = {"exact": "exact", "subgen-kcenter": "k-center (ClusterGen)", "streaming": "Sink (StreamingLLM)", "h2o": "H2O"}
 
-FULL = {"length": 160, "seeds": 12, "budget": "0.5", "max_new_tokens": 12}
-QUICK = {"length": 160, "seeds": 3, "budget": "0.5", "max_new_tokens": 12}
+FULL = {"length": 224, "seeds": 10, "budget": "0.5", "max_new_tokens": 12}
+QUICK = {"length": 224, "seeds": 3, "budget": "0.5", "max_new_tokens": 12}
 EXACT_MIN = 0.8  # the direction is checked only where exact answers this share of the questions
 
 
