@@ -25,7 +25,7 @@ NAME = "subgen-theorem1"
 TITLE = "SubGen Theorem 1: error in the theorem's normalisation against s and t"
 
 CLAIMS = (
-    Claim("subgen", "Theorem 1", "s = Ω(ε−2 · d)", "s = Omega(eps^-2 d): eps ~ s^-1/2"),
+    Claim("subgen", "Theorem 1", "s = Ω(ε−2 · d)", "s = Omega(eps^-2 d): eps ~ s^-1/2"),
     Claim("subgen", "Theorem 1", "e2δ·r log n", "t = Omega(eps^-2 e^(2 delta r) log n): eps ~ t^-1/2"),
     Claim("subgen", "Eq. (4)", "≤ ε ∥softmax(Kn · qn)∥2 ∥Vn∥op", "error <= eps ||softmax||_2 ||V||_op"),
 )
