@@ -85,7 +85,7 @@ def run(ctx: Context) -> Report:
                 f"{m} {r}x (B = {n // r}; held peak {peak:.2f}, mean {mean:.2f} of exact)",
                 "no drop until 5x (OPT-66B)" if r <= 5 else "-",
                 f"{fmt(ppl, 4)} vs full {fmt(exact, 4)} (top-1 {fmt(res.metrics.get('top1_agreement'))})",
-                ok if res.error is None else None,
+                None if res.error else ok,
                 res.error or ("" if ok else f"over {WITHIN:.2f} x full"),
             )
         )
