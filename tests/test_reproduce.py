@@ -35,7 +35,7 @@ TINY = {
     },
     "subgen-sublinear": {"lengths": [64, 256], "rel": [1.0], "layer_step": 15},
     "scissorhands-fig3": {"length": 128, "ratios": [2], "max_new_tokens": 4, "methods": ["scissorhands@paper"]},
-    "scissorhands-table4": {"length": 128, "max_new_tokens": 4},
+    "scissorhands-table4": {"length": 192, "max_new_tokens": 4},  # one token of 192 is within 5% of the bytes
 }
 
 
