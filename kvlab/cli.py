@@ -256,6 +256,12 @@ def cmd_methods() -> int:
         print(f"{name:16s} [{cls.group}] {cls.summary}")
         for p in cls.params:
             print(f"    {p.name}={p.default!r}: {p.help}")
+    from kvlab.compressors.presets import PRESETS
+
+    for name, preset in PRESETS.items():  # each paper's operating point (its settings, cited)
+        print(f"{name:16s} [preset of {preset.method}] {preset.summary}")
+        for s in preset.settings:
+            print(f"    {s.param}={s.value!r}: {s.where}")
     return 0
 
 

@@ -221,3 +221,46 @@ def test_walk_on_kernel_rows_matches_the_full_kernel_walk(prefill_state, cfg):
         rows = balance_blocks(k, v, lw, cfg, torch.Generator().manual_seed(0))
         assert torch.equal(full, rows)
         assert 0.2 < float((rows > 0).float().mean()) < 0.8  # a real walk, not all one sign
+
+
+def test_algorithm2_step_matches_a_plain_reference():
+    """step=algorithm2 is Algorithm 2, lines 2-11, written plainly (float64, one token at a time):
+    p_j = 1/2 - y^T eta / (2 c R^2) with c = 30 log(b / delta), keys not centred; R^2 taken as the
+    largest diagonal entry of the kernel (kvlab's R, see docs/methods/balancekv.md)."""
+    from kvlab.compressors.balancekv import algorithm2_config
+
+    torch.manual_seed(0)
+    nb, b, d, lam = 3, 16, 8, 0.025
+    k, v = torch.randn(nb, b, d) * 1.5, torch.randn(nb, b, d)
+    cfg = algorithm2_config(b, lam)
+    assert not cfg.center and cfg.c == pytest.approx(30 * math.log(b / 0.01))
+    signs = balance_blocks(k, v, None, cfg, torch.Generator().manual_seed(5))
+    u = torch.rand(nb, b, generator=torch.Generator().manual_seed(5))  # the walk's coins, drawn alike
+    flips = 0
+    for blk in range(nb):
+        kk, vv = k[blk].double(), v[blk].double()
+        kern = torch.exp(kk @ kk.T / math.sqrt(d)) * (vv @ vv.T + lam)
+        r2 = kern.diagonal().max()
+        eta = torch.zeros(b, dtype=torch.float64)
+        for j in range(b):
+            p = 0.5 - float(kern[j] @ eta) / (2 * cfg.c * float(r2))
+            assert abs(float(kern[j] @ eta)) <= cfg.c * float(r2)  # line 7 never FAILs here
+            eta[j] = 1.0 if float(u[blk, j]) < p else -1.0
+            flips += abs(p - 0.5) > 1e-6
+        assert torch.equal(signs[blk].double(), eta)
+    assert flips > 0  # the step moved p off 1/2: not a test of fair coins alone
+
+
+def test_paper_preset_runs_T2_and_shrinks_its_windows_to_fit(lm):
+    """balancekv@paper (Sec. 4.2: T = 2, b = 256): at 0.25 the 32 + 32 windows shrink to what fits; at
+    0.4 they are kept whole."""
+    from kvlab.compressors import get
+
+    cls = get("balancekv@paper")
+    assert cls.name == "balancekv@paper" and cls.defaults()["T"] == 2 and cls.defaults()["block_size"] == 256
+    tight = cls(lm.info, Budget(fraction=0.25)).plan(1000)
+    loose = cls(lm.info, Budget(fraction=0.4)).plan(1000)
+    assert tight["T"] == loose["T"] == 2
+    assert tight["n_sink"] < 32 and loose["n_sink"] == 32
+    default = get("balancekv")(lm.info, Budget(fraction=0.25)).plan(1000)
+    assert default["T"] == 3  # kvlab's default picks T from the budget

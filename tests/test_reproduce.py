@@ -24,6 +24,19 @@ TINY = {
     "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 8},
     "scissorhands-persistence": {"length": 128},
     "scissorhands-ppl": {"length": 128, "ratios": [2], "max_new_tokens": 4},
+    "balancekv-table1": {"tasks": ["passkey"], "length": 256, "seeds": 1, "budget": "0.25", "max_new_tokens": 8},
+    "subgen-theorem1": {
+        "n": 160,
+        "queries": 8,
+        "s": [16, 256],
+        "t": [1, 16],
+        "rel": 0.5,
+        "layer_step": 15,
+        "seeds": 1,
+    },
+    "subgen-sublinear": {"lengths": [64, 256], "rel": [1.0], "layer_step": 15},
+    "scissorhands-fig3": {"length": 128, "ratios": [2], "max_new_tokens": 4, "methods": ["scissorhands@paper"]},
+    "scissorhands-table4": {"length": 192, "max_new_tokens": 4},  # one token of 192 is within 5% of the bytes
 }
 
 
@@ -102,7 +115,7 @@ def test_clustergen_lines_reports_whether_exact_answers(ctx, reports):
     exact = rep.rows[0]
     assert exact.setting == "exact"
     direction = rep.rows[-1]
-    if rep.data["accuracy"]["exact"] < 0.5:
+    if rep.data["accuracy"]["exact"] < 0.8:
         assert direction.holds is None and "exact itself fails" in direction.note
 
 
@@ -133,3 +146,39 @@ def test_qjl_kivi_rd_matches_peaks_or_says_why(ctx, reports):
     assert (rep.rows[1].holds is None) == (
         max(q["peak_bytes"], k["peak_bytes"]) / min(q["peak_bytes"], k["peak_bytes"]) - 1 > 0.05
     )
+
+
+def test_balancekv_fig2_has_the_random_sign_control_and_algorithm_2(ctx, reports):
+    rep = _run("balancekv-fig2", ctx, reports)
+    summary = rep.data["summary"]
+    for t in TINY["balancekv-fig2"]["rounds"]:
+        assert {"random signs", "algorithm 2"} <= set(summary)
+        assert summary["random signs"][t]["all_layers_mean"] != summary["balancekv"][t]["all_layers_mean"]
+    assert any("random signs" in r.setting for r in rep.rows)
+
+
+def test_subgen_theorem1_error_falls_with_s(ctx, reports):
+    rep = _run("subgen-theorem1", ctx, reports)
+    s = rep.data["results"]["s"]
+    assert s[256]["eps"] < s[16]["eps"]  # more numerator samples, less error (eps ~ s^-1/2)
+    assert all(v["eps"] < v["relative"] for v in s.values())  # the theorem's normalisation is the looser one
+
+
+def test_subgen_sublinear_counts_grow_with_n_and_keys_cluster_better(ctx, reports):
+    rep = _run("subgen-sublinear", ctx, reports)
+    keys, values = rep.data["clusters"]["keys"][1.0], rep.data["clusters"]["values"][1.0]
+    assert keys[0] <= keys[-1] and values[0] <= values[-1]
+    assert keys[-1] < values[-1]  # the paper's Fig. 1 direction, measured on this model
+
+
+def test_scissorhands_table4_matches_tokens_then_bytes(ctx, reports):
+    rep = _run("scissorhands-table4", ctx, reports)
+    peak = {k: v[0] for k, v in rep.data["held"].items()}
+    assert peak["q4"] < 0.6 * peak["sh"]  # 4-bit codes: same tokens, far fewer bytes
+    assert abs(peak["shb"] - peak["q4"]) <= 0.05 * peak["q4"]  # matched bytes within 5%
+
+
+def test_scissorhands_fig3_reports_peak_and_mean_bytes(ctx, reports):
+    rep = _run("scissorhands-fig3", ctx, reports)
+    run = rep.data["runs"]["scissorhands@paper@2x"]
+    assert run["mean"] <= run["peak"] <= 0.5 * 1.05 and run["perplexity"] is not None

@@ -113,13 +113,21 @@ class ScoredEvictionCompressor(DenseCompressor):
         """Fold this step's pooled attention ``attn`` [Hkv, n] into ``self.scores[layer]``."""
         raise NotImplementedError
 
-    def prefill_drop(self, n: int) -> int:
-        """How many prompt tokens the prefill compression drops."""
-        return max(0, n - self.capacity)
+    def prefill_drop(self, n: int, layer: int = 0) -> int:
+        """How many prompt tokens the prefill compression drops (in ``layer``)."""
+        return max(0, n - self.layer_capacity(layer))
 
-    def decode_drop(self, n: int) -> int:
-        """How many tokens to drop when an append takes the cache to ``n`` > capacity."""
-        return n - self.capacity
+    def decode_drop(self, n: int, layer: int = 0) -> int:
+        """How many tokens to drop when an append takes ``layer``'s cache to ``n`` > its capacity."""
+        return n - self.layer_capacity(layer)
+
+    def layer_capacity(self, layer: int) -> int:
+        """Tokens per KV head ``layer`` holds at most (``capacity`` in every layer unless a method spreads it)."""
+        return self.capacity
+
+    def layer_recent(self, layer: int) -> int:
+        """Last tokens of ``layer`` never evicted."""
+        return self.recent
 
     # ----- the shared cache logic ---------------------------------------------------------
     def score_bytes(self) -> int:
@@ -144,8 +152,14 @@ class ScoredEvictionCompressor(DenseCompressor):
             self.scores = []
             return [None] * n_layers
         rank, carry = self.initial_scores(state)
-        idx = eviction_keep(self._priority(rank), self.prefill_drop(n), self.recent)
-        self.scores = list(gather_tokens(carry.to(self.score_dtype), idx).unbind(0))
+        drops = [self.prefill_drop(n, i) for i in range(n_layers)]
+        recents = [self.layer_recent(i) for i in range(n_layers)]
+        if len(set(drops)) == 1 and len(set(recents)) == 1:  # every layer alike: one call for all
+            idx = eviction_keep(self._priority(rank), drops[0], recents[0])
+            self.scores = list(gather_tokens(carry.to(self.score_dtype), idx).unbind(0))
+            return idx
+        idx = [eviction_keep(self._priority(rank[i]), drops[i], recents[i]) for i in range(n_layers)]
+        self.scores = [gather_tokens(carry[i].to(self.score_dtype), ix) for i, ix in enumerate(idx)]
         return idx
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
@@ -155,11 +169,11 @@ class ScoredEvictionCompressor(DenseCompressor):
         if self.full:
             return
         self.scores[layer] = self._score_room[layer].extend(self.scores[layer], k.shape[1])
-        if cache.n > self.capacity:
-            self._evict(layer, self.decode_drop(cache.n))
+        if cache.n > self.layer_capacity(layer):
+            self._evict(layer, self.decode_drop(cache.n, layer))
 
     def _evict(self, layer: int, n_drop: int) -> None:
-        idx = eviction_keep(self._priority(self.scores[layer]), n_drop, self.recent)
+        idx = eviction_keep(self._priority(self.scores[layer]), n_drop, self.layer_recent(layer))
         self.layers[layer].keep(idx)
         s = self.scores[layer]
         self.scores[layer] = s.new_zeros(idx.shape) if self.reset_after_eviction else gather_tokens(s, idx)
@@ -177,7 +191,7 @@ class ScoredEvictionCompressor(DenseCompressor):
             return super().feed(layer, q, k, v, pos)
         outs, i, c = [], 0, q.shape[-2]
         while i < c:
-            room = c - i if self.full else self.capacity - self.layers[layer].n
+            room = c - i if self.full else self.layer_capacity(layer) - self.layers[layer].n
             if room > 0:
                 b = min(room, c - i)
                 outs.append(self._feed_block(layer, q[:, i : i + b], k[:, i : i + b], v[:, i : i + b], pos + i))

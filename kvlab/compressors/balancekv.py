@@ -57,6 +57,12 @@ class WalkConfig:
     center: bool = True
 
 
+def algorithm2_config(block: int, denom_weight: float, c: float = 0.0, delta: float = 0.01) -> WalkConfig:
+    """Algorithm 2's own step (line 3: c = 30 log(n / delta) for a block of n tokens; line 8:
+    p = 1/2 - y^T eta / (2 c R^2)), on keys as they are (no centring). ``c`` > 0 replaces line 3's."""
+    return WalkConfig(0.0, c if c > 0 else 30.0 * math.log(max(2, block) / delta), denom_weight, False)
+
+
 def block_kernel(k: Tensor, v: Tensor, logw: Tensor | None, cfg: WalkConfig) -> tuple[Tensor, Tensor]:
     """Kernel of the weighted embeddings w phi(k) (x) (v, sqrt(lambda)) within each block.
 
@@ -269,6 +275,9 @@ def fit_layout(n: int, cap: int, sink_max: int, recent_max: int, rounds: int = 0
     if cap >= n:
         return Layout(n, n, 0, 0)
     sink, recent = min(sink_max, cap // 4), min(recent_max, cap // 4)
+    if rounds:  # T fixed (the paper's T = 2): the windows shrink, equally, until the halved middle fits
+        while (sink or recent) and make_layout(n, sink, recent, rounds).kept > cap:
+            sink, recent = max(0, sink - 1), max(0, recent - 1)
     if not rounds:
         fits = [t for t in range(1, MAX_ROUNDS + 1) if make_layout(n, sink, recent, t).kept <= cap]
         if not fits:  # even the deepest halving is over: drop the windows
@@ -321,10 +330,19 @@ class BalanceKV(DenseCompressor):
         Param("c", 0.0, "if > 0, the paper's step p = 1/2 - y^T eta / (2 c R^2) replaces gamma (Alg. 2)", minimum=0.0),
         Param("denom_weight", 0.025, "constant added to <v_i, v_j>: balances the softmax denominator too", minimum=0.0),
         Param("center", True, "centre keys per block before the kernel (reference code)"),
+        Param(
+            "step",
+            "reference",
+            "the walk's step: the reference code's (gamma, centre) or Algorithm 2's randomised step "
+            "p = 1/2 - y^T eta / (2 c R^2) with c = 30 log(b / delta), delta = 0.01, keys not centred",
+            choices=("reference", "algorithm2"),
+        ),
     )
 
     def walk_config(self) -> WalkConfig:
         c = self.cfg
+        if c["step"] == "algorithm2":
+            return algorithm2_config(int(c["block_size"]), float(c["denom_weight"]), float(c["c"]))
         return WalkConfig(float(c["gamma"]), float(c["c"]), float(c["denom_weight"]), bool(c["center"]))
 
     def plan(self, n_prompt: int) -> dict:

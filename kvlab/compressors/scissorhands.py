@@ -22,8 +22,14 @@ kvlab specifics:
   seed the records.
 * The prefill compression drops max(m, n - B) tokens, so a long prompt lands exactly on B.
 * Grouped-query attention: the attention of the query heads of a KV group is averaged before the
-  1/t test. Budgets are spread evenly over layers and heads (the paper's per-layer allocation of
-  its Figure 2 is not reproduced).
+  1/t test. Budgets are spread evenly over heads, and by default over layers; ``layer_ramp`` > 0
+  gives later layers more (Sec. 4.1, "Allocating Budgets Across Attention Heads": more budget to
+  later layers, whose persistence ratio is lower, Fig. 2): layer l gets B (1 - ramp) .. B (1 + ramp)
+  on a straight line, the same total. The paper gives no numbers for its allocation.
+* ``prompt="window"`` (default) compresses the prompt once, ranking its tokens by the last ``w``
+  prompt queries; ``prompt="token"`` runs Algorithm 1 over the prompt as the paper states it: the
+  cache starts empty and grows one token at a time, each query updates the records and the cache
+  is compressed (Algorithm 2) whenever it passes B (it needs every prompt query).
 * Records are int16, one per kept token, and count towards the bytes and the budget.
 """
 
@@ -33,7 +39,8 @@ import torch
 from torch import Tensor
 
 from kvlab.compressors._scored import ScoredEvictionCompressor
-from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.base import DenseLayer, Param, PrefillState
+from kvlab.compressors.pyramidkv import pyramid_budgets
 from kvlab.compressors.registry import register
 from kvlab.ops import causal_window_probs, pool_heads
 
@@ -63,6 +70,21 @@ class Scissorhands(ScoredEvictionCompressor):
         Param("w_ratio", 0.5, "history window w as a fraction of B (public port: 0.5)", minimum=0.0, maximum=1.0),
         Param("r_ratio", 0.25, "recent window r as a fraction of B (public port: 0.25)", minimum=0.0, maximum=1.0),
         Param(
+            "layer_ramp",
+            0.0,
+            "per-layer budgets: layer l of L gets B (1 + ramp (2 l / (L - 1) - 1)), later layers more "
+            "(Sec. 4.1); 0: even",
+            minimum=0.0,
+            maximum=0.9,
+        ),
+        Param(
+            "prompt",
+            "window",
+            "the prompt: compressed once, ranked by the last w queries (window), or run token by token "
+            "through Algorithm 1 (token)",
+            choices=("window", "token"),
+        ),
+        Param(
             "threshold",
             "position",
             "'low attention' is below 1/t with t the query's position + 1 (Algorithm 2) or the cache size",
@@ -80,22 +102,74 @@ class Scissorhands(ScoredEvictionCompressor):
         self.m = max(1, round(cfg["m_ratio"] * B))
         self.w = max(1, round(cfg["w_ratio"] * B))
         self.recent = min(round(cfg["r_ratio"] * B), B - self.m)  # leave room to drop m at B + 1
-        n_after = n_prompt - self.prefill_drop(n_prompt)
-        self.prompt_window = min(n_prompt, self.w)
+        n_after = n_prompt - max(self.m, n_prompt - B) if n_prompt > B else n_prompt
+        self.token_prompt = cfg["prompt"] == "token"
+        self.prompt_window = n_prompt if self.token_prompt else min(n_prompt, self.w)
         self.carry_window = max(0, min(self.prompt_window, self.w - (B - n_after)))
-        return {"B": B, "m": self.m, "w": self.w, "r": self.recent, "w_decode": min(self.w, self.m)}
+        knobs = {"B": B, "m": self.m, "w": self.w, "r": self.recent, "w_decode": min(self.w, self.m)}
+        self.per_layer = None
+        if cfg["layer_ramp"] > 0 and not self.full:
+            n_layers = self.info.n_layers
+            caps = pyramid_budgets(n_layers * B, n_layers, 1.0 / (1.0 - cfg["layer_ramp"]), 1 << 30)[::-1]
+            caps = [max(2, c) for c in caps]
+            ms = [max(1, round(cfg["m_ratio"] * c)) for c in caps]
+            self.per_layer = {
+                "B": caps,
+                "m": ms,
+                "w": [max(1, round(cfg["w_ratio"] * c)) for c in caps],
+                "r": [min(round(cfg["r_ratio"] * c), c - m) for c, m in zip(caps, ms)],
+            }
+            knobs["layer_B"] = caps
+        return {**knobs, "prompt": "token"} if self.token_prompt else knobs
+
+    def planned_tokens(self, n_prompt: int) -> int:
+        """Mean kept tokens per layer (per-layer budgets sum to L x B, each capped by the prompt)."""
+        if self.per_layer is None:
+            return super().planned_tokens(n_prompt)
+        return sum(min(n_prompt, c) for c in self.per_layer["B"]) / self.info.n_layers
+
+    def layer_capacity(self, layer: int) -> int:
+        return self.capacity if self.per_layer is None else self.per_layer["B"][layer]
+
+    def layer_recent(self, layer: int) -> int:
+        return self.recent if self.per_layer is None else self.per_layer["r"][layer]
+
+    def _layer(self, key: str, layer: int) -> int:
+        own = {"m": self.m, "w": self.w}
+        return own[key] if self.per_layer is None else self.per_layer[key][layer]
 
     def query_window(self) -> int:
         return 0 if self.full else self.prompt_window
 
-    def _drop(self, n: int) -> int:
-        return max(self.m, n - self.capacity) if n > self.capacity else 0
+    def _drop(self, n: int, layer: int = 0) -> int:
+        cap = self.layer_capacity(layer)
+        return max(self._layer("m", layer), n - cap) if n > cap else 0
 
-    def prefill_drop(self, n: int) -> int:
-        return 0 if self.full else self._drop(n)
+    def prefill_drop(self, n: int, layer: int = 0) -> int:
+        return 0 if self.full else self._drop(n, layer)
 
-    def decode_drop(self, n: int) -> int:
-        return self._drop(n)
+    def decode_drop(self, n: int, layer: int = 0) -> int:
+        return self._drop(n, layer)
+
+    def compress(self, state: PrefillState) -> None:
+        """``prompt="token"``: Algorithm 1 over the prompt (an empty cache fed every prompt token, its
+        query attending and updating the records, compressed whenever it passes B); else the default."""
+        if self.full or not self.token_prompt:
+            return super().compress(state)
+        n_layers, hkv, _, d = state.keys.shape
+        dev = state.keys.device
+        self.layers = [
+            DenseLayer.make(
+                torch.empty(hkv, 0, d, dtype=self.cache_dtype, device=dev),
+                torch.empty(hkv, 0, d, dtype=self.cache_dtype, device=dev),
+                torch.empty(hkv, 0, dtype=torch.int32, device=dev),
+            )
+            for _ in range(n_layers)
+        ]
+        self.scores = [torch.zeros(hkv, 0, dtype=self.score_dtype, device=dev) for _ in range(n_layers)]
+        queries = state.queries[:, :, -state.n_tokens :]
+        for layer in range(n_layers):
+            self.feed(layer, queries[layer], self.as_cached(state.keys[layer]), self.as_cached(state.values[layer]), 0)
 
     # ----- importance records -------------------------------------------------------------
     def low_score_flags(self, probs: Tensor, first_pos: int, n_kv_heads: int | None = None) -> Tensor:
@@ -110,7 +184,7 @@ class Scissorhands(ScoredEvictionCompressor):
 
     def window_observer(self, n_prompt: int) -> _PrefillRecords | None:
         """Counts the records while the prefill attends its last ``prompt_window`` queries."""
-        if self.full or not self.prompt_window:
+        if self.full or not self.prompt_window or self.token_prompt:
             return None
         self.counted = _PrefillRecords(self, n_prompt)
         return self.counted
@@ -158,7 +232,7 @@ class Scissorhands(ScoredEvictionCompressor):
     def observe(self, layer: int, attn: Tensor) -> None:
         """Count this step's low scores if the query is within the window of the next compression."""
         n = attn.shape[-1]  # tokens this query attended; the next compression comes B - n queries later
-        if n > self.capacity - self.w:
+        if n > self.layer_capacity(layer) - self._layer("w", layer):
             self.scores[layer] += (attn < self.threshold(n)).to(self.score_dtype)
 
 

@@ -215,6 +215,12 @@ class SubGenState:
     mu: Tensor
     cap_joins: Tensor  # [L, H] keys that joined a cluster farther than delta because of the cap (not held)
     assign: list[Tensor] | None = None  # per layer [H, n_seen] int32: each token's cluster (for the maps; not held)
+    growable: bool = False  # no cluster cap (Theorem 1): the cluster tensors grow when a stream needs room
+
+    def grow(self, extra: int = 16) -> None:
+        """Room for ``extra`` more clusters in every stream (uncapped mode; zeros, count unchanged)."""
+        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], 2)  # noqa: E731
+        self.centers, self.sizes, self.samples = pad(self.centers), pad(self.sizes), pad(self.samples)
 
     @property
     def m_cap(self) -> int:
@@ -271,6 +277,8 @@ class SubGenState:
     def append(self, layer: int, k: Tensor, v: Tensor, gen: torch.Generator) -> None:
         """One new token for every head of ``layer``: k, v [H, d] (lines 4-6 of Algorithm 1)."""
         k, v = k.float(), v.float()
+        if self.growable and int(self.count[layer].max()) >= self.m_cap:
+            self.grow()
         centers, count = self.centers[layer], self.count[layer]
         cf = centers.float()
         unused = torch.arange(self.m_cap, device=k.device) >= count.unsqueeze(-1)
@@ -760,6 +768,13 @@ class SubGen(Compressor):
         Param("delta_scale", 1.0, "multiplies the automatic delta", minimum=0.0),
         Param("sink", 4, "first prompt tokens held exactly, outside the stream (not in Algorithm 1)", minimum=0),
         Param(
+            "max_clusters",
+            "budget",
+            "the cluster cap: what the budget pays for, or none (Theorem 1: a fixed delta, as many clusters "
+            "as the keys need, m growing with n; bytes are measured, not planned)",
+            choices=("budget", "none"),
+        ),
+        Param(
             "recent_share",
             0.25,
             "share of the budget's tokens held exactly as a sliding window of the latest tokens (the "
@@ -795,8 +810,15 @@ class SubGen(Compressor):
         self.knobs.update(sink=p.sink, recent=p.recent)
         return self.knobs  # compress adds what the prompt's clustering found (delta, clusters, cap bound)
 
+    @property
+    def uncapped(self) -> bool:
+        return self.cfg["max_clusters"] == "none"
+
     def budget_ratio(self, n_prompt: int) -> float | None:
-        """Held bytes never exceed the plan's (the clusters are capped); the allowance only grows."""
+        """Held bytes never exceed the plan's (the clusters are capped); the allowance only grows.
+        Uncapped (Theorem 1's regime), the bytes follow the keys' clusterability: not predicted."""
+        if self.uncapped:
+            return None
         streams = self.info.n_layers * self.info.n_kv_heads
         return streams * self.sg_plan.planned_bytes_per_stream / max(1.0, self.allowed(n_prompt, 0))
 
@@ -815,10 +837,15 @@ class SubGen(Compressor):
         recent = min(p.recent, n - 1 - sink)  # at least one token goes through Algorithm 1
         stream = slice(sink, n - recent)
         keys, values = state.keys[:, :, stream], state.values[:, :, stream]
-        delta, clustering = self._delta(keys, p.m_cap)
+        m_cap = p.m_cap
+        if self.uncapped:  # Theorem 1: a fixed delta, as many clusters as the keys need
+            delta, clustering, m_cap = self._uncapped_clusters(keys)
+        else:
+            delta, clustering = self._delta(keys, m_cap)
         self.state = SubGenState.build(
-            keys, values, delta, p.t, p.s, p.m_cap, self.generator, self.cache_dtype, clustering
+            keys, values, delta, p.t, p.s, m_cap, self.generator, self.cache_dtype, clustering
         )
+        self.state.growable = self.uncapped
         held = torch.cat([torch.arange(sink), torch.arange(n - recent, n)])
         self.exact = ExactTokens.make(
             self.as_cached(state.keys[:, :, held]), self.as_cached(state.values[:, :, held]), sink
@@ -832,6 +859,21 @@ class SubGen(Compressor):
             cap_bound=bool(bound.any()),  # some stream reached m_cap and put a far key in a near cluster
             cap_bound_streams=round(float(bound.float().mean()), 4),
         )
+
+    def _uncapped_clusters(self, keys: Tensor) -> tuple[Tensor, Clustering, int]:
+        """delta [L, H] (the given one; without one, the automatic radius at the budget's cap), the
+        prompt's leader clustering with no cap, and the cluster room to allocate (the most any
+        stream opened, plus room to grow)."""
+        n_layers, h, n, d = keys.shape
+        if self.cfg["delta"] is None:
+            delta, _ = self._delta(keys, self.sg_plan.m_cap)
+        else:
+            delta = torch.full((n_layers, h), float(self.cfg["delta"]))
+        assign, centers, count, forced = _cluster_stream(keys.reshape(-1, n, d).float(), delta.reshape(-1).float(), n)
+        m_cap = int(count.max()) + 16
+        room = centers.new_zeros(centers.shape[0], m_cap, d)
+        room[:, : min(n, m_cap)] = centers[:, :m_cap]
+        return delta, Clustering(assign, room, count, forced), m_cap
 
     def _delta(self, keys: Tensor, m_cap: int) -> tuple[Tensor, Clustering | None]:
         """delta [L, H]: the given one, or per stream the smallest radius at which leader clustering

@@ -10,6 +10,12 @@ exact causal attention, averaged over query heads, the last ``w`` queries and se
 
 Uniform sampling is measured reweighted (each sampled middle token stands for mid / m tokens: log
 weight added to its logit, as BalanceKV's kept tokens carry theirs) and unweighted.
+
+Two controls separate the walk from the rest of the method: "random signs" runs the same blocks,
+halving and weights with independent fair signs (no balancing: gamma = 0), so what BalanceKV gains
+over it is the walk's own; "Algorithm 2" runs the paper's randomised step (p = 1/2 - y^T eta /
+(2 c R^2), c = 30 log(b / delta), keys not centred) instead of the reference code's greedy one
+(gamma = 4 on centred keys, kvlab's default). Each T's row counts the layers each one wins.
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ def attention_error(
 
 def run(ctx: Context) -> Report:
     from kvlab.compressors import get
-    from kvlab.compressors.balancekv import balance_kv
+    from kvlab.compressors.balancekv import WalkConfig, algorithm2_config, balance_kv
     from kvlab.compressors.uniform import uniform_middle
 
     t0 = time.perf_counter()
@@ -108,31 +114,42 @@ def run(ctx: Context) -> Report:
     mid = e - a
     block = int(get("balancekv").defaults()["block_size"])
     block = max(2, min(block, mid >> 1 << 1) // 2 * 2)
-    methods = ("balancekv", "uniform (reweighted)", "uniform (unweighted)")
+    methods = ("balancekv", "random signs", "algorithm 2", "uniform (reweighted)", "uniform (unweighted)")
     # err[method][T] -> [seeds, layers]
     err: dict[str, dict[int, list[list[float]]]] = {m: {t: [] for t in cfg["rounds"]} for m in methods}
     for seed in range(cfg["seeds"]):
         comp = get("balancekv")(info, None, {}, seed=seed)
         walk = comp.walk_config()
+        walks = {
+            "balancekv": walk,
+            "random signs": WalkConfig(0.0, 0.0, walk.denom_weight, walk.center),
+            "algorithm 2": algorithm2_config(block, walk.denom_weight),
+        }
         gen = torch.Generator().manual_seed(1000 + seed)
         for T in cfg["rounds"]:
             ctx.log(f"{NAME}: seed {seed}, T={T}")
-            mid_idx, mid_lw = balance_kv(keys[:, :, a:e], values[:, :, a:e], T, block, walk, comp.generator)
-            m = mid_idx.shape[-1]
+            picked = {
+                name: balance_kv(keys[:, :, a:e], values[:, :, a:e], T, block, cfg_w, comp.generator)
+                for name, cfg_w in walks.items()
+            }
+            m = picked["balancekv"][0].shape[-1]
             uni = uniform_middle((n_layers, hkv), n, a, recent, m, gen)
             head = torch.arange(a).expand(n_layers, hkv, a)
             tail = torch.arange(e, n).expand(n_layers, hkv, n - e)
-            bal_idx = torch.cat([head, mid_idx + a, tail], -1)
             zeros_a, zeros_t = torch.zeros(n_layers, hkv, a), torch.zeros(n_layers, hkv, n - e)
-            bal_lw = torch.cat([zeros_a, mid_lw.float(), zeros_t], -1)
+            kept = {
+                name: (torch.cat([head, ix + a, tail], -1), torch.cat([zeros_a, lw.float(), zeros_t], -1))
+                for name, (ix, lw) in picked.items()
+            }
             uni_lw = torch.cat([zeros_a, torch.full((n_layers, hkv, m), math.log(mid / m)), zeros_t], -1)
             rows = {m_: [] for m_ in methods}
             for layer in range(n_layers):
                 args = (queries[layer], keys[layer], values[layer])
                 kw = {"exact": exact[layer]}
-                rows["balancekv"].append(
-                    float(attention_error(*args, bal_idx[layer], bal_lw[layer], n - w, state.scaling, **kw).mean())
-                )
+                for name, (ix, lw) in kept.items():
+                    rows[name].append(
+                        float(attention_error(*args, ix[layer], lw[layer], n - w, state.scaling, **kw).mean())
+                    )
                 rows["uniform (reweighted)"].append(
                     float(attention_error(*args, uni[layer], uni_lw[layer], n - w, state.scaling, **kw).mean())
                 )
@@ -161,7 +178,7 @@ def run(ctx: Context) -> Report:
     rows: list[Row] = []
     wins = total = 0
     for T in cfg["rounds"]:
-        b, u, uu = (summary[m_][T] for m_ in methods)
+        b, rs, a2, u, uu = (summary[m_][T] for m_ in methods)
         for layer in (x for x in PAPER_LAYERS if x < n_layers):
             bl, ul = b["per_layer_mean"][layer], u["per_layer_mean"][layer]
             rows.append(
@@ -183,6 +200,28 @@ def run(ctx: Context) -> Report:
                 f"mean {fmt(b['all_layers_mean'])} vs {fmt(u['all_layers_mean'])}; BalanceKV lower in "
                 f"{sum(per_layer)}/{len(per_layer)} layers",
                 b["all_layers_mean"] < u["all_layers_mean"],
+            )
+        )
+        per_walk = [bb < rr for bb, rr in zip(b["per_layer_mean"], rs["per_layer_mean"])]
+        per_rs = [rr < uu_ for rr, uu_ in zip(rs["per_layer_mean"], u["per_layer_mean"])]
+        rows.append(
+            Row(
+                f"T={T}: the walk against random signs (same blocks and weights)",
+                "(the gain is the walk's)",
+                f"walk {fmt(b['all_layers_mean'])}, random signs {fmt(rs['all_layers_mean'])} (lower than uniform "
+                f"in {sum(per_rs)}/{len(per_rs)} layers); walk lower than random signs in "
+                f"{sum(per_walk)}/{len(per_walk)} layers",
+                b["all_layers_mean"] < rs["all_layers_mean"],
+            )
+        )
+        per_a2 = [x < uu_ for x, uu_ in zip(a2["per_layer_mean"], u["per_layer_mean"])]
+        rows.append(
+            Row(
+                f"T={T}: Algorithm 2's randomised step",
+                "BalanceKV < uniform",
+                f"{fmt(a2['all_layers_mean'])} vs uniform {fmt(u['all_layers_mean'])}; lower in "
+                f"{sum(per_a2)}/{len(per_a2)} layers",
+                a2["all_layers_mean"] < u["all_layers_mean"],
             )
         )
     fig = _figure(summary, cfg["rounds"], n_layers)
@@ -209,7 +248,13 @@ def _figure(summary: dict, rounds: list[int], n_layers: int):
     panels = [*(x for x in PAPER_LAYERS if x < n_layers), None]
     titles = [f"layer {x + 1}" if x is not None else f"mean over {n_layers} layers" for x in panels]
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=titles, shared_yaxes=True)
-    colors = {"balancekv": "#1f77b4", "uniform (reweighted)": "#d62728", "uniform (unweighted)": "#ff7f0e"}
+    colors = {
+        "balancekv": "#1f77b4",
+        "random signs": "#9467bd",
+        "algorithm 2": "#2ca02c",
+        "uniform (reweighted)": "#d62728",
+        "uniform (unweighted)": "#ff7f0e",
+    }
     for col, layer in enumerate(panels, 1):
         for m_, c in colors.items():
             if layer is None:

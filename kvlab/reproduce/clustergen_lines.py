@@ -5,8 +5,12 @@ then a question about one of them; exact match on the first number of the answer
 several seeds with the exact cache, ``subgen-kcenter`` (recent tokens plus k-center centres of the
 rest, computed once on the prompt), ``streaming`` (the paper's "Sink": first tokens plus a recent
 window) and ``h2o`` at the same memory budget. The paper's claim is only informative where exact
-answers: the table says how often exact does, and checks the direction only if exact passes at
-least half of the questions.
+answers: the table says how often exact does, and checks the direction only if exact answers at
+least ``EXACT_MIN`` of the questions. The embedded 135M model fails the paper's shape (hundreds of
+lines) outright, so the prompt is calibrated down until exact answers (docs/reproductions.md gives
+the calibration): only a record of one line passes (160 tokens with the instructions, question
+and chat template); at 2-6 lines exact picks the wrong line in half or more of the questions. With
+one line the test is whether a method at half the cache keeps that line among the instructions.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ CLAIMS = (
 PAPER = {"exact": "0.68", "subgen-kcenter": "0.44", "streaming": "0.38", "h2o": "0.38"}
 LABELS = {"exact": "exact", "subgen-kcenter": "k-center (ClusterGen)", "streaming": "Sink (StreamingLLM)", "h2o": "H2O"}
 
-FULL = {"length": 768, "seeds": 4, "budget": "0.5", "max_new_tokens": 20}
-QUICK = {"length": 256, "seeds": 1, "budget": "0.5", "max_new_tokens": 16}
+FULL = {"length": 160, "seeds": 10, "budget": "0.5", "max_new_tokens": 12}
+QUICK = {"length": 160, "seeds": 3, "budget": "0.5", "max_new_tokens": 12}
+EXACT_MIN = 0.8  # the direction is checked only where exact answers this share of the questions
 
 
 def run(ctx: Context) -> Report:
@@ -80,7 +85,7 @@ def run(ctx: Context) -> Report:
     }
     frac = {m: sum(v) / len(v) for m, v in fractions.items()}
     seeds = cfg["seeds"]
-    exact_ok = acc["exact"] >= 0.5
+    exact_ok = acc["exact"] >= EXACT_MIN
     why = "" if exact_ok else f"exact itself fails ({round(acc['exact'] * seeds)}/{seeds}): not informative"
     rows = [
         Row(

@@ -7,12 +7,17 @@ from types import ModuleType
 
 _MODULES = {
     "balancekv-fig2": "balancekv_fig2",
+    "balancekv-table1": "balancekv_table1",
     "qjl-estimator": "qjl_estimator",
     "qjl-3bit": "qjl_3bit",
     "qjl-kivi-rd": "qjl_kivi_rd",
     "clustergen-lines": "clustergen_lines",
     "scissorhands-persistence": "scissorhands_persistence",
     "scissorhands-ppl": "scissorhands_ppl",
+    "subgen-theorem1": "subgen_theorem1",
+    "subgen-sublinear": "subgen_sublinear",
+    "scissorhands-fig3": "scissorhands_fig3",
+    "scissorhands-table4": "scissorhands_table4",
 }
 REPRODUCTIONS = tuple(_MODULES)
 

@@ -1,0 +1,130 @@
+"""BalanceKV Table 1: the calibrated tasks at budget 0.25 against SnapKV, PyramidKV, StreamingLLM and uniform.
+
+The paper runs LongBench-E on Llama-3.1-8B at a compression rate of 0.25 (Sec. 4.2: T = 2, b = 256);
+its Table 1 puts BalanceKV's average (44.99) above PyramidKV, SnapKV, StreamingLLM and uniform
+sampling. LongBench does not fit the embedded 135M model, so kvlab's own calibrated retrieval tasks
+stand in for it (kvlab/tasks.py, docs/tasks.md: exact answers passkey and needle at 1k in 20/20
+prompts, multikey in 15/20), in the query-aware protocol the paper uses, each method at budget
+0.25 of the exact cache's bytes (matched on the peak: every method here is prefill-only or holds its
+budget while decoding). BalanceKV runs as ``balancekv@paper`` (the paper's T = 2) and with kvlab's
+defaults (T from the budget, windows of up to a quarter of it).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvlab.reproduce.common import Claim, Report, Row
+from kvlab.reproduce.context import Context
+
+NAME = "balancekv-table1"
+TITLE = "BalanceKV Table 1: calibrated tasks at 0.25 against SnapKV, PyramidKV, StreamingLLM, uniform"
+
+CLAIMS = (
+    Claim("balancekv", "Table 1, average", "BALANCEKV\t36.97\t42.37\t23.82\t65.49\t58.46\t42.82\t44.99", "44.99"),
+    Claim("balancekv", "Table 1, average", "SnapKV\t38.23\t42.61\t19.07\t64.65\t59.60\t43.28\t44.57", "44.57"),
+    Claim("balancekv", "Table 1, average", "PyramidKV\t36.80\t41.54\t18.91\t64.88\t59.68\t42.38\t44.03", "44.03"),
+    Claim("balancekv", "Table 1, average", "StreamingLLM\t27.86\t39.05\t20.70\t66.16\t58.37\t42.91\t42.51", "42.51"),
+    Claim("balancekv", "Table 1, average", "Uniform\t37.17\t42.66\t24.31\t65.09\t58.30\t41.40\t44.82", "44.82"),
+    Claim("balancekv", "Sec. 4.2", "We set $b = 256$ and $T = 2$", "b = 256, T = 2"),
+)
+PAPER = {
+    "exact": "48.63",
+    "balancekv@paper": "44.99",
+    "balancekv": "44.99",
+    "snapkv": "44.57",
+    "pyramidkv": "44.03",
+    "streaming": "42.51",
+    "uniform": "44.82",
+}
+BASELINES = ("snapkv", "pyramidkv", "streaming", "uniform")
+
+FULL = {"tasks": ["passkey", "needle", "multikey"], "length": 1024, "seeds": 2, "budget": "0.25", "max_new_tokens": 12}
+QUICK = {"tasks": ["passkey", "needle"], "length": 512, "seeds": 1, "budget": "0.25", "max_new_tokens": 10}
+
+
+def run(ctx: Context) -> Report:
+    from kvlab.budgets import Budget
+    from kvlab.engine import RunSpec
+    from kvlab.tasks import make_task, prompt_ids, score_result
+
+    t0 = time.perf_counter()
+    cfg = ctx.settings(NAME, FULL, QUICK)
+    budget = Budget.parse(cfg["budget"])
+    methods = list(PAPER)
+    scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in methods} for t in cfg["tasks"]}
+    peak: dict[str, list[float]] = {m: [] for m in methods}
+    errors: dict[str, str] = {}
+    for task_name in cfg["tasks"]:
+        for seed in range(cfg["seeds"]):
+            task = make_task(task_name, cfg["length"], seed, lambda t: ctx.loaded.encode(t))
+            ids = prompt_ids(ctx.loaded, task)
+            ctx.log(f"{NAME}: {task_name} seed {seed}, {len(ids)} tokens")
+            runs = [RunSpec("exact")] + [RunSpec(m, budget) for m in methods[1:]]
+            result = ctx.compare(ids, runs, cfg["max_new_tokens"])
+            score_result(task, result)
+            for m, r in zip(methods, result.runs):
+                if r.error:
+                    errors[m] = r.error
+                    continue
+                scores[task_name][m].append(float(r.metrics.get("task_score") or 0.0))
+                fr = [b / e for b, e in zip(r.kv_bytes_per_step, r.exact_kv_bytes_per_step) if e]
+                peak[m].append(max(fr) if fr else float("nan"))
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    acc = {t: {m: mean(v) for m, v in by.items()} for t, by in scores.items()}
+    avg = {m: mean([acc[t][m] for t in cfg["tasks"]]) for m in methods}
+    held = {m: max(v) if v else float("nan") for m, v in peak.items()}
+    rows = []
+    for m in methods:
+        per_task = ", ".join(f"{t} {acc[t][m]:.2f}" for t in cfg["tasks"])
+        matched = "" if m == "exact" else f"; peak {held[m]:.3f} of exact"
+        rows.append(
+            Row(
+                m,
+                f"{PAPER[m]} (LongBench avg)",
+                f"avg {avg[m]:.2f} ({per_task}){matched}",
+                None,
+                errors.get(m, "the reference" if m == "exact" else ""),
+            )
+        )
+    for m in ("balancekv@paper", "balancekv"):
+        beaten = [b for b in BASELINES if avg[m] < avg[b]]
+        rows.append(
+            Row(
+                f"{m} >= every baseline on average",
+                "44.99 >= 44.82, 44.57, 44.03, 42.51",
+                f"{avg[m]:.2f} vs " + ", ".join(f"{b} {avg[b]:.2f}" for b in BASELINES),
+                not beaten if avg[m] == avg[m] else None,
+                f"below {', '.join(beaten)}" if beaten else "",
+            )
+        )
+    n = cfg["seeds"] * len(cfg["tasks"])
+    setting = (
+        f"tasks {', '.join(cfg['tasks'])} at ~{cfg['length']} tokens, {cfg['seeds']} seed(s) each ({n} prompts), "
+        f"query-aware, budget {cfg['budget']} of the exact cache's bytes (peak), {cfg['max_new_tokens']} greedy "
+        f"tokens; the paper: LongBench-E, Llama-3.1-8B-Instruct, rate 0.25"
+    )
+    return Report(
+        NAME,
+        TITLE,
+        ctx.command(NAME),
+        setting,
+        rows,
+        {"settings": cfg, "accuracy": acc, "average": avg, "peak_fraction": held, "errors": errors},
+        list(CLAIMS),
+        _figure(avg, methods),
+        time.perf_counter() - t0,
+    )
+
+
+def _figure(avg: dict, methods: list[str]):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.add_bar(x=methods, y=[avg[m] for m in methods], name="kvlab (calibrated tasks, accuracy)")
+    fig.add_bar(x=methods, y=[float(PAPER[m]) / 100 for m in methods], name="paper (LongBench avg / 100)")
+    fig.update_layout(height=380, title=TITLE, yaxis={"title": "score", "range": [0, 1]}, barmode="group")
+    return fig
