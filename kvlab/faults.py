@@ -5,7 +5,8 @@ function send each row's work through ``append`` / ``attend`` (or ``guard`` for 
 exception there is recorded (row -> message), the row gets a zero attention output so that the
 batched forward goes on, and later calls for that row in the same forward are skipped. After the
 forward the engine ends the failed runs (``RunResult.error``, ``finish_reason`` "error"); a method
-that fails in ``compress`` is replaced by a ``FailedCompressor`` that holds nothing.
+that fails in ``compress`` is replaced by a ``FailedCompressor`` that holds nothing; one whose
+constructor or ``plan`` raises (``made``) ends before the prefill.
 
 Running out of memory is not one row's fault: ``MemoryError`` and ``torch.OutOfMemoryError`` pass
 through every guard; the engine frees what the comparison held (``release``) and ends it with
@@ -97,6 +98,16 @@ def error_of(fn: Callable, *args: Any) -> str:
     return ""
 
 
+def made(cls: type[Compressor], *args: Any, **kwargs: Any) -> Compressor | str:
+    """``cls(*args, **kwargs)``, or the description of what its constructor raised (out of memory propagates)."""
+    try:
+        return cls(*args, **kwargs)
+    except OOM:
+        raise
+    except Exception as exc:
+        return describe(exc)
+
+
 def append(row: int, comp: Compressor, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
     """``comp.append`` for one batch row, guarded."""
     guard(row, comp.append, layer, k, v, pos)
@@ -181,6 +192,7 @@ __all__ = [
     "error_of",
     "failed",
     "guard",
+    "made",
     "out_of_memory",
     "release",
     "time_limit_s",

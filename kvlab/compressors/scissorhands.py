@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvlab import cancel
 from kvlab.compressors._scored import ScoredEvictionCompressor
 from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.registry import register
@@ -140,6 +141,7 @@ class Scissorhands(ScoredEvictionCompressor):
         rank = torch.zeros(n_layers * hkv, n, dtype=torch.int32)
         kept = rank if carry == w else torch.zeros_like(rank)
         for a in range(0, n_layers * hkv, step):
+            cancel.checkpoint()
             for r in range(0, w, rows):
                 q = queries[a : a + step, :, r : r + rows]  # queries at positions n - w + r ...
                 probs = causal_window_probs(q, keys[a : a + step, :, : n - w + r + q.shape[-2]], state.scaling)
