@@ -616,6 +616,8 @@ class Engine:
     def _out_of_time(self, rows: _Lockstep, step: int) -> Generator[Event, None, str]:
         """Stop every running run at the time limit, keeping its tokens so far; returns the comparison's message."""
         why = f"stopped at the time limit of {self.time_limit_s:g} s (KVLAB_TIME_LIMIT_S) before decode step {step}"
+        if (token := cancel.current()) is not None:
+            token.limit_handled()  # what follows (finishing the runs, the probes' results) must not stop
         stopped, rows.active = list(rows.active), []
         for i in stopped:
             r = rows.results[i]

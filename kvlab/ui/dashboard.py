@@ -319,13 +319,20 @@ class Dashboard:
         runs under a ``kvlab.cancel`` token that ``cancel`` (the Cancel button, same session) sets.
         """
         token = self._start(request)
+        inputs = PageInputs(
+            model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer,
+            map_head, question,
+        )  # fmt: skip
+        try:
+            yield from self._compare(inputs, progress, token)
+        finally:
+            self._end(request, token)
+
+    def _compare(self, inputs: PageInputs, progress, token: cancel.Token):
+        """``compare``'s work under ``token``: it ends (what it held freed) before the token is finished."""
         n_out = len(FIGURE_OUTPUTS) + 3
         stopped = None
         try:
-            inputs = PageInputs(
-                model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer,
-                map_head, question,
-            )  # fmt: skip
             engine, comparison, n = self.request(inputs)
             specs = comparison.check()
             live = LiveProbe(len(specs), greedy=not comparison.settings.do_sample)
@@ -340,13 +347,12 @@ class Dashboard:
                 now = time.perf_counter()
                 if live.bytes_now and (ev.kind != "step" or now - last_yield > 0.5):
                     last_yield = now
-                    yield (
-                        progress_html(ev.progress, ev.message),
-                        cards_html(live.partial(engine, specs, comparison, n), engine.lm, live=True),
-                        *[gr.skip()] * (n_out - 2),
-                    )
+                    cards = cards_html(live.partial(engine, specs, comparison, n), engine.lm, live=True)
+                    with token.paused():  # while Gradio has the partial result, nothing runs here
+                        yield (progress_html(ev.progress, ev.message), cards, *[gr.skip()] * (n_out - 2))
                 elif ev.kind in ("prefill", "compress", "question"):
-                    yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
+                    with token.paused():
+                        yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
         except (InputError, faults.OutOfMemory) as exc:
             raise text_error(str(exc)) from None
         except faults.OOM as exc:  # outside the engine (tokenizing, rendering)
@@ -355,8 +361,6 @@ class Dashboard:
             message, stopped = None, str(exc) if isinstance(exc, cancel.TimeLimit) else ""
         else:
             message = None
-        finally:
-            self._end(request, token)
         if message is not None or stopped is not None:
             live = result = None
             faults.release()
@@ -378,11 +382,13 @@ class Dashboard:
     def _start(self, request: gr.Request | None) -> cancel.Token:
         """A fresh token for this session's comparison (a cancel before it starts stops it at once)."""
         token = cancel.Token()
+        token.working()
         with self._lock:
             self.running[_session(request)] = token
         return token
 
     def _end(self, request: gr.Request | None, token: cancel.Token) -> None:
+        token.finished()
         with self._lock:
             if self.running.get(_session(request)) is token:
                 del self.running[_session(request)]

@@ -106,6 +106,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                 value=DEFAULT_PRESET,
                 label="Preset",
                 info="document question, pass-key, line retrieval or free chat",
+                elem_id="kv-preset",
             )
             prompt = gr.Textbox(
                 value=preset_texts[DEFAULT_PRESET], label="Prompt", lines=9, max_lines=16, elem_id="kv-prompt"
@@ -148,7 +149,12 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                     info="fractions of the exact bytes or token counts: 0.5, 0.25, 512t",
                 )
                 max_new = gr.Slider(
-                    1, lim.max_new_tokens, value=min(32, lim.max_new_tokens), step=1, label="Max new tokens"
+                    1,
+                    lim.max_new_tokens,
+                    value=min(32, lim.max_new_tokens),
+                    step=1,
+                    label="Max new tokens",
+                    elem_id="kv-max-new",
                 )
             with gr.Row():
                 seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
@@ -156,6 +162,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                     value=True,
                     label="Measure attention error, KL & maps",
                     info="the costly measurements (a shadow exact cache)",
+                    elem_id="kv-maps",
                 )
             with gr.Row():
                 heads = lm.info.n_heads
