@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 PRESETS = [*TASK_PRESETS, "Free chat"]
 WAYS = ("paste", "fill", "type")
-STATUS = "() => document.querySelector('#kv-status')?.innerText || ''"
+MESSAGE = "document.querySelector('#kv-status .kv-progress-msg')"  # the status line (not Gradio's overlay)
 
 
 def small_setup(pg) -> None:
@@ -62,7 +62,8 @@ def plan_says(pg, text: str, timeout: int = 60_000) -> str:
     return pg.locator("#kv-plan").inner_text()
 
 
-def test_paste_fill_and_type_over_every_preset_run_the_new_prompt(page, app_url, lm):  # noqa: F811
+def test_paste_fill_and_type_over_every_preset_run_the_new_prompt(page, app_url, lm, tmp_path):  # noqa: F811
+    """The page after the first run (a paste) is saved as ``pasted.png`` in the test's temp folder."""
     open_page(page, app_url)
     small_setup(page)
     plan_says(page, "2 runs on")
@@ -81,13 +82,16 @@ def test_paste_fill_and_type_over_every_preset_run_the_new_prompt(page, app_url,
                 if question:
                     page.locator("#kv-question textarea").fill(question)
                     n = len(Comparison(text, ["exact"], questions=[question]).encode(lm))
+                page.evaluate(f"() => {{ {MESSAGE}.textContent = 'run pressed'; }}")  # not the last run's "done:"
                 page.click("#kv-run")
-                page.wait_for_function(f"() => ({STATUS})().includes('done:')", timeout=600_000)
-                status = page.locator("#kv-status").inner_text()
+                page.wait_for_function(f"() => {MESSAGE}.textContent.includes('done:')", timeout=600_000)
+                status = page.locator("#kv-status .kv-progress-msg").inner_text()
                 assert f"done: 2 runs on {n} prompt tokens" in status, (preset, way, status)
                 head = page.locator("#kv-cards .kv-prompt-head").inner_text()
                 assert f"Ran on {n} prompt tokens" in head and text in head, head
                 assert "task" not in page.locator("#kv-cards").inner_text()
+                if i == 0:
+                    page.screenshot(path=str(tmp_path / "pasted.png"), full_page=True)
                 if question:
                     assert "query-agnostic" in status and question in head
                     page.locator("#kv-question textarea").fill("")
