@@ -478,9 +478,10 @@ class Engine:
     # ----- the steps of ``stream`` ------------------------------------------------------------
     def _make_compressors(
         self, runs: list[RunSpec], n: int, seed: int, decode_steps: int
-    ) -> tuple[list[Compressor], list[dict | BudgetRefused | PlanFailed]]:
+    ) -> tuple[list[Compressor | None], list[dict | BudgetRefused | PlanFailed]]:
         """One compressor per run, planned for ``n`` prompt tokens and ``decode_steps`` decode steps;
-        returns them and their chosen knobs (or the ``BudgetRefused`` of a run that cannot hold its budget)."""
+        returns them and their chosen knobs (or the ``BudgetRefused`` of a run that cannot hold its
+        budget, or ``PlanFailed`` when its constructor or plan raised: its compressor is then None)."""
         made = [faults.made(get(spec.method), self.info, spec.budget, spec.params, seed=seed) for spec in runs]
         comps = [c if not isinstance(c, str) else None for c in made]  # None: its constructor raised
         return comps, [_plan(c, n, decode_steps) if c is not None else PlanFailed(m) for c, m in zip(comps, made)]
