@@ -24,13 +24,14 @@ import os
 import time
 
 
-def run_once(dash, prompt: str, papers: list[str], budget: str, new: int, measure: bool, task=None) -> dict:
+def run_once(dash, prompt: str, papers: list[str], budget: str, new: int, measure: bool) -> dict:
+    """One comparison through the page's callback (a preset's prompt is scored as its task)."""
     t0 = time.perf_counter()
     first = None
     yields = 0
     status, data = "", None
     for out in dash.compare(
-        "embedded", prompt, papers, [], budget, new, 0, None, measure, None, 0, task, progress=lambda *a, **k: None
+        "embedded", prompt, papers, [], budget, new, 0, None, measure, None, 0, "", progress=lambda *a, **k: None
     ):
         yields += 1
         status = out[0]
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     n_prompt = len(lm.encode(prompt))
     rows = []
     for measure in [False] if args.no_measure else [False, True]:
-        rows.append(run_once(dash, prompt, papers, args.budget, args.new, measure, dash.task_of(DEFAULT_PRESET)))
+        rows.append(run_once(dash, prompt, papers, args.budget, args.new, measure))
     info = {
         "threads": args.threads,
         "prompt_tokens": n_prompt,

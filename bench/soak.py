@@ -41,12 +41,14 @@ def export_dirs() -> int:
 
 
 def _inputs(papers=(), baselines=("streaming",), budgets="0.5", new=6, maps=True) -> tuple:
-    return ("embedded", PROMPT, list(papers), list(baselines), budgets, new, 0, None, maps, None, 0, None)
+    return ("embedded", PROMPT, list(papers), list(baselines), budgets, new, 0, None, maps, None, 0, "")
 
 
 def request(dash, i: int, scratch: Path, new: int = 6) -> str:
     """The i-th request of the cycle (comparisons of ``new`` tokens); returns what happened ("ok", "refused")."""
     import gradio as gr
+
+    from kvlab.ui import PageInputs
 
     kind = i % 5
     try:
@@ -55,7 +57,7 @@ def request(dash, i: int, scratch: Path, new: int = 6) -> str:
             files = dash.export(last[2])
             dash.load_json(next(f for f in files if f.endswith(".json")), "mean", None)
         elif kind == 1:
-            dash.request(*_inputs(budgets="1.5"))
+            dash.request(PageInputs(*_inputs(budgets="1.5")))
         elif kind == 2:
             bad = scratch / f"bad-{i}.json"
             bad.write_text(BAD_IMPORT)

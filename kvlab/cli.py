@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvlab.budgets import BudgetError, parse_budgets
+from kvlab.cancel import TimeLimit
 from kvlab.reproduce.registry import REPRODUCTIONS
 
 
@@ -471,3 +472,6 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
+    except TimeLimit as exc:  # KVLAB_TIME_LIMIT_S met before the first token
+        print(f"kvlab: {exc}", file=sys.stderr)
+        return 1

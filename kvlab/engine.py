@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from kvlab import attention as attn
-from kvlab import faults
+from kvlab import cancel, faults
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes
 from kvlab.cache import LockstepCache, PrefillCache
 from kvlab.compressors import Compressor, PrefillState, get
@@ -191,6 +191,7 @@ class Engine:
         self.info = lm.info
         self.time_limit_s = faults.time_limit_s() if time_limit_s == -1.0 else time_limit_s
         self.stepwise_questions = stepwise_questions
+        cancel.install(lm.model, lm.info.n_layers)  # a cancel or the time limit stops a forward between layers
 
     # ----- prefill ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -241,7 +242,6 @@ class Engine:
                 f"context of {limit} tokens; shorten the prompt or generate fewer tokens"
             )
 
-    @torch.inference_mode()
     def stream(
         self,
         prompt_ids: list[int],
@@ -258,7 +258,25 @@ class Engine:
 
         ``questions`` (query-agnostic): ``prompt_ids`` is the context alone, compressed once; each
         question is then fed through a fork of every compressed cache (``_stream_questions``).
+
+        A cancel of the current ``kvlab.cancel`` token stops the work within one layer
+        (``cancel.Cancelled``). The time limit does too: while decoding, the runs then end with
+        their tokens so far; before the first token, ``cancel.TimeLimit`` ends the comparison.
         """
+        why = f"stopped at the time limit of {self.time_limit_s:g} s (KVLAB_TIME_LIMIT_S)" if self.time_limit_s else ""
+        token = cancel.Token.within(self.time_limit_s, f"{why} before the first token: nothing was generated")
+        return cancel.scoped(self._stream(prompt_ids, runs, gen, prompt_text, probes, questions), token)
+
+    @torch.inference_mode()
+    def _stream(
+        self,
+        prompt_ids: list[int],
+        runs: list[RunSpec],
+        gen: GenerationSettings | None,
+        prompt_text: str,
+        probes: list[Probe] | None,
+        questions: list[Question] | None,
+    ) -> Iterator[Event]:
         gen = gen or GenerationSettings()
         gen.validate()
         if questions:
@@ -460,11 +478,13 @@ class Engine:
     # ----- the steps of ``stream`` ------------------------------------------------------------
     def _make_compressors(
         self, runs: list[RunSpec], n: int, seed: int, decode_steps: int
-    ) -> tuple[list[Compressor], list[dict | BudgetRefused | PlanFailed]]:
+    ) -> tuple[list[Compressor | None], list[dict | BudgetRefused | PlanFailed]]:
         """One compressor per run, planned for ``n`` prompt tokens and ``decode_steps`` decode steps;
-        returns them and their chosen knobs (or the ``BudgetRefused`` of a run that cannot hold its budget)."""
-        comps = [get(spec.method)(self.info, spec.budget, spec.params, seed=seed) for spec in runs]
-        return comps, [_plan(c, n, decode_steps) for c in comps]
+        returns them and their chosen knobs (or the ``BudgetRefused`` of a run that cannot hold its
+        budget, or ``PlanFailed`` when its constructor or plan raised: its compressor is then None)."""
+        made = [faults.made(get(spec.method), self.info, spec.budget, spec.params, seed=seed) for spec in runs]
+        comps = [c if not isinstance(c, str) else None for c in made]  # None: its constructor raised
+        return comps, [_plan(c, n, decode_steps) if c is not None else PlanFailed(m) for c, m in zip(comps, made)]
 
     def _compress_all(
         self, state: PrefillState, runs: list[RunSpec], comps: list[Compressor], knobs: list[dict], prefill_s: float
@@ -473,6 +493,7 @@ class Engine:
         results = []
         exact_now = exact_bytes(self.info, state.n_tokens)
         for i, (spec, comp) in enumerate(zip(runs, comps)):
+            cancel.checkpoint()
             t0 = time.perf_counter()
             error = faults.error_of(comp.compress, state)
             if error:  # this run ends here (see _first_tokens); its stand-in holds nothing
@@ -584,7 +605,11 @@ class Engine:
                 break
             if self.time_limit_s is not None and time.perf_counter() - t_start > self.time_limit_s:
                 return (yield from self._out_of_time(rows, step))
-            for ev in self._decode_step(rows, step):
+            try:
+                events = list(self._decode_step(rows, step))
+            except cancel.TimeLimit:  # inside the step's forward: the step is dropped, the tokens so far kept
+                return (yield from self._out_of_time(rows, step))
+            for ev in events:
                 if progress is not None and ev.kind == "step":
                     ev.progress = progress(ev.progress)
                 yield ev
@@ -593,6 +618,8 @@ class Engine:
     def _out_of_time(self, rows: _Lockstep, step: int) -> Generator[Event, None, str]:
         """Stop every running run at the time limit, keeping its tokens so far; returns the comparison's message."""
         why = f"stopped at the time limit of {self.time_limit_s:g} s (KVLAB_TIME_LIMIT_S) before decode step {step}"
+        if (token := cancel.current()) is not None:
+            token.limit_handled()  # what follows (finishing the runs, the probes' results) must not stop
         stopped, rows.active = list(rows.active), []
         for i in stopped:
             r = rows.results[i]

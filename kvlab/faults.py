@@ -5,7 +5,8 @@ function send each row's work through ``append`` / ``attend`` (or ``guard`` for 
 exception there is recorded (row -> message), the row gets a zero attention output so that the
 batched forward goes on, and later calls for that row in the same forward are skipped. After the
 forward the engine ends the failed runs (``RunResult.error``, ``finish_reason`` "error"); a method
-that fails in ``compress`` is replaced by a ``FailedCompressor`` that holds nothing.
+that fails in ``compress`` is replaced by a ``FailedCompressor`` that holds nothing; one whose
+constructor or ``plan`` raises (``made``) ends before the prefill.
 
 Running out of memory is not one row's fault: ``MemoryError`` and ``torch.OutOfMemoryError`` pass
 through every guard; the engine frees what the comparison held (``release``) and ends it with
@@ -19,6 +20,7 @@ detected (``SPACE_ID`` set), else none.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 from collections.abc import Callable, Iterator
@@ -97,6 +99,16 @@ def error_of(fn: Callable, *args: Any) -> str:
     return ""
 
 
+def made(cls: type[Compressor], *args: Any, **kwargs: Any) -> Compressor | str:
+    """``cls(*args, **kwargs)``, or the description of what its constructor raised (out of memory propagates)."""
+    try:
+        return cls(*args, **kwargs)
+    except OOM:
+        raise
+    except Exception as exc:
+        return describe(exc)
+
+
 def append(row: int, comp: Compressor, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
     """``comp.append`` for one batch row, guarded."""
     guard(row, comp.append, layer, k, v, pos)
@@ -123,10 +135,15 @@ def describe(exc: BaseException) -> str:
 
 
 def release() -> None:
-    """Free what a failed comparison held: unreachable objects, then CUDA's cached blocks."""
+    """Free what a failed or cancelled comparison held: unreachable objects, CUDA's cached blocks, and
+    (glibc) the freed heap pages the allocator keeps, so that the process's memory goes back down."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def out_of_memory(exc: BaseException) -> OutOfMemory:
@@ -181,6 +198,7 @@ __all__ = [
     "error_of",
     "failed",
     "guard",
+    "made",
     "out_of_memory",
     "release",
     "time_limit_s",

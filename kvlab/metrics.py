@@ -276,6 +276,8 @@ class MetricsProbe:
         for i, r in enumerate(runs):
             if self.cfg.attn_error:
                 errs = self.errors[i]
+                if errs and len(errs[-1]) < self.n_layers:  # a step stopped inside its forward (time limit)
+                    errs = errs[:-1]
                 flat = [e for row in errs for e in row]
                 r.metrics["attn_rel_error"] = _round(errs)
                 r.metrics["attn_rel_error_mean"] = _round(sum(flat) / len(flat)) if flat else None

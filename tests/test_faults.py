@@ -31,6 +31,7 @@ class _Raising(StreamingLLM):
     exc: type[BaseException] = RuntimeError
 
     def __init__(self, *args, **kw):
+        self._maybe_raise("init")
         super().__init__(*args, **kw)
         self.steps = 0
         ALIVE.append(weakref.ref(self))
@@ -65,6 +66,7 @@ def _method(name: str, where: str, exc: type[BaseException] = RuntimeError) -> t
 
 
 TEST_METHODS = [
+    _method("fail-init", "init"),
     _method("fail-plan", "plan"),
     _method("fail-compress", "compress"),
     _method("fail-append", "append"),
@@ -123,10 +125,11 @@ def test_failing_methods_end_only_their_runs(engine, reference):
     assert [r["error"] == "" for r in js["runs"]] == [True, False, True, False, False]
 
 
-def test_a_plan_that_raises_ends_only_its_run(engine, reference):
-    result = _compare(engine, ["exact", "fail-plan", "streaming"], measure=False)
-    failed = result.run("fail-plan@0.5")
-    assert failed.finish_reason == "error" and failed.token_ids == [] and "test fault in plan" in failed.error
+@pytest.mark.parametrize("where", ["init", "plan"])
+def test_a_constructor_or_plan_that_raises_ends_only_its_run(engine, reference, where):
+    result = _compare(engine, ["exact", f"fail-{where}", "streaming"], measure=False)
+    failed = result.run(f"fail-{where}@0.5")
+    assert failed.finish_reason == "error" and failed.token_ids == [] and f"test fault in {where}" in failed.error
     for label in ("exact", "streaming@0.5"):
         assert result.run(label).token_ids == reference.run(label).token_ids and not result.run(label).error
 
@@ -162,8 +165,14 @@ def test_out_of_memory_on_the_page_is_one_message(lm):
     assert "done: 2 runs" in last[0]
 
 
-def test_time_limit_stops_the_comparison_keeping_the_tokens_so_far(lm):
+def test_time_limit_stops_the_comparison_keeping_the_tokens_so_far(lm, monkeypatch):
+    from kvlab import cancel
+
     engine = Engine(lm, time_limit_s=1e-6)
+    with pytest.raises(cancel.TimeLimit, match="time limit of 1e-06 s .* before the first token"):
+        _compare(engine, ["exact", "streaming"], measure=False, tokens=50)
+    # the limit passes once the prefill is done: the runs keep their first token
+    monkeypatch.setattr(cancel.Token, "within", classmethod(lambda cls, seconds, why: cls(None, why, None)))
     result = _compare(engine, ["exact", "streaming"], measure=False, tokens=50)
     for r in result.runs:
         assert r.finish_reason == "time_limit" and "time limit of 1e-06 s" in r.error

@@ -41,28 +41,17 @@ def page(**kw) -> Callable:
 
     def call(dash):
         from kvlab.engine import InputError
+        from kvlab.ui import PageInputs
 
-        inputs = {
-            "model": "embedded",
-            "prompt": "hello there",
-            "papers": [],
-            "baselines": ["streaming"],
-            "budgets": "0.5",
-            "new": 2,
-            "seed": 0,
-            "table": None,
-            "maps": False,
-            "layer": None,
-            "head": 0,
-            "task": None,
-            "question": "",
-        }
-        inputs.update(kw)
+        inputs = {"prompt": "hello there", "papers": [], "baselines": ["streaming"], "budgets": "0.5", "max_new": 2}
+        inputs.update(record_maps=False)
+        inputs.update({k: v(dash) if callable(v) else v for k, v in kw.items()})
         try:
-            engine, comparison, n = dash.request(*inputs.values())
+            engine, comparison, n = dash.request(PageInputs(**inputs))
         except InputError as exc:
             return f"refused: {exc}"
-        return f"accepted: {dash.estimate(engine, comparison, n).summary()}"
+        task = f"; scored as the task {comparison.task.name!r}" if comparison.task is not None else ""
+        return f"accepted: {dash.estimate(engine, comparison, n).summary()}{task}"
 
     return call
 
@@ -115,6 +104,13 @@ def _json(mutate: Callable[[dict], object] = lambda d: None) -> Callable[[], byt
     return content
 
 
+def preset(dash) -> str:
+    """The default preset's prompt: a task's text (scored while the prompt is that text exactly)."""
+    from kvlab.ui.presets import DEFAULT_PRESET
+
+    return dash.tasks[DEFAULT_PRESET].prompt
+
+
 FIVE = ["streaming", "h2o", "snapkv", "pyramidkv", "uniform"]
 
 
@@ -126,11 +122,15 @@ CASES = [
     Case("prompt", "a lone surrogate `\\ud800`", page(prompt="\ud800 hello")),
     Case("prompt", f"`{XSS}` and `<script>`", page(prompt=f"{XSS}<script>alert(1)</script>")),
     Case("prompt", "NUL and control characters", page(prompt="a\x00b\x01c\x1bd")),
+    Case("prompt", "a preset's text exactly (its task is scored)", page(prompt=preset)),
+    Case("prompt", "a preset's text with one character added", page(prompt=lambda d: preset(d) + ".")),
     Case("question", "spaces, tabs and newlines only", page(question=" \t\n ")),
     Case("question", "not text (a list, API)", page(question=["a"])),
     Case("question", "200,000 characters", page(question="lorem ipsum " * 16_667)),
     Case("question", "a lone surrogate `\\ud800`", page(question="\ud800 hello")),
     Case("question", f"`{XSS}` and `<script>`", page(question=f"{XSS}<script>alert(1)</script>")),
+    Case("question", "NUL and control characters", page(question="a\x00b\x01c\x1bd")),
+    Case("question", "after a preset's prompt (its task is not scored)", page(prompt=preset, question="Why?")),
     Case("methods", "none ticked", page(baselines=[])),
     Case("methods", f"an unknown name `{XSS}` (API)", page(baselines=[XSS]), cut="; allowed:"),
     Case("methods", "`streaming` 1,000 times (API)", page(baselines=["streaming"] * 1000)),
@@ -145,22 +145,22 @@ CASES = [
     Case("budgets", "`99999999999999999999t`", page(budgets="99999999999999999999t")),
     Case("budgets", f"`{XSS}`", page(budgets=XSS)),
     Case("budgets", "`0.5` 10,000 times", page(budgets=",".join(["0.5"] * 10_000))),
-    Case("max new tokens", "`0`", page(new=0)),
-    Case("max new tokens", "`1000000000`", page(new=10**9)),
-    Case("max new tokens", "`2.5`", page(new=2.5)),
-    Case("max new tokens", "`'abc'` (API)", page(new="abc")),
-    Case("max new tokens", "NaN (API)", page(new=float("nan"))),
+    Case("max new tokens", "`0`", page(max_new=0)),
+    Case("max new tokens", "`1000000000`", page(max_new=10**9)),
+    Case("max new tokens", "`2.5`", page(max_new=2.5)),
+    Case("max new tokens", "`'abc'` (API)", page(max_new="abc")),
+    Case("max new tokens", "NaN (API)", page(max_new=float("nan"))),
     Case("seed", "`-1`", page(seed=-1)),
     Case("seed", "`2**64`", page(seed=2**64)),
     Case("seed", "`1.5` (API)", page(seed=1.5)),
     Case("seed", "infinity (API)", page(seed=float("inf"))),
-    Case("parameters", "streaming `window` = `abc`", page(table=[["streaming", "window", "abc", "auto", ""]])),
-    Case("parameters", "streaming `n_sink` = `-3`", page(table=[["streaming", "n_sink", "-3", "4", ""]])),
-    Case("parameters", "an unknown parameter row", page(table=[["streaming", XSS, "1", "0", ""]])),
-    Case("parameters", "a table of garbage rows (API)", page(table=[None, ["x"], 5, "row"])),
-    Case("attention map", "layer `99`", page(maps=True, layer=99)),
-    Case("attention map", "head `-1`", page(maps=True, head=-1)),
-    Case("attention map", "layer `'abc'` (API)", page(maps=True, layer="abc")),
+    Case("parameters", "streaming `window` = `abc`", page(param_table=[["streaming", "window", "abc", "auto", ""]])),
+    Case("parameters", "streaming `n_sink` = `-3`", page(param_table=[["streaming", "n_sink", "-3", "4", ""]])),
+    Case("parameters", "an unknown parameter row", page(param_table=[["streaming", XSS, "1", "0", ""]])),
+    Case("parameters", "a table of garbage rows (API)", page(param_table=[None, ["x"], 5, "row"])),
+    Case("attention map", "layer `99`", page(record_maps=True, map_layer=99)),
+    Case("attention map", "head `-1`", page(record_maps=True, map_head=-1)),
+    Case("attention map", "layer `'abc'` (API)", page(record_maps=True, map_layer="abc")),
     Case("model", "`../../etc/passwd`", page(model="../../etc/passwd")),
     Case("temperature", "`0` with sampling (CLI / API)", settings(temperature=0.0)),
     Case("temperature", "NaN with sampling (CLI / API)", settings(temperature=float("nan"))),
@@ -212,9 +212,11 @@ def _answer(case: Case, dash) -> str:
 @pytest.fixture(scope="module")
 def dash(lm):
     pytest.importorskip("gradio")
-    from kvlab.ui import Dashboard
+    from kvlab.ui import Dashboard, presets
 
-    return Dashboard(lm)
+    dash = Dashboard(lm)
+    dash.tasks = presets(lm)[1]  # as the page sets them
+    return dash
 
 
 @pytest.mark.parametrize("i", range(1, len(CASES) + 1))
@@ -227,6 +229,8 @@ def test_the_docs_table_says_what_the_page_answers(dash, i):
 
 if __name__ == "__main__":
     from kvlab.models import load_model
-    from kvlab.ui import Dashboard
+    from kvlab.ui import Dashboard, presets
 
-    sys.stdout.write(table(Dashboard(load_model("embedded"))) + "\n")
+    board = Dashboard(lm := load_model("embedded"))
+    board.tasks = presets(lm)[1]
+    sys.stdout.write(table(board) + "\n")

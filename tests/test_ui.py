@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from kvlab import plots  # noqa: E402
 from kvlab.results import CompareResult  # noqa: E402
-from kvlab.ui import Dashboard, build_demo, gpu, launch_kwargs, param_rows, params_from_rows  # noqa: E402
+from kvlab.ui import Dashboard, PageInputs, build_demo, gpu, launch_kwargs, param_rows, params_from_rows  # noqa: E402
 
 PROMPT = "Summarize: the cat sat on the mat because the mat was warm and the sun was out. " * 6
 XSS = "<img src=x onerror=alert(1)> is not markup here."
@@ -215,12 +215,12 @@ def test_gpu_wrapper_is_a_no_op_without_spaces():
 
 
 def _inputs(prompt="hello there", papers=(), baselines=("streaming",), budgets="0.5", new=2, seed=0, maps=False):
-    return ("embedded", prompt, list(papers), list(baselines), budgets, new, seed, None, maps, None, 0, None)
+    return ("embedded", prompt, list(papers), list(baselines), budgets, new, seed, None, maps, None, 0, "")
 
 
 def test_duplicate_budgets_run_once_each(lm):
     dash = Dashboard(lm)
-    _, comparison, _ = dash.request(*_inputs(budgets=",".join(["0.5"] * 200 + ["0.25", "0.50"])))
+    _, comparison, _ = dash.request(PageInputs(*_inputs(budgets=",".join(["0.5"] * 200 + ["0.25", "0.50"]))))
     assert [s.label for s in comparison.check()] == ["exact", "streaming@0.5", "streaming@0.25"]
 
 
@@ -233,7 +233,7 @@ def test_over_the_memory_limit_is_refused_fast_with_the_numbers(lm):
     dash.admission = AdmissionLimits(max_request_bytes=5 * 1024**2)
     t0 = time.perf_counter()
     with pytest.raises(Exception) as info:
-        dash.request(*_inputs(prompt=PROMPT, papers=["qjl", "balancekv"], budgets="0.5,0.25", maps=True))
+        dash.request(PageInputs(*_inputs(prompt=PROMPT, papers=["qjl", "balancekv"], budgets="0.5,0.25", maps=True)))
     assert time.perf_counter() - t0 < 1.0
     msg = str(info.value)
     assert "7 runs on" in msg and "exceeds the 5 MiB" in msg and "fewer runs" in msg
@@ -247,7 +247,7 @@ def test_over_the_memory_limit_is_refused_fast_with_the_numbers(lm):
 def test_huge_seed_is_a_clear_message(lm):
     dash = Dashboard(lm)
     with pytest.raises(gr.Error, match=r"seed=\d+ is out of range; allowed: 0\.\."):
-        list(dash.compare(*_inputs(seed=2**80)[:-1], progress=lambda *a, **k: None))
+        list(dash.compare(*_inputs(seed=2**80), progress=lambda *a, **k: None))
 
 
 def test_compare_hands_back_no_tensors(lm):
@@ -255,7 +255,7 @@ def test_compare_hands_back_no_tensors(lm):
     from kvlab.gpu import tensor_paths
 
     dash = Dashboard(lm)
-    outs = list(dash.compare(*_inputs(maps=True)[:-1], progress=lambda *a, **k: None))
+    outs = list(dash.compare(*_inputs(maps=True), progress=lambda *a, **k: None))
     assert "done: 2 runs" in outs[-1][0]
     assert tensor_paths(outs) == []
 

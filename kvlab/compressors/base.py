@@ -29,6 +29,7 @@ from torch import Tensor
 
 from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
+from kvlab import cancel
 from kvlab.budgets import TOLERANCE, Budget, BudgetRefused, per_token_bytes, round_up_fraction
 from kvlab.models import ModelInfo
 from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes, weights_on_positions
@@ -493,6 +494,7 @@ class DenseCompressor(Compressor):
         n = state.n_tokens
         self.layers = []
         for layer, ix in enumerate(idx):
+            cancel.checkpoint()
             pos = ix.to(torch.int32) if ix is not None else None
             if ix is None:  # keep everything
                 h = state.keys.shape[1]

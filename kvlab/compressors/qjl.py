@@ -46,6 +46,7 @@ from torch import Tensor
 
 from kernels import qjl_estimate_grouped, qjl_estimate_split_pair
 from kernels.qjl import make_sketch, outlier_channels, outlier_mask
+from kvlab import cancel
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
 from kvlab.compressors.registry import register
@@ -535,6 +536,7 @@ class QJL(Compressor):
         """
         out = []
         for layer, (s, s_out) in enumerate(sketches):
+            cancel.checkpoint()
             kq = self._quantize_keys(k[layer : layer + 1], s[None], s_out[None])
             vq = quantize_groups(v[layer : layer + 1], self.qplan.value_bits, self.cfg["value_group"], dim=-1)
             out.append((kq.layer(0), _index_groups(vq, 0)))

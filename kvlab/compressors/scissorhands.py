@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvlab import cancel
 from kvlab.compressors._scored import ScoredEvictionCompressor
 from kvlab.compressors.base import DenseLayer, Param, PrefillState
 from kvlab.compressors.pyramidkv import pyramid_budgets
@@ -214,6 +215,7 @@ class Scissorhands(ScoredEvictionCompressor):
         rank = torch.zeros(n_layers * hkv, n, dtype=torch.int32)
         kept = rank if carry == w else torch.zeros_like(rank)
         for a in range(0, n_layers * hkv, step):
+            cancel.checkpoint()
             for r in range(0, w, rows):
                 q = queries[a : a + step, :, r : r + rows]  # queries at positions n - w + r ...
                 probs = causal_window_probs(q, keys[a : a + step, :, : n - w + r + q.shape[-2]], state.scaling)

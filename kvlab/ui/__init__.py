@@ -20,7 +20,7 @@ from kvlab.gpu import gpu
 from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, diff_text_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
-from kvlab.ui.dashboard import FIGURE_OUTPUTS, FIGURE_TITLES, Dashboard, LiveProbe
+from kvlab.ui.dashboard import FIGURE_OUTPUTS, FIGURE_TITLES, Dashboard, LiveProbe, PageInputs
 from kvlab.ui.export import export_files, metrics_csv, report_html
 from kvlab.ui.methods import CORE_PAPER_METHODS, default_methods, method_groups, param_rows, params_from_rows
 from kvlab.ui.page import build_demo, launch_kwargs
@@ -37,6 +37,7 @@ __all__ = [
     "Dashboard",
     "Limits",
     "LiveProbe",
+    "PageInputs",
     "about_markdown",
     "build_demo",
     "builtin_presets",

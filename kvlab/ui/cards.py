@@ -15,7 +15,7 @@ from kvlab.compressors import methods
 from kvlab.figures import finite
 from kvlab.metrics import token_diff
 from kvlab.models import LoadedModel
-from kvlab.results import CompareResult, RunResult
+from kvlab.results import QUERY_AGNOSTIC, CompareResult, RunResult
 from kvlab.ui.config import GROUP_TITLES
 
 
@@ -167,7 +167,8 @@ def cards_html(result: CompareResult | None, lm: LoadedModel | None, live: bool 
     exact = next((r for r in result.runs if r.method == "exact"), None)
     groups = {n: c.group for n, c in methods().items()}
     return (
-        "<div class='kv-cards'>"
+        prompt_head_html(result)
+        + "<div class='kv-cards'>"
         + "".join(
             _card(
                 r, exact, lm, groups.get(r.method, "baseline"), plots.color_of(result, r.label), live and r is not exact
@@ -176,6 +177,20 @@ def cards_html(result: CompareResult | None, lm: LoadedModel | None, live: bool 
         )
         + "</div>"
     )
+
+
+PROMPT_SHOWN = 160  # characters of the prompt shown above the cards
+
+
+def prompt_head_html(result: CompareResult) -> str:
+    """What the runs ran on, above the cards: the prompt's token count and its first words."""
+    text = " ".join(result.prompt.split())
+    shown = text if len(text) <= PROMPT_SHOWN else text[: PROMPT_SHOWN - 1] + "…"
+    what = f"{result.prompt_tokens:,} prompt tokens"
+    if result.protocol == QUERY_AGNOSTIC and result.context_tokens:
+        what += f" ({result.context_tokens:,} of context compressed, then the question)"
+    quote = f": <q class='kv-prompt-text'>{html.escape(shown)}</q>" if shown else ""
+    return f"<div class='kv-prompt-head'>Ran on <b class='kv-prompt-tokens'>{what}</b>{quote}</div>"
 
 
 def kept_strip_html(result: CompareResult | None, label: str | None, lm: LoadedModel | None) -> str:

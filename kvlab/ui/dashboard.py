@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import html
 import re
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import gradio as gr
 import torch
 
-from kvlab import faults, plots
+from kvlab import cancel, faults, plots
 from kvlab.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
 from kvlab.budgets import BudgetError, exact_bytes, parse_budgets
 from kvlab.engine import Engine, GenerationSettings, InputError, RunSpec
@@ -26,7 +27,7 @@ from kvlab.models import EMBEDDED, LoadedModel, ModelLoadError, load_model
 from kvlab.results import QUERY_AGNOSTIC, CompareResult, RunResult
 from kvlab.run import Comparison, stream
 from kvlab.schema import ResultFileError, load_result_text
-from kvlab.tasks import Task
+from kvlab.tasks import Task, join_question
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import Limits
 from kvlab.ui.export import export_files
@@ -42,6 +43,39 @@ FIGURE_TITLES = (
     "Quality vs memory",
 )
 FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
+
+
+CANCEL_WAIT_S = 30.0  # how long Cancel waits for the model work in progress to end
+
+
+@dataclass
+class PageInputs:
+    """The page's inputs of a comparison, in the order the page sends them (``page.Setup.inputs``) and
+    ``Dashboard.compare`` and the API take them. Values are as a client sent them: checked by
+    ``Dashboard.request``."""
+
+    model: str = EMBEDDED
+    prompt: str = ""
+    papers: list | None = None
+    baselines: list | None = None
+    budgets: str = ""
+    max_new: int = 32
+    seed: int = 0
+    param_table: list | None = None
+    record_maps: bool = True
+    map_layer: int | None = None
+    map_head: int = 0
+    question: str = ""
+
+    @classmethod
+    def of(cls, values) -> PageInputs:
+        """The first ``len(fields)`` of ``values`` (a callback's arguments; Gradio may add more after them)."""
+        return cls(*list(values)[: len(fields(cls))])
+
+
+def _session(request: gr.Request | None) -> str:
+    """The browser session (or API client) a callback serves ("" outside Gradio)."""
+    return str(getattr(request, "session_hash", "") or "")
 
 
 @dataclass
@@ -79,7 +113,7 @@ class LiveProbe:
         ran = {(c.name, c.budget) for c in self.comps}
         return [s for s in specs if (s.method, s.budget) in ran] if ran else specs
 
-    def partial(self, engine: Engine, specs: list[RunSpec], prompt_tokens: int) -> CompareResult:
+    def partial(self, engine: Engine, specs: list[RunSpec], comparison: Comparison, n: int) -> CompareResult:
         """What is known so far, as a result for the cards: bytes now and, when greedy, the text so far."""
         runs = [
             RunResult(
@@ -87,15 +121,16 @@ class LiveProbe:
                 budget=None if spec.budget is None else spec.budget.label,
                 params={},
                 kv_bytes=b,
-                exact_kv_bytes_per_step=[exact_bytes(engine.info, prompt_tokens)],
+                exact_kv_bytes_per_step=[exact_bytes(engine.info, n)],
                 text=engine.lm.decode(toks) if toks else "…",
             )
             for spec, b, toks in zip(self._ran(specs), self.bytes_now, self.tokens or [[] for _ in specs])
         ]
+        asked = list(comparison.questions[:1])
         return CompareResult(
             model=engine.info.to_json(),
-            prompt="",
-            prompt_tokens=prompt_tokens,
+            prompt=join_question(comparison.prompt, asked[0]) if asked else comparison.prompt,
+            prompt_tokens=n,
             prompt_token_ids=[],
             settings={},
             timings={},
@@ -155,6 +190,8 @@ class Dashboard:
         self.admission = AdmissionLimits.from_env()
         self.engines: dict[str, Engine] = {EMBEDDED: Engine(lm)}
         self.tasks: dict[str, Task] = {}  # preset label -> its task (set by the page)
+        self.running: dict[str, cancel.Token] = {}  # session -> its running comparison's token
+        self._lock = threading.Lock()
 
     # ----- model work ----------------------------------------------------------------------
     def engine_for(self, model: str) -> Engine:
@@ -170,60 +207,47 @@ class Dashboard:
                 raise InputError(str(exc)) from None
         return self.engines[model]
 
-    def request(
-        self,
-        model,
-        prompt,
-        papers,
-        baselines,
-        budgets,
-        max_new,
-        seed,
-        param_table,
-        record_maps,
-        map_layer,
-        map_head,
-        task,
-        question="",
-    ) -> tuple[Engine, Comparison, int]:
+    def request(self, inputs: PageInputs) -> tuple[Engine, Comparison, int]:
         """The page's inputs as a ``Comparison``, checked against the page's limits.
 
-        Returns the engine of the chosen model, the comparison and the prompt's token count. ``task``
-        is the preset's task while its prompt is unedited (the page drops it on any edit), else None.
-        ``question``: asked after compressing the prompt (query-agnostic); the prompt is then a
-        context and a preset's task is not scored.
+        Returns the engine of the chosen model, the comparison and the prompt's token count. A
+        preset's task (its answer, its scoring) applies while the prompt is that preset's text
+        exactly (compared here, when the run starts) and no question is asked. ``question``: asked
+        after compressing the prompt (query-agnostic); the prompt is then a context.
         """
+        prompt = inputs.prompt
         if not isinstance(prompt, str) or not prompt.strip():
             raise InputError("the prompt is empty; type some text or pick a preset")
-        question = _question_text(question)
+        question = _question_text(inputs.question)
         for what, text in (("prompt", prompt), ("question", question)):
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 raise InputError(f"the {what} holds characters that are not valid Unicode (lone surrogates)") from None
-        chosen = ["exact"] + list(papers or []) + list(baselines or [])
+        chosen = ["exact"] + list(inputs.papers or []) + list(inputs.baselines or [])
         if len(chosen) == 1:
             raise InputError("no method selected; tick at least one of the papers' methods or baselines")
         try:
-            bl = parse_budgets(budgets)
+            bl = parse_budgets(inputs.budgets)
         except BudgetError as exc:
             raise InputError(str(exc)) from None
-        max_new = whole_number(max_new, "max new tokens", 0)
+        max_new = whole_number(inputs.max_new, "max new tokens", 0)
         if not 1 <= max_new <= self.limits.max_new_tokens:
             raise InputError(f"max new tokens must be in 1..{self.limits.max_new_tokens}")
-        engine = self.engine_for(model)
+        engine = self.engine_for(inputs.model)
         measure = None
-        if record_maps:
-            head = whole_number(map_head, "the attention-map head", 0)
+        if inputs.record_maps:
+            head = whole_number(inputs.map_head, "the attention-map head", 0)
             if not 0 <= head < engine.info.n_heads:
                 raise InputError(f"map head {head} is out of range; allowed: 0..{engine.info.n_heads - 1}")
-            measure = ProbeSettings(map_layer=self._map_layer(map_layer, engine), map_head=head)
+            measure = ProbeSettings(map_layer=self._map_layer(inputs.map_layer, engine), map_head=head)
+        task = None if question else self.task_for(prompt)
         comparison = Comparison(
-            task if isinstance(task, Task) and not question else prompt,
+            task or prompt,
             chosen,
             bl,
-            params=params_from_rows(param_table, chosen),
-            settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(seed, "the seed", 0)),
+            params=params_from_rows(inputs.param_table, chosen),
+            settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(inputs.seed, "the seed", 0)),
             measure=measure,
             questions=[question] if question else (),
         )
@@ -246,21 +270,31 @@ class Dashboard:
         budgets = [spec.budget for spec in comparison.check()]
         return estimate(engine.info, n, budgets, comparison.settings.max_new_tokens, comparison.measure is not None)
 
-    def plan(self, *inputs) -> str:
-        """One line for the page before Run: the run count and the estimate, or why it would be refused."""
+    def plan(self, *values) -> str:
+        """One line for the page before Run: the run count and the estimate, or why it would be refused.
+
+        ``values``: the page's inputs in ``PageInputs`` order."""
         try:
-            engine, comparison, n = self.request(*inputs)
+            engine, comparison, n = self.request(PageInputs.of(values))
         except InputError as exc:
             return f"⚠ {markdown_text(str(exc))}"
         est = self.estimate(engine, comparison, n)
-        return f"{est.summary()} · within this page's limits"
+        task = f" · scored as the preset's task ({comparison.task.name})" if comparison.task is not None else ""
+        return f"{est.summary()}{task} · within this page's limits"
 
-    def work(self, model, prompt, papers, baselines, budgets, max_new, *rest, **kw) -> WorkSize:
-        """The request's size for a GPU lease, from the raw inputs (cheap: tokenizing only)."""
-        engine = self.engine_for(model)
-        runs = (1 + len(papers or []) + len(baselines or [])) * max(1, len(set(parse_budgets(budgets))))
-        record = rest[3] if len(rest) > 3 else True
-        return WorkSize(len(engine.lm.encode(prompt or "")), runs, int(max_new or 1), bool(record))
+    def work(self, *values, **kw) -> WorkSize:
+        """The request's size for a GPU lease, from the raw inputs of ``compare`` (cheap: tokenizing only).
+
+        ``values`` are ``compare``'s arguments: the page's inputs first, in ``PageInputs`` order (then
+        what Gradio adds: progress, the request)."""
+        inputs = PageInputs.of(values)
+        engine = self.engine_for(inputs.model)
+        methods = 1 + len(inputs.papers or []) + len(inputs.baselines or [])
+        runs = methods * max(1, len(set(parse_budgets(inputs.budgets))))
+        text = inputs.prompt if isinstance(inputs.prompt, str) else ""
+        if isinstance(inputs.question, str) and inputs.question.strip():
+            text += "\n" + inputs.question
+        return WorkSize(len(engine.lm.encode(text)), runs, int(inputs.max_new or 1), bool(inputs.record_maps))
 
     def compare(
         self,
@@ -275,33 +309,36 @@ class Dashboard:
         record_maps,
         map_layer=None,
         map_head=0,
-        task=None,
         question="",
         progress=gr.Progress(),  # noqa: B008 (gradio injects progress through this default)
+        request: gr.Request | None = None,
     ):
-        """Generator: yields (status, cards, state, *figures) as the comparison runs."""
-        n_out = len(FIGURE_OUTPUTS) + 3
+        """Generator: yields (status, cards, state, *figures) as the comparison runs.
+
+        The page's inputs come first, in ``PageInputs`` order (the API's order). The model work
+        runs under a ``kvlab.cancel`` token that ``cancel`` (the Cancel button, same session) sets.
+        """
+        token = self._start(request)
+        inputs = PageInputs(
+            model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer,
+            map_head, question,
+        )  # fmt: skip
         try:
-            engine, comparison, n = self.request(
-                model,
-                prompt,
-                papers,
-                baselines,
-                budgets,
-                max_new,
-                seed,
-                param_table,
-                record_maps,
-                map_layer,
-                map_head,
-                task,
-                question,
-            )
+            yield from self._compare(inputs, progress, token)
+        finally:
+            self._end(request, token)
+
+    def _compare(self, inputs: PageInputs, progress, token: cancel.Token):
+        """``compare``'s work under ``token``: it ends (what it held freed) before the token is finished."""
+        n_out = len(FIGURE_OUTPUTS) + 3
+        stopped = None
+        try:
+            engine, comparison, n = self.request(inputs)
             specs = comparison.check()
             live = LiveProbe(len(specs), greedy=not comparison.settings.do_sample)
             result = None
             last_yield = 0.0
-            for ev in stream(engine, comparison, probes=[live]):
+            for ev in cancel.scoped(stream(engine, comparison, probes=[live]), token):
                 if ev.progress >= 0:
                     progress(ev.progress, desc=ev.message)
                 if ev.kind == "done":
@@ -310,23 +347,29 @@ class Dashboard:
                 now = time.perf_counter()
                 if live.bytes_now and (ev.kind != "step" or now - last_yield > 0.5):
                     last_yield = now
-                    yield (
-                        progress_html(ev.progress, ev.message),
-                        cards_html(live.partial(engine, specs, n), engine.lm, live=True),
-                        *[gr.skip()] * (n_out - 2),
-                    )
-                elif ev.kind in ("prefill", "compress"):
-                    yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
+                    cards = cards_html(live.partial(engine, specs, comparison, n), engine.lm, live=True)
+                    with token.paused():  # while Gradio has the partial result, nothing runs here
+                        yield (progress_html(ev.progress, ev.message), cards, *[gr.skip()] * (n_out - 2))
+                elif ev.kind in ("prefill", "compress", "question"):
+                    with token.paused():
+                        yield (progress_html(ev.progress, ev.message), *[gr.skip()] * (n_out - 1))
         except (InputError, faults.OutOfMemory) as exc:
             raise text_error(str(exc)) from None
         except faults.OOM as exc:  # outside the engine (tokenizing, rendering)
             message = str(faults.out_of_memory(exc))
+        except cancel.Cancelled as exc:  # the Cancel button (its own status says so) or the time limit
+            message, stopped = None, str(exc) if isinstance(exc, cancel.TimeLimit) else ""
         else:
             message = None
-        if message is not None:
+        if message is not None or stopped is not None:
             live = result = None
             faults.release()
+        if message is not None:
             raise text_error(message)
+        if stopped is not None:
+            if stopped:
+                yield (progress_html(0.0, stopped), *[gr.skip()] * (n_out - 1))
+            return
         msg = (
             f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
             f"{result.timings.get('compare_s', 0):.1f} s" + _ended_early(result)
@@ -334,6 +377,42 @@ class Dashboard:
         if result.protocol == QUERY_AGNOSTIC:
             msg += f" · query-agnostic: the question was asked after compressing {result.context_tokens} tokens"
         yield (progress_html(1.0, msg), *self.render(result.to_json(), "mean", None))
+
+    # ----- cancel --------------------------------------------------------------------------
+    def _start(self, request: gr.Request | None) -> cancel.Token:
+        """A fresh token for this session's comparison (a cancel before it starts stops it at once)."""
+        token = cancel.Token()
+        token.working()
+        with self._lock:
+            self.running[_session(request)] = token
+        return token
+
+    def _end(self, request: gr.Request | None, token: cancel.Token) -> None:
+        token.finished()
+        with self._lock:
+            if self.running.get(_session(request)) is token:
+                del self.running[_session(request)]
+
+    def cancel(self, request: gr.Request | None = None) -> str:
+        """Stop this session's running comparison where its model work is (within one layer); the status line.
+
+        Waits (at most ``CANCEL_WAIT_S``) for the work in progress to end, so that the page says
+        "cancelled" once nothing of it runs and the next comparison starts at once.
+        """
+        with self._lock:
+            token = self.running.get(_session(request))
+        if token is None:
+            return progress_html(0.0, "cancelled: nothing was running; change the setup and run again")
+        t0 = time.perf_counter()
+        token.cancel()
+        ended = token.wait_idle(CANCEL_WAIT_S)
+        took = time.perf_counter() - t0
+        where = f"its model work ended {took:.1f} s after the click" if ended else "its model work is still ending"
+        return progress_html(0.0, f"cancelled: the comparison was stopped ({where}); change the setup and run again")
+
+    def task_for(self, prompt: str) -> Task | None:
+        """The preset task whose prompt ``prompt`` is, exactly (None for any other text)."""
+        return next((t for t in self.tasks.values() if t.prompt == prompt), None)
 
     def task_of(self, preset: str) -> Task | None:
         """The task behind a preset (None for free prompts)."""

@@ -5,7 +5,7 @@ memory, export / import, needle grid, about). Every event has an ``api_name``; m
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import gradio as gr
 
@@ -14,7 +14,7 @@ from kvlab.models import EMBEDDED, LoadedModel
 from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
-from kvlab.ui.dashboard import Dashboard
+from kvlab.ui.dashboard import Dashboard, PageInputs
 from kvlab.ui.export import export_ttl_s
 from kvlab.ui.grid import grid_tab
 from kvlab.ui.leaderboard import leaderboard_tab
@@ -24,7 +24,7 @@ from kvlab.ui.presets import DEFAULT_PRESET, presets
 
 @dataclass
 class Setup:
-    """The inputs of a comparison, in the order ``Dashboard.compare`` takes them (then ``task``)."""
+    """The setup panel's components; those of ``PageInputs`` carry its field names."""
 
     model: gr.Textbox
     prompt: gr.Textbox
@@ -44,11 +44,8 @@ class Setup:
     question: gr.Textbox  # asked after compressing the prompt (query-agnostic); empty: query-aware
 
     def inputs(self) -> list:
-        """The inputs of ``Dashboard.compare``, in its order (before ``task``, a page state)."""
-        return [
-            self.model, self.prompt, self.papers, self.baselines, self.budgets, self.max_new, self.seed,
-            self.param_table, self.record_maps, self.map_layer, self.map_head,
-        ]  # fmt: skip
+        """The inputs of a comparison, named and ordered by ``PageInputs`` (``Dashboard.compare``'s order)."""
+        return [getattr(self, f.name) for f in fields(PageInputs)]
 
 
 @dataclass
@@ -58,7 +55,6 @@ class Views:
     status: gr.HTML
     cards: gr.HTML
     state: gr.State  # the result's JSON: every view is rendered from it, never recomputed
-    task: gr.State  # the preset's task (prompt + answer) while its prompt is unedited
     gauges: gr.Plot
     bytes_fig: gr.Plot
     layer_pick: gr.Dropdown
@@ -111,6 +107,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                 value=DEFAULT_PRESET,
                 label="Preset",
                 info="document question, pass-key, line retrieval or free chat",
+                elem_id="kv-preset",
             )
             prompt = gr.Textbox(
                 value=preset_texts[DEFAULT_PRESET], label="Prompt", lines=9, max_lines=16, elem_id="kv-prompt"
@@ -153,7 +150,12 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                     info="fractions of the exact bytes or token counts: 0.5, 0.25, 512t",
                 )
                 max_new = gr.Slider(
-                    1, lim.max_new_tokens, value=min(32, lim.max_new_tokens), step=1, label="Max new tokens"
+                    1,
+                    lim.max_new_tokens,
+                    value=min(32, lim.max_new_tokens),
+                    step=1,
+                    label="Max new tokens",
+                    elem_id="kv-max-new",
                 )
             with gr.Row():
                 seed = gr.Number(value=0, precision=0, label="Seed", minimum=0)
@@ -161,6 +163,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                     value=True,
                     label="Measure attention error, KL & maps",
                     info="the costly measurements (a shadow exact cache)",
+                    elem_id="kv-maps",
                 )
             with gr.Row():
                 heads = lm.info.n_heads
@@ -199,7 +202,6 @@ def _views() -> Views:
     status = gr.HTML(progress_html(0.0, "ready"), elem_id="kv-status")
     cards = gr.HTML(cards_html(None, None), elem_id="kv-cards")
     state = gr.State(None)
-    task = gr.State(None)
     with gr.Tabs():
         with gr.Tab("Memory", id="memory"):
             gauges = gr.Plot(label="Cache size", elem_id="kv-gauges")
@@ -235,7 +237,7 @@ def _views() -> Views:
         with gr.Tab("About", id="about"):
             gr.Markdown(about_markdown())
     return Views(
-        status, cards, state, task, gauges, bytes_fig, layer_pick, err_step, err_layer, kl_fig, shown, heat,
+        status, cards, state, gauges, bytes_fig, layer_pick, err_step, err_layer, kl_fig, shown, heat,
         strip_pick, strip, qvm, export_btn, files, upload,
     )  # fmt: skip
 
@@ -244,15 +246,12 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     """The page's events; each one that a client may call has an ``api_name``."""
     v = views
     setup.preset.change(lambda name: preset_texts.get(name, ""), setup.preset, setup.prompt, api_name="preset")
-    setup.preset.change(dash.task_of, setup.preset, v.task, api_name=False)
-    setup.prompt.input(lambda: None, None, v.task, api_name=False)  # an edited prompt is no longer the task's
-    demo.load(lambda: dash.task_of(DEFAULT_PRESET), None, v.task, api_name=False)
     s = setup
     gr.on(
         [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.budgets.change, s.max_new.change,
          s.record_maps.change, s.model.change, s.question.change],
         dash.plan,
-        [*s.inputs(), v.task, s.question],
+        s.inputs(),
         s.plan,
         api_name="plan",
         trigger_mode="always_last",
@@ -260,7 +259,7 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     )  # fmt: skip
     run = setup.run_btn.click(
         gpu(dash.compare, dash.work),
-        [*setup.inputs(), v.task, setup.question],
+        setup.inputs(),
         [v.status, *v.rendered()],
         api_name="compare",
         concurrency_limit=1,
@@ -280,7 +279,7 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
         api_name=False,
     )
     setup.cancel_btn.click(
-        lambda: progress_html(0.0, "cancelled: the comparison was stopped; change the setup and run again"),
+        dash.cancel,  # stops the model work itself; Gradio's own cancel lands between the generator's yields
         None,
         v.status,
         cancels=[run],
