@@ -28,9 +28,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvlab import faults
+from kvlab import semantics as sm
 from kvlab.batched_attention import attend_rows
 from kvlab.few_rows import torch_functions_plain
-from kvlab.ops import attention_logits, dense_attention, pool_heads
+from kvlab.ops import attention_logits, pool_heads
+from kvlab.semantics import LayerSemantics, attend, window_bias
 
 NAME = "kvlab"
 _ACTIVE: ContextVar[object | None] = ContextVar("kvlab_attention", default=None)
@@ -54,35 +56,42 @@ class PrefillCapture:
         self.acc: list[Tensor | None] = [None] * n_layers
         self.observers = list(observers)
 
-    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         layer = module.layer_idx
         n = query.shape[-2]
         if self.window:
             self.queries[layer] = query[0, :, max(0, n - self.window) :, :].detach().clone()
         if self.want_acc:
-            self.acc[layer] = accumulated_attention(query[0], key[0], scaling, self.chunk)
+            self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
         rows = min(n, max((o.rows for o in self.observers), default=0))
-        if not rows:
-            return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
         head = n - rows
         outs = []
-        if head:
+        if head and sem.plain:  # plain causal attention: SDPA
             q, k, v = (t[:, :, :head] for t in (query, key, value))
-            outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=scaling, **kw)[0])
-        outs.append(self._observed_rows(layer, query[0], key[0], value[0], head, scaling).transpose(0, 1)[None])
-        return torch.cat(outs, dim=1), None
+            outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=sem.scaling)[0])
+        elif head:
+            outs.append(
+                self._rows(layer, query[0], key[0], value[0], 0, head, sem, observe=False).transpose(0, 1)[None]
+            )
+        if rows:
+            outs.append(self._rows(layer, query[0], key[0], value[0], head, n, sem).transpose(0, 1)[None])
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
-    def _observed_rows(self, layer: int, q: Tensor, k: Tensor, v: Tensor, first: int, scaling: float) -> Tensor:
-        """Attention of queries ``first``..n-1 (q [Hq, n, d], k/v [Hkv, n, d]) in row blocks, each block's
-        probabilities handed to the observers: returns out [Hq, n - first, d]."""
+    def _rows(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, sem: LayerSemantics, observe=True
+    ) -> Tensor:
+        """Attention of queries ``first``..last-1 (q [Hq, n, d], k/v [Hkv, n, d]) in row blocks with the
+        layer's semantics; when ``observe``, each block's probabilities go to the observers: returns
+        out [Hq, last - first, dv]."""
         n = q.shape[-2]
         per_row = q.shape[0] * n * 4
         step = max(1, self.BLOCK_BYTES // per_row)
         outs = []
-        for s in range(first, n, step):
-            e = min(n, s + step)
-            out, probs = dense_attention(q[:, s:e], k[:, :e], v[:, :e], scaling, return_probs=True, causal_tail=e - s)
-            for obs in self.observers:
+        for s in range(first, last, step):
+            e = min(last, s + step)
+            bias = window_bias(sem, torch.arange(s, e, device=q.device), torch.arange(e, device=q.device))
+            out, probs = attend(q[:, s:e], k[:, :e], v[:, :e], sem, bias=bias, return_probs=True)
+            for obs in self.observers if observe else ():
                 lo = max(s, n - obs.rows)
                 if lo < e:
                     obs(layer, probs[:, lo - s :], lo)
@@ -99,21 +108,23 @@ class WindowObserver(Protocol):
         """probs [Hq, r, e]: queries at positions first_pos..first_pos+r-1 over keys 0..e-1 (causal)."""
 
 
-def accumulated_attention(q: Tensor, k: Tensor, scaling: float, chunk: int = 256) -> Tensor:
+def accumulated_attention(q: Tensor, k: Tensor, scaling: LayerSemantics | float, chunk: int = 256) -> Tensor:
     """Causal attention each key receives, summed over all queries: q [Hq, n, d], k [Hkv, n, d] -> [Hq, n].
 
     Computed in query chunks so memory stays O(chunk x n); a chunk of queries [s, e) only scores
-    the keys [0, e) it can see (half the work of scoring every key and masking).
+    the keys [0, e) it can see (half the work of scoring every key and masking). ``scaling`` a
+    ``LayerSemantics``: with the layer's window, soft-cap and sinks.
     """
     n = q.shape[-2]
     acc = torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
     kpos = torch.arange(n, device=q.device)
+    sem = sm.as_semantics(scaling, q)
     q, k = q.float(), k.float()
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        logits = attention_logits(q[:, s:e], k[:, :e], scaling)  # [Hq, e - s, e]
-        logits = logits.masked_fill(kpos[None, None, :e] > kpos[None, s:e, None], float("-inf"))
-        acc[:, :e] += torch.softmax(logits, dim=-1).sum(-2)
+        logits = attention_logits(q[:, s:e], k[:, :e], sem)  # [Hq, e - s, e]
+        bias = window_bias(sem, kpos[s:e], kpos[:e])
+        acc[:, :e] += sm.softmax(logits if bias is None else logits + bias, sem).sum(-2)
     return acc
 
 
@@ -137,7 +148,7 @@ class LockstepDecode:
         self.observers = observers or []
         self.layer_observers = layer_observers or []
 
-    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         with torch_functions_plain():  # the model's torch-function modes (few_rows) are not for us
             return self._attend(module.layer_idx, query, key, value)
 
@@ -170,7 +181,7 @@ class LockstepChunk:
         self.compressors, self.pos = compressors, pos
         self.observers = observers or []
 
-    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         layer = module.layer_idx
         with torch_functions_plain():
             out = torch.stack(
@@ -185,14 +196,27 @@ class LockstepChunk:
 
 
 def kvlab_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    handler = _ACTIVE.get()
+    """The attention function transformers calls. Every keyword argument is read into the layer's
+    ``LayerSemantics`` (``semantics.from_call``: an unknown one raises ``UnsupportedAttention``) and
+    the handler computes with it. With no handler active, the model's own maths (``semantics.attend``
+    over the causal window; SDPA when the layer is plain)."""
     if scaling is None:
         scaling = module.head_dim**-0.5
-    if handler is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    return handler(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    sem = sm.from_call(module, query, key, value, scaling, {"dropout": dropout, **kwargs}, _config(module))
+    handler = _ACTIVE.get() or _reference
+    return handler(module, query, key, value, attention_mask, sem=sem)
+
+
+def _config(module):
+    return getattr(module, "config", None)
+
+
+def _reference(module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
+    """Attention as the model computes it, for a forward with no kvlab handler: SDPA when the layer is
+    plain, else ``semantics.reference_attention`` (causal, with the window, soft-cap and sinks)."""
+    if sem.plain:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=sem.scaling)
+    return sm.reference_attention(query, key, value, sem), None
 
 
 def _no_mask(*args, **kwargs):

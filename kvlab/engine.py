@@ -218,7 +218,8 @@ class Engine:
         else:
             queries = keys.new_zeros(self.info.n_layers, self.info.n_heads, 0, self.info.head_dim)
         acc = torch.stack(capture.acc).float() if acc_attn else None
-        state = PrefillState(keys, values, queries, scaling=self.info.head_dim**-0.5, acc_attn=acc)
+        sem = self.info.semantics
+        state = PrefillState(keys, values, queries, scaling=sem[0].scaling, acc_attn=acc, semantics=sem)
         return state, out.logits[0, -1]
 
     def _prefill_for(self, ids: list[int], comps: list[Compressor]) -> tuple[PrefillState, Tensor, float]:
