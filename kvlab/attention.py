@@ -22,7 +22,9 @@ from contextvars import ContextVar
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -54,11 +56,14 @@ class PrefillCapture:
         self.window, self.want_acc, self.chunk = window, acc_attn, chunk
         self.queries: list[Tensor | None] = [None] * n_layers
         self.acc: list[Tensor | None] = [None] * n_layers
+        self.keys: list[Tensor | None] = [None] * n_layers  # [Hkv, n, d] as attention sees them
+        self.values: list[Tensor | None] = [None] * n_layers  # [Hkv, n, dv]
         self.observers = list(observers)
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         layer = module.layer_idx
         n = query.shape[-2]
+        self.keys[layer], self.values[layer] = key[0], value[0]
         if self.window:
             self.queries[layer] = query[0, :, max(0, n - self.window) :, :].detach().clone()
         if self.want_acc:
@@ -97,6 +102,10 @@ class PrefillCapture:
                     obs(layer, probs[:, lo - s :], lo)
             outs.append(out)
         return torch.cat(outs, dim=1)
+
+    def stacked(self) -> tuple[Tensor, Tensor]:
+        """[L, Hkv, n, d] keys and [L, Hkv, n, dv] values of the single prompt (post-RoPE)."""
+        return torch.stack(self.keys), torch.stack(self.values)
 
 
 class WindowObserver(Protocol):
@@ -142,14 +151,22 @@ class LockstepDecode:
     dense_together: bool = False
 
     def __init__(
-        self, compressors: list, observers: list[Callable] | None = None, layer_observers: list[Callable] | None = None
+        self,
+        compressors: list,
+        observers: list[Callable] | None = None,
+        layer_observers: list[Callable] | None = None,
+        positions: list[int] | None = None,
     ):
         self.compressors = compressors
         self.observers = observers or []
         self.layer_observers = layer_observers or []
+        self.positions = positions  # row i's new token's true position (None: the caller appends)
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         with torch_functions_plain():  # the model's torch-function modes (few_rows) are not for us
+            if self.positions is not None:  # the new token's key/value as attention sees them, at its position
+                for row, comp in enumerate(self.compressors):
+                    faults.append(row, comp, module.layer_idx, key[row], value[row], self.positions[row])
             return self._attend(module.layer_idx, query, key, value)
 
     def _attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
@@ -220,12 +237,48 @@ def _reference(module, query: Tensor, key: Tensor, value: Tensor, mask, sem: Lay
 
 
 def _no_mask(*args, **kwargs):
-    """kvlab masks by itself: prefill is causal SDPA on one unpadded row; decode has one query."""
+    """kvlab masks by itself: causality and each layer's window come from its ``LayerSemantics``
+    (``semantics.window_bias``); rows are never padded."""
     return None
 
 
 AttentionInterface.register(NAME, kvlab_attention)
 AttentionMaskInterface.register(NAME, _no_mask)
+
+
+SDPA_ROUTE = "sdpa"  # ``model._kvlab_route``: the model's attention calls torch's SDPA itself (Falcon)
+
+
+class _LayerStub:
+    """What ``kvlab_attention`` reads of an attention module, for a layer reached through ``_SdpaRoute``."""
+
+    def __init__(self, layer_idx: int, head_dim: int):
+        self.layer_idx, self.head_dim = layer_idx, head_dim
+
+
+class _SdpaRoute(TorchFunctionMode):
+    """Routes a model whose attention modules call ``F.scaled_dot_product_attention`` themselves (not
+    transformers' attention interface) to ``kvlab_attention``: the forward's i-th SDPA call is layer
+    i mod L. Only an unmasked or causal call is routed; an additive bias (ALiBi) raises, as kvlab
+    does not compute it (``refuse_unsupported`` refuses such models at load)."""
+
+    def __init__(self, n_layers: int):
+        super().__init__()
+        self.n_layers, self.calls = n_layers, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if mask is not None and mask.dtype != torch.bool:
+            raise sm.UnsupportedAttention("the model adds a bias to its attention logits (e.g. ALiBi)")
+        layer = self.calls % self.n_layers
+        self.calls += 1
+        scale = kwargs.get("scale")
+        out, _ = kvlab_attention(_LayerStub(layer, q.shape[-1]), q, k, v, None, scaling=scale)
+        return out.transpose(1, 2)  # [B, Hq, t, dv], as SDPA returns
 
 
 @contextlib.contextmanager
@@ -234,9 +287,12 @@ def active(model, handler):
     cfg = model.config
     old = cfg._attn_implementation
     token = _ACTIVE.set(handler)
-    cfg._attn_implementation = NAME
+    routed = getattr(model, "_kvlab_route", None) == SDPA_ROUTE
+    cfg._attn_implementation = "sdpa" if routed else NAME
+    mode = _SdpaRoute(cfg.get_text_config().num_hidden_layers) if routed else contextlib.nullcontext()
     try:
-        yield handler
+        with mode:
+            yield handler
     finally:
         cfg._attn_implementation = old
         _ACTIVE.reset(token)

@@ -212,7 +212,7 @@ class Engine:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        keys, values = cache.stacked()
+        keys, values = capture.stacked()
         if capture.window:
             queries = torch.stack(capture.queries)
         else:
@@ -449,7 +449,7 @@ class Engine:
         model, dev, b = self.lm.model, self.lm.device, len(comps)
         for i, t in enumerate(ids):
             cache = LockstepCache(comps, self.info.n_layers, seen + i)
-            with attn.active(model, attn.LockstepDecode(comps)), few_row_linears(b, dev):
+            with attn.active(model, attn.LockstepDecode(comps, positions=[seen + i] * b)), few_row_linears(b, dev):
                 out = model(
                     input_ids=torch.tensor([[t]] * b, device=dev),
                     position_ids=torch.full((b, 1), seen + i, device=dev),
@@ -546,7 +546,9 @@ class Engine:
         observers = [_RowObserver(p, active) for p in rows.probes if _defines(p, "on_attend")]
         # probes see one question at a time, so every row sits at the same position then
         layer_obs = [_LayerObserver(p, active, seen[0]) for p in rows.probes if _defines(p, "on_layer")]
-        handler = attn.LockstepDecode(row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs])
+        handler = attn.LockstepDecode(
+            row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs], positions=seen
+        )
         with attn.active(model, handler), few_row_linears(len(inputs), dev):
             out = model(
                 input_ids=torch.tensor([[t] for t in inputs], device=dev),

@@ -343,10 +343,21 @@ def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSeman
     from kvlab import attention as attn
     from kvlab.semantics import Recorder
 
-    rec = Recorder()
     dev = next(model.parameters()).device
-    with torch.inference_mode(), attn.active(model, rec):
-        model(input_ids=torch.tensor([[1, 2, 3, 4]], device=dev), use_cache=False)
+    ids = torch.tensor([[1, 2, 3, 4]], device=dev)
+    rec = Recorder()
+    try:
+        with torch.inference_mode(), attn.active(model, rec):
+            model(input_ids=ids, use_cache=False)
+    except TypeError:  # attention written by hand around transformers' interface (Falcon's eager path)
+        rec.layers.clear()
+    if not rec.layers:  # the attention modules call torch's SDPA themselves: route those calls
+        model._kvlab_route = attn.SDPA_ROUTE
+        rec = Recorder()
+        with torch.inference_mode(), attn.active(model, rec):
+            model(input_ids=ids, use_cache=False)
+        if not rec.layers:
+            del model._kvlab_route
     return rec.semantics(n_layers), rec.heads
 
 

@@ -38,6 +38,9 @@ INERT = (
     "position_embeddings",
     "is_causal",
     "layer_idx",
+    "output_router_logits",
+    "output_hidden_states",
+    "return_dict",
 )
 
 
