@@ -487,18 +487,20 @@ class DenseCompressor(Compressor):
                 h = state.keys.shape[1]
                 ix = torch.arange(n, device=state.keys.device).expand(h, n)
                 pos = ix.to(torch.int32)
+            layer_lw = None if lw is None else lw[layer]
             window = self.sem[layer].window
             if window is not None and window < n and self._plain_feed():  # a local layer holds its window
                 inside = _in_window(ix, n - window)
                 if inside is not None:
                     ix = torch.gather(ix, 1, inside)
                     pos = ix.to(torch.int32)
+                    layer_lw = None if layer_lw is None else torch.gather(layer_lw, 1, inside)
             self.layers.append(
                 DenseLayer.make(
                     self.as_cached(gather_tokens(state.keys[layer], ix)),
                     self.as_cached(gather_tokens(state.values[layer], ix)),
                     pos,
-                    None if lw is None else lw[layer],
+                    layer_lw,
                 )
             )
 
