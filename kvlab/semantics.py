@@ -177,6 +177,53 @@ def attend(
     return (out, probs) if return_probs else out
 
 
+def grouped_softmax(x: Tensor, sem: LayerSemantics | float, hq: int, n_seen: int | None = None, t: int = 1) -> Tensor:
+    """Attention probabilities from logits in grouped layout, as the layer computes them.
+
+    x: [.., Hkv, g*t, n] scaled logits (exact or estimated: QJL's sketched scores, KIVI's dequantized
+    keys), rows ordered (query head in group, query) as ``group_queries`` lays them out; the keys are
+    the tokens at positions n_seen-n .. n_seen-1 in order, the t queries the last t of them (n_seen
+    None: n). Applies the soft-cap, hides keys outside each query's window and adds the sinks to
+    the normaliser. Returns [.., Hkv, g*t, n] float32 (a causal mask inside the chunk is the caller's)."""
+    if not isinstance(sem, LayerSemantics) or sem.plain:
+        return torch.softmax(x, dim=-1)
+    hkv, rows, n = x.shape[-3:]
+    g = hq // hkv
+    x = sem.cap(x.float())
+    if sem.window is not None:
+        last = (n if n_seen is None else n_seen) - 1
+        kpos = torch.arange(last - n + 1, last + 1, device=x.device)
+        qpos = torch.arange(last - t + 1, last + 1, device=x.device).repeat(g)  # [g*t]
+        bias = window_bias(sem, qpos, kpos)
+        if bias is not None:
+            x = x + bias
+    if sem.sinks is None:
+        return torch.softmax(x, dim=-1)
+    sink = sem.sinks.to(device=x.device, dtype=x.dtype).reshape(hkv, g, 1).repeat_interleave(t, dim=1)
+    log_z = torch.logaddexp(torch.logsumexp(x, dim=-1, keepdim=True), sink)
+    return torch.exp(x - log_z)
+
+
+def with_sinks(log_z: Tensor, sem: LayerSemantics | float, hq: int) -> Tensor:
+    """A normaliser log(sum exp) in grouped layout [Hkv, g*t] (or [.., Hkv, g*t, 1]) with the layer's
+    sink logits added (``log(exp(log_z) + exp(sink))``); unchanged without sinks. For methods that
+    estimate the normaliser (SubGen's tau)."""
+    if not isinstance(sem, LayerSemantics) or sem.sinks is None:
+        return log_z
+    keep = log_z.dim() >= 3 and log_z.shape[-1] == 1
+    z = log_z.squeeze(-1) if keep else log_z
+    hkv, rows = z.shape[-2:]
+    g = hq // hkv
+    sink = sem.sinks.to(device=z.device, dtype=z.dtype).reshape(hkv, g, 1).repeat_interleave(rows // g, 1)
+    out = torch.logaddexp(z, sink.reshape(hkv, rows))
+    return out.unsqueeze(-1) if keep else out
+
+
+def cap(x: Tensor, sem: LayerSemantics | float) -> Tensor:
+    """Soft-capped logits (exact or estimated), unchanged when the layer has no cap."""
+    return sem.cap(x) if isinstance(sem, LayerSemantics) else x
+
+
 @dataclass(frozen=True)
 class ModelSemantics:
     """One ``LayerSemantics`` per layer, as one forward of the model showed them."""
@@ -313,10 +360,13 @@ __all__ = [
     "Recorder",
     "UnsupportedAttention",
     "attend",
+    "cap",
+    "grouped_softmax",
     "log_normaliser",
     "logits",
     "plain_semantics",
     "reference_attention",
     "softmax",
     "window_bias",
+    "with_sinks",
 ]

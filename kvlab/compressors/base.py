@@ -29,6 +29,7 @@ from torch import Tensor
 
 from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
+from kvlab import semantics as sm
 from kvlab.budgets import TOLERANCE, Budget, BudgetRefused, per_token_bytes, round_up_fraction
 from kvlab.models import ModelInfo
 from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes, weights_on_positions
@@ -115,6 +116,7 @@ def _budget_checked(plan):
     def checked(self, n_prompt: int) -> dict:
         if getattr(self, "_planning", False):
             return plan(self, n_prompt)
+        self.check_semantics()
         self._planning = True
         try:
             knobs = plan(self, n_prompt)
@@ -143,6 +145,10 @@ class Compressor:
     needs_acc_attn: ClassVar[bool] = False
 
     decode_steps: int | None = None  # decode steps the plan must hold its budget for (the engine sets it)
+    # why this method cannot hold a sliding-window layer ("" : it can; it is then refused on such models)
+    no_local_layers: ClassVar[str] = ""
+    # why this method needs values of the key's head size ("": it does not; refused on models where they differ)
+    no_value_head_size: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -200,6 +206,18 @@ class Compressor:
         A method degrades its knobs (smaller window, sketch, ...) until the plan fits the budget;
         what cannot fit even then is refused (``BudgetRefused``, raised by ``check_budget``)."""
         return {}
+
+    def check_semantics(self) -> None:
+        """Raise ``UnsupportedAttention`` (one line) when this method cannot compute the model's attention."""
+        if self.no_local_layers and self.sem.has_local:
+            raise sm.UnsupportedAttention(
+                f"{self.name} cannot run on a model with sliding-window layers: {self.no_local_layers}"
+            )
+        if self.no_value_head_size and self.sem.v_dim != self.sem[0].k_dim:
+            raise sm.UnsupportedAttention(
+                f"{self.name} cannot run on a model whose value heads differ in size from its key heads: "
+                f"{self.no_value_head_size}"
+            )
 
     # ----- holding the budget ---------------------------------------------------------------
     def horizon(self, n_prompt: int) -> int:
