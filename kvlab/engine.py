@@ -36,6 +36,7 @@ from kvlab.compressors import Compressor, PrefillState, get
 from kvlab.few_rows import few_row_linears
 from kvlab.models import LoadedModel
 from kvlab.results import QUERY_AGNOSTIC, QUERY_AWARE, CompareResult, RunResult, RunTimings
+from kvlab.semantics import UnsupportedAttention
 
 
 class InputError(ValueError):
@@ -838,7 +839,7 @@ def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused |
     comp.decode_steps = decode_steps
     try:
         return comp.plan(n)
-    except BudgetRefused as exc:
+    except (BudgetRefused, UnsupportedAttention) as exc:  # the budget, or the model's attention, refused
         return exc
     except faults.OOM:
         raise

@@ -285,11 +285,11 @@ def refuse_unsupported(config, spec: str) -> None:
     why = None
     if getattr(config, "is_encoder_decoder", False):
         why = "it is an encoder-decoder model"
+    elif getattr(text, "model_type", "") in ("mamba", "mamba2", "rwkv", "falcon_mamba", "xlstm"):
+        why = f"it is a state-space / recurrent model ({text.model_type}), with no KV cache"
     elif any(t not in ATTENTION_LAYER_TYPES for t in getattr(text, "layer_types", None) or ()):
         kinds = sorted({t for t in text.layer_types if t not in ATTENTION_LAYER_TYPES})
         why = f"it has layers that are not softmax attention ({', '.join(kinds)})"
-    elif getattr(text, "model_type", "") in ("mamba", "mamba2", "rwkv", "falcon_mamba", "xlstm"):
-        why = f"it is a state-space / recurrent model ({text.model_type}), with no KV cache"
     elif getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "") == "alibi":
         why = "it adds an ALiBi position bias inside attention, which kvlab does not compute"
     if why:

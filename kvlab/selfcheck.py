@@ -34,13 +34,22 @@ def probe_ids(lm: LoadedModel, n: int) -> list[int]:
     return [i % vocab for i in ids[:n]]
 
 
+def probe_window(lm: LoadedModel) -> int | None:
+    """The smallest sliding window the model's attention calls or its config name (None: none): the
+    probe runs past it even when a window went unseen."""
+    cfg = lm.model.config.get_text_config() if hasattr(lm.model.config, "get_text_config") else lm.model.config
+    windows = [w for w in (lm.info.semantics.smallest_window, getattr(cfg, "sliding_window", None)) if w]
+    return min(windows, default=None)
+
+
 @torch.inference_mode()
-def divergence(lm: LoadedModel) -> tuple[float, int, int]:
-    """(largest relative logit difference, the probe position where it is, the prefill length)."""
+def divergence(lm: LoadedModel) -> tuple[list[float], int]:
+    """The relative logit difference (largest |difference| / largest |logit|) at the prefill's last token,
+    then after each decode step; and the prefill length."""
     from kvlab.compressors.registry import get
     from kvlab.engine import Engine
 
-    window = lm.info.semantics.smallest_window
+    window = probe_window(lm)
     prefix = window + 8 if window else PLAIN_PREFIX
     ids = probe_ids(lm, prefix + DECODE_STEPS)
     lm32 = lm.with_cache_dtype("float32")
@@ -56,14 +65,13 @@ def divergence(lm: LoadedModel) -> tuple[float, int, int]:
     theirs = lm.model(input_ids=torch.tensor([ids], device=dev)).logits[0, prefix - 1 : -1].float()
     ours_t = torch.stack(ours).float()
     diff = (ours_t - theirs).abs().amax(-1) / theirs.abs().amax(-1).clamp_min(1e-6)
-    worst = int(diff.argmax())
-    return float(diff[worst]), prefix - 1 + worst, prefix
+    return diff.tolist(), prefix
 
 
 def self_check(lm: LoadedModel) -> None:
     """Raise ModelLoadError (one line) when kvlab's exact path does not reproduce the model's forward."""
     try:
-        err, pos, prefix = divergence(lm)
+        errs, prefix = divergence(lm)
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the exact path refuses the model in one line
@@ -72,8 +80,10 @@ def self_check(lm: LoadedModel) -> None:
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); supported families are listed in {MODELS_DOC}"
         ) from exc
     bound = BOUNDS.get(lm.info.dtype, 6e-2)
-    if not err <= bound:
-        where = "in the prefill" if pos < prefix else f"at decode step {pos - prefix + 1}"
+    first = next((i for i, e in enumerate(errs) if not e <= bound), None)
+    if first is not None:
+        err = errs[first]
+        where = "in the prefill" if first == 0 else f"at decode step {first}"
         features = ", ".join(lm.info.semantics.features()) or "plain softmax attention"
         raise ModelLoadError(
             f"kvlab cannot run {lm.info.id!r}: its exact attention differs from the model's own forward "

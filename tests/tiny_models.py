@@ -1,7 +1,7 @@
 """Tiny random-weight causal LMs of many architectures, built in-process from transformers' config classes.
 
 Every model has 4 layers, hidden size 128, 4 query heads and 2 KV heads where the architecture has
-grouped-query attention, a sliding window of 64 tokens where it has one, and the embedded model's
+grouped-query attention, a sliding window of ``WINDOW`` tokens where it has one, and the embedded model's
 vocabulary (so the embedded tokenizer serves them all). Weights are random (seeded): no hub, no
 downloads. ``ARCHITECTURES`` names each one; ``build(name)`` returns the model in eval mode.
 """
@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 VOCAB = 49152  # the embedded SmolLM2 tokenizer's
-WINDOW = 64
+WINDOW = 32  # small, so that a short prompt runs past it (the matrix stays fast)
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=128,
