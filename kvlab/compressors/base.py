@@ -550,7 +550,7 @@ class DenseCompressor(Compressor):
             out, probs = dense_attention(q, k, v, sem, lw, return_probs=True)
             self.after_attend(layer, probs)
             return out
-        if use_triton(q.device) and not sem.nonlinear:  # fused Triton decode attention on CUDA
+        if use_triton(q.device) and sem.plain and sem.v_dim == sem.k_dim:  # fused Triton decode attention on CUDA
             return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
         return dense_attention(q, k, v, sem, lw)
 
