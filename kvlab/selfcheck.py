@@ -15,7 +15,7 @@ import torch
 
 from kvlab.models import MODELS_DOC, LoadedModel, ModelLoadError
 
-DECODE_STEPS = 6  # tokens fed through the decode path after the probe's prefill
+DECODE_STEPS = 6  # probe tokens after the prefill: the last prompt logits, then 5 decode steps
 PLAIN_PREFIX = 24  # probe prefill length when the model has no sliding window
 # largest |logit difference| / (largest |logit|) allowed, by the model's compute dtype
 BOUNDS = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}

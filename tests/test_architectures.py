@@ -97,7 +97,7 @@ def test_self_check_refuses_a_broken_decode_handler(lm, monkeypatch):
 
 
 def test_self_check_is_on_by_default_and_cheap(lm):
-    """load_model runs it (the embedded model passed it); the probe is the window + 8 tokens + 6 steps."""
+    """load_model runs it (the embedded model passed it); the probe is the window + 8 tokens, then 5 decode steps."""
     from kvlab.selfcheck import divergence
 
     errs, prefix = divergence(lm)
