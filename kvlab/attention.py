@@ -22,15 +22,19 @@ from contextvars import ContextVar
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvlab import faults
+from kvlab import semantics as sm
 from kvlab.batched_attention import attend_rows
 from kvlab.few_rows import torch_functions_plain
-from kvlab.ops import attention_logits, dense_attention, pool_heads
+from kvlab.ops import attention_logits, pool_heads
+from kvlab.semantics import LayerSemantics, attend, window_bias
 
 NAME = "kvlab"
 _ACTIVE: ContextVar[object | None] = ContextVar("kvlab_attention", default=None)
@@ -52,42 +56,56 @@ class PrefillCapture:
         self.window, self.want_acc, self.chunk = window, acc_attn, chunk
         self.queries: list[Tensor | None] = [None] * n_layers
         self.acc: list[Tensor | None] = [None] * n_layers
+        self.keys: list[Tensor | None] = [None] * n_layers  # [Hkv, n, d] as attention sees them
+        self.values: list[Tensor | None] = [None] * n_layers  # [Hkv, n, dv]
         self.observers = list(observers)
 
-    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         layer = module.layer_idx
         n = query.shape[-2]
+        self.keys[layer], self.values[layer] = key[0], value[0]
         if self.window:
             self.queries[layer] = query[0, :, max(0, n - self.window) :, :].detach().clone()
         if self.want_acc:
-            self.acc[layer] = accumulated_attention(query[0], key[0], scaling, self.chunk)
+            self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
         rows = min(n, max((o.rows for o in self.observers), default=0))
-        if not rows:
-            return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
         head = n - rows
         outs = []
-        if head:
+        if head and sem.plain:  # plain causal attention: SDPA
             q, k, v = (t[:, :, :head] for t in (query, key, value))
-            outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=scaling, **kw)[0])
-        outs.append(self._observed_rows(layer, query[0], key[0], value[0], head, scaling).transpose(0, 1)[None])
-        return torch.cat(outs, dim=1), None
+            outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=sem.scaling)[0])
+        elif head:
+            outs.append(
+                self._rows(layer, query[0], key[0], value[0], 0, head, sem, observe=False).transpose(0, 1)[None]
+            )
+        if rows:
+            outs.append(self._rows(layer, query[0], key[0], value[0], head, n, sem).transpose(0, 1)[None])
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
-    def _observed_rows(self, layer: int, q: Tensor, k: Tensor, v: Tensor, first: int, scaling: float) -> Tensor:
-        """Attention of queries ``first``..n-1 (q [Hq, n, d], k/v [Hkv, n, d]) in row blocks, each block's
-        probabilities handed to the observers: returns out [Hq, n - first, d]."""
+    def _rows(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, sem: LayerSemantics, observe=True
+    ) -> Tensor:
+        """Attention of queries ``first``..last-1 (q [Hq, n, d], k/v [Hkv, n, d]) in row blocks with the
+        layer's semantics; when ``observe``, each block's probabilities go to the observers: returns
+        out [Hq, last - first, dv]."""
         n = q.shape[-2]
         per_row = q.shape[0] * n * 4
         step = max(1, self.BLOCK_BYTES // per_row)
         outs = []
-        for s in range(first, n, step):
-            e = min(n, s + step)
-            out, probs = dense_attention(q[:, s:e], k[:, :e], v[:, :e], scaling, return_probs=True, causal_tail=e - s)
-            for obs in self.observers:
+        for s in range(first, last, step):
+            e = min(last, s + step)
+            bias = window_bias(sem, torch.arange(s, e, device=q.device), torch.arange(e, device=q.device))
+            out, probs = attend(q[:, s:e], k[:, :e], v[:, :e], sem, bias=bias, return_probs=True)
+            for obs in self.observers if observe else ():
                 lo = max(s, n - obs.rows)
                 if lo < e:
                     obs(layer, probs[:, lo - s :], lo)
             outs.append(out)
         return torch.cat(outs, dim=1)
+
+    def stacked(self) -> tuple[Tensor, Tensor]:
+        """[L, Hkv, n, d] keys and [L, Hkv, n, dv] values of the single prompt (post-RoPE)."""
+        return torch.stack(self.keys), torch.stack(self.values)
 
 
 class WindowObserver(Protocol):
@@ -99,21 +117,23 @@ class WindowObserver(Protocol):
         """probs [Hq, r, e]: queries at positions first_pos..first_pos+r-1 over keys 0..e-1 (causal)."""
 
 
-def accumulated_attention(q: Tensor, k: Tensor, scaling: float, chunk: int = 256) -> Tensor:
+def accumulated_attention(q: Tensor, k: Tensor, scaling: LayerSemantics | float, chunk: int = 256) -> Tensor:
     """Causal attention each key receives, summed over all queries: q [Hq, n, d], k [Hkv, n, d] -> [Hq, n].
 
     Computed in query chunks so memory stays O(chunk x n); a chunk of queries [s, e) only scores
-    the keys [0, e) it can see (half the work of scoring every key and masking).
+    the keys [0, e) it can see (half the work of scoring every key and masking). ``scaling`` a
+    ``LayerSemantics``: with the layer's window, soft-cap and sinks.
     """
     n = q.shape[-2]
     acc = torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
     kpos = torch.arange(n, device=q.device)
+    sem = sm.as_semantics(scaling, q)
     q, k = q.float(), k.float()
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        logits = attention_logits(q[:, s:e], k[:, :e], scaling)  # [Hq, e - s, e]
-        logits = logits.masked_fill(kpos[None, None, :e] > kpos[None, s:e, None], float("-inf"))
-        acc[:, :e] += torch.softmax(logits, dim=-1).sum(-2)
+        logits = attention_logits(q[:, s:e], k[:, :e], sem)  # [Hq, e - s, e]
+        bias = window_bias(sem, kpos[s:e], kpos[:e])
+        acc[:, :e] += sm.softmax(logits if bias is None else logits + bias, sem).sum(-2)
     return acc
 
 
@@ -131,14 +151,22 @@ class LockstepDecode:
     dense_together: bool = False
 
     def __init__(
-        self, compressors: list, observers: list[Callable] | None = None, layer_observers: list[Callable] | None = None
+        self,
+        compressors: list,
+        observers: list[Callable] | None = None,
+        layer_observers: list[Callable] | None = None,
+        positions: list[int] | None = None,
     ):
         self.compressors = compressors
         self.observers = observers or []
         self.layer_observers = layer_observers or []
+        self.positions = positions  # row i's new token's true position (None: the caller appends)
 
-    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         with torch_functions_plain():  # the model's torch-function modes (few_rows) are not for us
+            if self.positions is not None:  # the new token's key/value as attention sees them, at its position
+                for row, comp in enumerate(self.compressors):
+                    faults.append(row, comp, module.layer_idx, key[row], value[row], self.positions[row])
             return self._attend(module.layer_idx, query, key, value)
 
     def _attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
@@ -170,7 +198,7 @@ class LockstepChunk:
         self.compressors, self.pos = compressors, pos
         self.observers = observers or []
 
-    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float, **kw):
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         layer = module.layer_idx
         with torch_functions_plain():
             out = torch.stack(
@@ -185,23 +213,72 @@ class LockstepChunk:
 
 
 def kvlab_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    handler = _ACTIVE.get()
+    """The attention function transformers calls. Every keyword argument is read into the layer's
+    ``LayerSemantics`` (``semantics.from_call``: an unknown one raises ``UnsupportedAttention``) and
+    the handler computes with it. With no handler active, the model's own maths (``semantics.attend``
+    over the causal window; SDPA when the layer is plain)."""
     if scaling is None:
         scaling = module.head_dim**-0.5
-    if handler is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    return handler(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    sem = sm.from_call(module, query, key, value, scaling, {"dropout": dropout, **kwargs}, _config(module))
+    handler = _ACTIVE.get() or _reference
+    return handler(module, query, key, value, attention_mask, sem=sem)
+
+
+def _config(module):
+    return getattr(module, "config", None)
+
+
+def _reference(module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
+    """Attention as the model computes it, for a forward with no kvlab handler: SDPA when the layer is
+    plain, else ``semantics.reference_attention`` (causal, with the window, soft-cap and sinks)."""
+    if sem.plain:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=sem.scaling)
+    return sm.reference_attention(query, key, value, sem), None
 
 
 def _no_mask(*args, **kwargs):
-    """kvlab masks by itself: prefill is causal SDPA on one unpadded row; decode has one query."""
+    """kvlab masks by itself: causality and each layer's window come from its ``LayerSemantics``
+    (``semantics.window_bias``); rows are never padded."""
     return None
 
 
 AttentionInterface.register(NAME, kvlab_attention)
 AttentionMaskInterface.register(NAME, _no_mask)
+
+
+SDPA_ROUTE = "sdpa"  # ``model._kvlab_route``: the model's attention calls torch's SDPA itself (Falcon)
+
+
+class _LayerStub:
+    """What ``kvlab_attention`` reads of an attention module, for a layer reached through ``_SdpaRoute``."""
+
+    def __init__(self, layer_idx: int, head_dim: int):
+        self.layer_idx, self.head_dim = layer_idx, head_dim
+
+
+class _SdpaRoute(TorchFunctionMode):
+    """Routes a model whose attention modules call ``F.scaled_dot_product_attention`` themselves (not
+    transformers' attention interface) to ``kvlab_attention``: the forward's i-th SDPA call is layer
+    i mod L. Only an unmasked or causal call is routed; an additive bias (ALiBi) raises, as kvlab
+    does not compute it (``refuse_unsupported`` refuses such models at load)."""
+
+    def __init__(self, n_layers: int):
+        super().__init__()
+        self.n_layers, self.calls = n_layers, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if mask is not None and mask.dtype != torch.bool:
+            raise sm.UnsupportedAttention("the model adds a bias to its attention logits (e.g. ALiBi)")
+        layer = self.calls % self.n_layers
+        self.calls += 1
+        scale = kwargs.get("scale")
+        out, _ = kvlab_attention(_LayerStub(layer, q.shape[-1]), q, k, v, None, scaling=scale)
+        return out.transpose(1, 2)  # [B, Hq, t, dv], as SDPA returns
 
 
 @contextlib.contextmanager
@@ -210,9 +287,12 @@ def active(model, handler):
     cfg = model.config
     old = cfg._attn_implementation
     token = _ACTIVE.set(handler)
-    cfg._attn_implementation = NAME
+    routed = getattr(model, "_kvlab_route", None) == SDPA_ROUTE
+    cfg._attn_implementation = "sdpa" if routed else NAME
+    mode = _SdpaRoute(cfg.get_text_config().num_hidden_layers) if routed else contextlib.nullcontext()
     try:
-        yield handler
+        with mode:
+            yield handler
     finally:
         cfg._attn_implementation = old
         _ACTIVE.reset(token)

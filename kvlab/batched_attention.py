@@ -38,7 +38,9 @@ import torch
 from torch import Tensor
 
 from kernels import use_triton
+from kvlab import semantics as sm
 from kvlab.ops import group_queries, ungroup
+from kvlab.semantics import LayerSemantics
 
 
 def _unguarded(row: int, fn: Callable, *args: Any) -> Any:
@@ -138,12 +140,13 @@ def padded_batch(segments: list[tuple[Tensor, Tensor, Tensor | None]]) -> tuple[
 
 
 def batched_dense_attention(
-    q: Tensor, segments: list[tuple[Tensor, Tensor, Tensor | None]], scaling: float
+    q: Tensor, segments: list[tuple[Tensor, Tensor, Tensor | None]], scaling: LayerSemantics | float
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention of R rows, each over its own dense cache, in one call.
 
     q: [R, Hq, t, d]; segments: R (k, v, logw) as in ``DenseRows``. Returns out [R, Hq, t, d] (q's
     dtype) and probs [R, Hq, t, N] float32 (N the longest row; zero on each row's padding).
+    ``scaling`` a ``LayerSemantics``: the layer's soft-cap and sinks as ``semantics.logits`` / ``softmax``.
     """
     if len(segments) == 1:  # nothing to pad: the row's own tensors, widened as ``dense_attention`` does
         k, v, lw = segments[0]
@@ -151,9 +154,8 @@ def batched_dense_attention(
     else:
         big_k, big_v, bias = padded_batch(segments)
     hq, hkv = q.shape[-3], big_k.shape[-3]
-    logits = torch.matmul(group_queries(q.float() * scaling, hkv), big_k.transpose(-1, -2))  # [R, Hkv, g*t, N]
-    logits = ungroup(logits if bias is None else logits + bias.unsqueeze(-2), hq)
-    probs = torch.softmax(logits, dim=-1)
+    logits = sm.logits(q.float(), big_k, scaling, bias)  # [R, Hq, t, N]
+    probs = sm.softmax(logits, scaling)
     out = ungroup(torch.matmul(group_queries(probs, hkv), big_v), hq).to(q.dtype)
     return out, probs
 
@@ -202,7 +204,7 @@ def attend_rows(
     for bucket in length_buckets(lengths):
         rows = [dense.rows[j] for j in bucket]
         out, probs = batched_dense_attention(
-            query[rows], [dense.segments[j] for j in bucket], compressors[rows[0]].scaling
+            query[rows], [dense.segments[j] for j in bucket], compressors[rows[0]].sem[layer]
         )
         for i, (j, row) in enumerate(zip(bucket, rows)):
             comp = compressors[row]

@@ -116,10 +116,11 @@ def parse_budgets(text: str) -> list[Budget]:
 
 
 def exact_bytes(info: ModelInfo, n_tokens: int) -> int:
-    """Bytes the exact cache holds: layers x KV heads x tokens x head_dim x 2 (K and V) x dtype size."""
-    return info.n_layers * info.n_kv_heads * n_tokens * info.head_dim * 2 * info.dtype_bytes
+    """Bytes the exact cache holds: KV heads x (key + value head sizes) x dtype size x the tokens each
+    layer holds, summed over layers (a sliding-window layer holds at most its window)."""
+    return info.n_kv_heads * info.held_tokens(n_tokens) * (info.head_dim + info.v_head_dim) * info.dtype_bytes
 
 
 def per_token_bytes(info: ModelInfo) -> int:
     """Exact-cache bytes of one token in one layer and KV head (K and V)."""
-    return info.head_dim * 2 * info.dtype_bytes
+    return (info.head_dim + info.v_head_dim) * info.dtype_bytes

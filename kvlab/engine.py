@@ -36,6 +36,7 @@ from kvlab.compressors import Compressor, PrefillState, get
 from kvlab.few_rows import few_row_linears
 from kvlab.models import LoadedModel
 from kvlab.results import QUERY_AGNOSTIC, QUERY_AWARE, CompareResult, RunResult, RunTimings
+from kvlab.semantics import UnsupportedAttention
 
 
 class InputError(ValueError):
@@ -213,13 +214,14 @@ class Engine:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        keys, values = cache.stacked()
+        keys, values = capture.stacked()
         if capture.window:
             queries = torch.stack(capture.queries)
         else:
             queries = keys.new_zeros(self.info.n_layers, self.info.n_heads, 0, self.info.head_dim)
         acc = torch.stack(capture.acc).float() if acc_attn else None
-        state = PrefillState(keys, values, queries, scaling=self.info.head_dim**-0.5, acc_attn=acc)
+        sem = self.info.semantics
+        state = PrefillState(keys, values, queries, scaling=sem[0].scaling, acc_attn=acc, semantics=sem)
         return state, out.logits[0, -1]
 
     def _prefill_for(self, ids: list[int], comps: list[Compressor]) -> tuple[PrefillState, Tensor, float]:
@@ -466,7 +468,7 @@ class Engine:
         model, dev, b = self.lm.model, self.lm.device, len(comps)
         for i, t in enumerate(ids):
             cache = LockstepCache(comps, self.info.n_layers, seen + i)
-            with attn.active(model, attn.LockstepDecode(comps)), few_row_linears(b, dev):
+            with attn.active(model, attn.LockstepDecode(comps, positions=[seen + i] * b)), few_row_linears(b, dev):
                 out = model(
                     input_ids=torch.tensor([[t]] * b, device=dev),
                     position_ids=torch.full((b, 1), seen + i, device=dev),
@@ -567,7 +569,9 @@ class Engine:
         observers = [_RowObserver(p, active) for p in rows.probes if _defines(p, "on_attend")]
         # probes see one question at a time, so every row sits at the same position then
         layer_obs = [_LayerObserver(p, active, seen[0]) for p in rows.probes if _defines(p, "on_layer")]
-        handler = attn.LockstepDecode(row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs])
+        handler = attn.LockstepDecode(
+            row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs], positions=seen
+        )
         with attn.active(model, handler), few_row_linears(len(inputs), dev):
             out = model(
                 input_ids=torch.tensor([[t] for t in inputs], device=dev),
@@ -863,7 +867,7 @@ def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused |
     comp.decode_steps = decode_steps
     try:
         return comp.plan(n)
-    except BudgetRefused as exc:
+    except (BudgetRefused, UnsupportedAttention) as exc:  # the budget, or the model's attention, refused
         return exc
     except faults.OOM:
         raise

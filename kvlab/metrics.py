@@ -26,8 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvlab import semantics as sm
 from kvlab.compressors.base import DenseCompressor
 from kvlab.ops import attention_logits, group_queries, mask_future, ungroup
+from kvlab.semantics import LayerSemantics, window_bias
 
 
 def _round(x, digits: int = 4):
@@ -78,7 +80,7 @@ def relative_error(z: Tensor, a: Tensor) -> Tensor:
 
 
 def shadow_attention(
-    q: Tensor, kp: Tensor, vp: Tensor, kg: Tensor, vg: Tensor, scaling: float
+    q: Tensor, kp: Tensor, vp: Tensor, kg: Tensor, vg: Tensor, scaling: LayerSemantics | float
 ) -> tuple[Tensor, Tensor]:
     """Exact attention over a shared prompt cache plus per-row generated tokens.
 
@@ -86,13 +88,18 @@ def shadow_attention(
     queries are the last t of the s generated tokens (t = 1 at a decode step; t > 1 for a question
     fed after compression, causal inside it). Returns out [R, Hq, t, d] and probs [R, Hq, t, n + s].
     The prompt part is one batched matmul against the shared keys, so R rows cost about one pass
-    over the prompt cache.
+    over the prompt cache. ``scaling`` a ``LayerSemantics``: the layer's soft-cap, window and sinks
+    (the prompt at positions 0..n-1, the generated tokens after).
     """
     hq, hkv, n = q.shape[-3], kp.shape[-3], kp.shape[-2]
     q = q.float()
     gen = mask_future(attention_logits(q, kg.float(), scaling), q.shape[-2])
     logits = torch.cat([attention_logits(q, kp, scaling), gen], dim=-1)
-    probs = torch.softmax(logits, dim=-1)
+    if isinstance(scaling, LayerSemantics) and scaling.window is not None:
+        m, t = logits.shape[-1], q.shape[-2]
+        bias = window_bias(scaling, torch.arange(m - t, m, device=q.device), torch.arange(m, device=q.device))
+        logits = logits if bias is None else logits + bias
+    probs = sm.softmax(logits, scaling)
     gp = group_queries(probs, hkv)  # [R, Hkv, g, n + s]
     out = torch.matmul(gp[..., :n], vp.float()) + torch.matmul(gp[..., n:], vg.float())
     return ungroup(out, hq), probs
@@ -191,6 +198,7 @@ class MetricsProbe:
         self.cache_dtype = compressors[0].info.torch_cache_dtype if compressors else state.keys.dtype
         self.keys, self.values = self._rounded(state.keys), self._rounded(state.values)
         self.scaling = state.scaling
+        self.semantics = state.semantics  # per layer: soft-cap, window, sinks (None: plain)
         self.n, self.n_layers = state.n_tokens, state.keys.shape[0]
         self.prefill_logp = torch.log_softmax(logits.float(), -1)
         runs = len(compressors)
@@ -207,6 +215,9 @@ class MetricsProbe:
         self.question_errors: list[list[float]] = [[] for _ in range(runs)]  # [run][layer] (query-agnostic)
         self.first_logp: dict[int, Tensor] = {}  # query-agnostic: each run's first-token log-probs
         self.question_tokens = 0  # query-agnostic: tokens fed after the context, before decoding
+
+    def _sem(self, layer: int) -> LayerSemantics | float:
+        return self.scaling if self.semantics is None else self.semantics[layer]
 
     def _rounded(self, x: Tensor) -> Tensor:
         return x if x.dtype == self.cache_dtype else x.to(self.cache_dtype).to(x.dtype)
@@ -228,7 +239,7 @@ class MetricsProbe:
         self.vg[layer].put(rows, s, self._rounded(v))
         if self.cfg.attn_error:
             kg, vg = self.kg[layer].get(rows, s + c - 1), self.vg[layer].get(rows, s + c - 1)
-            exact, _ = shadow_attention(q, self.keys[layer], self.values[layer], kg, vg, self.scaling)
+            exact, _ = shadow_attention(q, self.keys[layer], self.values[layer], kg, vg, self._sem(layer))
             for r, err in zip(rows, relative_error(out, exact).tolist()):
                 self.question_errors[r].append(err)
 
@@ -244,7 +255,7 @@ class MetricsProbe:
             self.values[layer],
             self.kg[layer].get(rows, s),
             self.vg[layer].get(rows, s),
-            self.scaling,
+            self._sem(layer),
         )
         if self.cfg.attn_error:
             err = relative_error(out, exact).tolist()

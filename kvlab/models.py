@@ -10,10 +10,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
+
+from kvlab.semantics import ModelSemantics, plain_semantics
 
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
@@ -40,10 +42,14 @@ class ModelInfo:
     device: str
     max_positions: int
     cache_dtype: str = ""  # the dtype caches store K/V in ("": the compute dtype; see ``default_cache_dtype``)
+    # per layer: scaling, sliding window, soft-cap, sinks, key/value head sizes (default: plain attention)
+    semantics: ModelSemantics | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.cache_dtype:
             object.__setattr__(self, "cache_dtype", self.dtype)
+        if self.semantics is None:
+            object.__setattr__(self, "semantics", plain_semantics(self.n_layers, self.head_dim))
         if self.cache_dtype not in CACHE_DTYPES:
             raise ModelLoadError(f"unknown cache dtype {self.cache_dtype!r}; allowed: {', '.join(CACHE_DTYPES)}")
 
@@ -66,8 +72,20 @@ class ModelInfo:
         chosen = default_cache_dtype(self.dtype, self.device) if cache_dtype in (None, "", "auto") else cache_dtype
         return replace(self, cache_dtype=chosen)
 
+    @property
+    def v_head_dim(self) -> int:
+        """The value head size (the key head size but with multi-head latent attention)."""
+        return self.semantics.v_dim
+
+    def held_tokens(self, n_tokens: int) -> int:
+        """Tokens the exact cache holds over all layers after ``n_tokens`` tokens (a local layer: its window)."""
+        return sum(s.held(n_tokens) for s in self.semantics.layers)
+
     def to_json(self) -> dict:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "semantics"}
+        out["semantics"] = self.semantics.to_json()
+        out["features"] = self.semantics.features()
+        return out
 
 
 CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -208,13 +226,16 @@ def load_model(
     dtype: str | None = None,
     trust_remote_code: bool = False,
     cache_dtype: str | None = None,
+    check: bool = True,
 ) -> LoadedModel:
     """Load a causal LM: ``"embedded"``, a Hugging Face id, or a local folder.
 
     ``cache_dtype`` (float32, float16, bfloat16; None or "auto": float16 on the CPU, the model's
     16-bit dtype on a GPU) is the dtype every cache stores keys and values in; budgets count it.
     Loaded models are kept in memory per (spec, device, dtype) so the UI and tests share one; the
-    same settings and cache dtype give back the identical object.
+    same settings and cache dtype give back the identical object. ``check`` (on by default): kvlab's
+    exact path is compared with the model's own forward first (``selfcheck.self_check``); a model it
+    does not reproduce is refused.
     Raises ModelLoadError with a one-line reason on any failure.
     """
     if cache_dtype not in (None, "", "auto") and cache_dtype not in CACHE_DTYPES:
@@ -234,6 +255,7 @@ def load_model(
     except Exception as exc:  # noqa: BLE001 - turned into one clear line
         raise ModelLoadError(_explain(spec, exc)) from exc
     archs = getattr(config, "architectures", None) or []
+    refuse_unsupported(config, spec)
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise ModelLoadError(f"{spec!r} is not a causal language model (architectures: {', '.join(archs)})")
     try:
@@ -246,22 +268,97 @@ def load_model(
         raise ModelLoadError(_explain(spec, exc)) from exc
     if not spread:
         model.to(dev)
-    model.eval()
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n_heads = text_cfg.num_attention_heads
-    info = ModelInfo(
-        id=display,
-        n_layers=text_cfg.num_hidden_layers,
-        n_heads=n_heads,
-        n_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
-        dtype=str(dt).removeprefix("torch."),
-        device=dev,
-        max_positions=getattr(text_cfg, "max_position_embeddings", 2048),
-    )
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    loaded = from_model(model, tokenizer, display, check=check)
     _LOADED[key] = loaded
     return _cached(key, cache_dtype)
+
+
+MODELS_DOC = "docs/models.md"
+# layer kinds of ``config.layer_types`` that are softmax attention (anything else: linear attention, state space...)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def refuse_unsupported(config, spec: str) -> None:
+    """Raise ModelLoadError (one line: why, and where the supported families are listed) for an
+    architecture kvlab cannot route: encoder-decoder, hybrid linear-attention / state-space layers."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    why = None
+    if getattr(config, "is_encoder_decoder", False):
+        why = "it is an encoder-decoder model"
+    elif getattr(text, "model_type", "") in ("mamba", "mamba2", "rwkv", "falcon_mamba", "xlstm"):
+        why = f"it is a state-space / recurrent model ({text.model_type}), with no KV cache"
+    elif any(t not in ATTENTION_LAYER_TYPES for t in getattr(text, "layer_types", None) or ()):
+        kinds = sorted({t for t in text.layer_types if t not in ATTENTION_LAYER_TYPES})
+        why = f"it has layers that are not softmax attention ({', '.join(kinds)})"
+    elif getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "") == "alibi":
+        why = "it adds an ALiBi position bias inside attention, which kvlab does not compute"
+    if why:
+        raise ModelLoadError(f"kvlab cannot run {spec!r}: {why}; supported families are listed in {MODELS_DOC}")
+
+
+def from_model(model: torch.nn.Module, tokenizer, name: str, check: bool = True) -> LoadedModel:
+    """A ``LoadedModel`` for an in-memory causal LM (eval mode): its attention semantics read from one
+    forward (``semantics.Recorder``) and, when ``check``, kvlab's exact path checked against the model's
+    own forward (``self_check``). Raises ModelLoadError with one line when either fails."""
+    from kvlab.semantics import UnsupportedAttention
+
+    model.eval()
+    refuse_unsupported(model.config, name)
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_layers = text_cfg.num_hidden_layers
+    try:
+        sem, (n_heads, n_kv) = inspect_attention(model, n_layers)
+    except UnsupportedAttention as exc:
+        raise ModelLoadError(
+            f"kvlab cannot run {name!r}: {exc}; supported families are listed in {MODELS_DOC}"
+        ) from exc
+    if sem.nonlinear and model.config._attn_implementation == "sdpa":  # SDPA cannot soft-cap or add sinks
+        model.set_attn_implementation("eager")
+    dt = next(model.parameters()).dtype
+    info = ModelInfo(
+        id=name,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=sem[0].k_dim,
+        dtype=str(dt).removeprefix("torch."),
+        device=_device_name(next(model.parameters()).device),
+        max_positions=getattr(text_cfg, "max_position_embeddings", 2048),
+        semantics=sem,
+    )
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    if check:
+        from kvlab.selfcheck import self_check
+
+        self_check(loaded)
+    return loaded
+
+
+def _device_name(dev: torch.device) -> str:
+    return dev.type if dev.index in (None, 0) else str(dev)
+
+
+def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSemantics, tuple[int, int]]:
+    """Each layer's attention semantics and the (query, KV) head counts, from one short forward."""
+    from kvlab import attention as attn
+    from kvlab.semantics import Recorder
+
+    dev = next(model.parameters()).device
+    ids = torch.tensor([[1, 2, 3, 4]], device=dev)
+    rec = Recorder()
+    try:
+        with torch.inference_mode(), attn.active(model, rec):
+            model(input_ids=ids, use_cache=False)
+    except TypeError:  # attention written by hand around transformers' interface (Falcon's eager path)
+        rec.layers.clear()
+    if not rec.layers:  # the attention modules call torch's SDPA themselves: route those calls
+        model._kvlab_route = attn.SDPA_ROUTE
+        rec = Recorder()
+        with torch.inference_mode(), attn.active(model, rec):
+            model(input_ids=ids, use_cache=False)
+        if not rec.layers:
+            del model._kvlab_route
+    return rec.semantics(n_layers), rec.heads
 
 
 def _explain(spec: str, exc: Exception) -> str:

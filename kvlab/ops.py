@@ -10,19 +10,20 @@ import torch
 from torch import Tensor
 
 from kernels.tensor_ops import gather_tokens, group_queries, ungroup
+from kvlab import semantics as sm
+from kvlab.semantics import LayerSemantics
+
+Sem = LayerSemantics | float  # a layer's semantics, or a bare scaling (plain softmax attention)
 
 
-def attention_logits(q: Tensor, k: Tensor, scaling: float, logw: Tensor | None = None) -> Tensor:
-    """Logits of every query head against its KV group's keys.
+def attention_logits(q: Tensor, k: Tensor, scaling: Sem, logw: Tensor | None = None) -> Tensor:
+    """Logits of every query head against its KV group's keys, as the layer computes them (scaled,
+    soft-capped when ``scaling`` is a ``LayerSemantics`` with a cap).
 
     q: [..., Hq, t, d]; k: [..., Hkv, n, d]; logw: [..., Hkv, n] added to every logit of that key
     (a kept token standing for exp(logw) tokens). Returns [..., Hq, t, n].
     """
-    hq, hkv = q.shape[-3], k.shape[-3]
-    s = torch.matmul(group_queries(q * scaling, hkv), k.transpose(-1, -2))  # scale the small operand
-    if logw is not None:
-        s = s + logw.unsqueeze(-2).to(s.dtype)
-    return ungroup(s, hq)
+    return sm.logits(q, k, scaling, logw)
 
 
 def mask_future(logits: Tensor, c: int) -> Tensor:
@@ -38,7 +39,7 @@ def dense_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    scaling: float,
+    scaling: Sem,
     logw: Tensor | None = None,
     return_probs: bool = False,
     causal_tail: int = 0,
@@ -46,12 +47,13 @@ def dense_attention(
     """Softmax attention of ``q`` [.., Hq, t, d] over ``k``/``v`` [.., Hkv, n, d] with optional log-weights.
 
     ``causal_tail`` = t: the t queries are the last t keys' tokens, and query i does not see the
-    keys after its own (a chunk of new tokens attending causally). Returns out [.., Hq, t, d] (and
-    probs [.., Hq, t, n] when ``return_probs``). Computed in float32.
+    keys after its own (a chunk of new tokens attending causally). Returns out [.., Hq, t, dv] (and
+    probs [.., Hq, t, n] when ``return_probs``). Computed in float32; ``scaling`` a ``LayerSemantics``:
+    with its soft-cap and sinks (a window is the caller's: a -inf log-weight hides a key).
     """
     hq, hkv = q.shape[-3], k.shape[-3]
     logits = mask_future(attention_logits(q.float(), k.float(), scaling, logw), causal_tail)
-    probs = torch.softmax(logits, dim=-1)
+    probs = sm.softmax(logits, scaling)
     out = ungroup(torch.matmul(group_queries(probs, hkv), v.float()), hq).to(q.dtype)
     return (out, probs) if return_probs else out
 
@@ -65,11 +67,23 @@ def pool_heads(x: Tensor, n_kv_heads: int, head_dim: int = -3, reduce: str = "su
     return x.sum(dim + 1) if reduce == "sum" else x.mean(dim + 1) if reduce == "mean" else x.amax(dim + 1)
 
 
-def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float) -> Tensor:
+def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float | sm.ModelSemantics) -> Tensor:
     """Attention of the last w prompt queries over all n prompt keys, causally masked.
 
     queries: [L, Hq, w, d] at positions n-w .. n-1; keys: [L, Hkv, n, d]. Returns [L, Hq, w, n].
+    ``scaling`` a ``ModelSemantics`` (one per layer of the L): each layer's window, soft-cap and sinks.
     """
+    if isinstance(scaling, sm.ModelSemantics) and not scaling.plain:
+        w, n = queries.shape[-2], keys.shape[-2]
+        qpos, kpos = torch.arange(n - w, n, device=keys.device), torch.arange(n, device=keys.device)
+        out = []
+        for layer, s in enumerate(scaling.layers[: queries.shape[0]]):
+            x = attention_logits(queries[layer].float(), keys[layer].float(), s)
+            bias = sm.window_bias(s, qpos, kpos)
+            out.append(sm.softmax(x if bias is None else x + bias, s))
+        return torch.stack(out)
+    if isinstance(scaling, sm.ModelSemantics):
+        scaling = scaling[0].scaling
     # only the last w keys can lie in a query's future
     logits = mask_future(attention_logits(queries.float(), keys.float(), scaling), queries.shape[-2])
     return torch.softmax(logits, dim=-1)
@@ -87,12 +101,12 @@ def on_positions(probs: Tensor, pos: Tensor, n: int | None = None) -> Tensor:
     return probs.float().new_zeros(hq, n).scatter_add_(1, idx, probs.float())
 
 
-def weights_on_positions(q: Tensor, k: Tensor, pos: Tensor, scaling: float, logw: Tensor | None = None) -> Tensor:
+def weights_on_positions(q: Tensor, k: Tensor, pos: Tensor, scaling: Sem, logw: Tensor | None = None) -> Tensor:
     """Softmax weights of one query over held keys, by token position.
 
     q [Hq, 1, d]; k [Hkv, m, d] at positions pos [Hkv, m]; logw [Hkv, m] or None. Returns [Hq, n].
     """
-    probs = torch.softmax(attention_logits(q.float(), k.float(), scaling, logw), dim=-1)[:, 0]
+    probs = sm.softmax(attention_logits(q.float(), k.float(), scaling, logw), scaling)[:, 0]
     return on_positions(probs, pos)
 
 

@@ -30,9 +30,11 @@ from torch import Tensor
 from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
 from kvlab import cancel
+from kvlab import semantics as sm
 from kvlab.budgets import TOLERANCE, Budget, BudgetRefused, per_token_bytes, round_up_fraction
 from kvlab.models import ModelInfo
 from kvlab.ops import causal_window_probs, dense_attention, gather_tokens, tensor_bytes, weights_on_positions
+from kvlab.semantics import ModelSemantics
 
 
 def _bytes_by_kind(tensors: Iterator[tuple[str, Tensor]]) -> dict[str, int]:
@@ -100,6 +102,7 @@ class PrefillState:
     queries: Tensor
     scaling: float
     acc_attn: Tensor | None = None
+    semantics: ModelSemantics | None = None  # per layer: window, soft-cap, sinks (None: plain attention)
 
     @property
     def n_tokens(self) -> int:
@@ -108,7 +111,7 @@ class PrefillState:
     def window_probs(self, w: int | None = None) -> Tensor:
         """Causal attention of the last ``w`` prompt queries over the prompt: [L, Hq, w, n]."""
         q = self.queries if w is None else self.queries[..., -w:, :]
-        return causal_window_probs(q, self.keys, self.scaling)
+        return causal_window_probs(q, self.keys, self.semantics or self.scaling)
 
 
 DEFAULT_HORIZON = 4096  # decode steps a plan holds its budget for when the engine did not say (max_new_tokens' cap)
@@ -121,6 +124,7 @@ def _budget_checked(plan):
     def checked(self, n_prompt: int) -> dict:
         if getattr(self, "_planning", False):
             return plan(self, n_prompt)
+        self.check_semantics()
         self._planning = True
         try:
             knobs = plan(self, n_prompt)
@@ -149,6 +153,10 @@ class Compressor:
     needs_acc_attn: ClassVar[bool] = False
 
     decode_steps: int | None = None  # decode steps the plan must hold its budget for (the engine sets it)
+    # why this method cannot hold a sliding-window layer ("" : it can; it is then refused on such models)
+    no_local_layers: ClassVar[str] = ""
+    # why this method needs values of the key's head size ("": it does not; refused on models where they differ)
+    no_value_head_size: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -162,7 +170,8 @@ class Compressor:
         self.cfg = self.resolve_params(params or {})
         self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.scaling = info.head_dim**-0.5
+        self.sem = info.semantics  # per layer: scaling, window, soft-cap, sinks (``kvlab.semantics``)
+        self.scaling = self.sem[0].scaling
         self.cache_dtype = info.torch_cache_dtype  # full-precision K/V are stored in this (16-bit by default)
 
     @property
@@ -205,6 +214,18 @@ class Compressor:
         A method degrades its knobs (smaller window, sketch, ...) until the plan fits the budget;
         what cannot fit even then is refused (``BudgetRefused``, raised by ``check_budget``)."""
         return {}
+
+    def check_semantics(self) -> None:
+        """Raise ``UnsupportedAttention`` (one line) when this method cannot compute the model's attention."""
+        if self.no_local_layers and self.sem.has_local:
+            raise sm.UnsupportedAttention(
+                f"{self.name} cannot run on a model with sliding-window layers: {self.no_local_layers}"
+            )
+        if self.no_value_head_size and self.sem.v_dim != self.sem[0].k_dim:
+            raise sm.UnsupportedAttention(
+                f"{self.name} cannot run on a model whose value heads differ in size from its key heads: "
+                f"{self.no_value_head_size}"
+            )
 
     # ----- holding the budget ---------------------------------------------------------------
     def horizon(self, n_prompt: int) -> int:
@@ -500,36 +521,63 @@ class DenseCompressor(Compressor):
                 h = state.keys.shape[1]
                 ix = torch.arange(n, device=state.keys.device).expand(h, n)
                 pos = ix.to(torch.int32)
+            layer_lw = None if lw is None else lw[layer]
+            window = self.sem[layer].window
+            if window is not None and window < n and self._plain_feed():  # a local layer holds its window
+                inside = _in_window(ix, n - window)
+                if inside is not None:
+                    ix = torch.gather(ix, 1, inside)
+                    pos = ix.to(torch.int32)
+                    layer_lw = None if layer_lw is None else torch.gather(layer_lw, 1, inside)
             self.layers.append(
                 DenseLayer.make(
                     self.as_cached(gather_tokens(state.keys[layer], ix)),
                     self.as_cached(gather_tokens(state.values[layer], ix)),
                     pos,
-                    None if lw is None else lw[layer],
+                    layer_lw,
                 )
             )
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
-        self.layers[layer].append(k, v, pos)
+        cache = self.layers[layer]
+        cache.append(k, v, pos)
+        window = self.sem[layer].window
+        if window is not None and cache.n > window and self._plain_feed():  # a local layer holds its window
+            inside = _in_window(cache.views()[2], pos + k.shape[-2] - window)
+            if inside is not None:
+                cache.keep(inside)
+
+    def visible(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """This layer's (k, v, pos, logw) as the newest token's query sees them: on a local layer the
+        keys outside its window get a -inf log-weight (``semantics.window_bias``)."""
+        k, v, pos, lw = self.layers[layer].views()
+        s = self.sem[layer]
+        if s.window is not None and pos.numel():
+            newest = pos.max()
+            if bool((pos <= newest - s.window).any()):
+                hide = torch.zeros(pos.shape, device=pos.device).masked_fill_(pos <= newest - s.window, float("-inf"))
+                lw = hide if lw is None else lw + hide
+        return k, v, pos, lw
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
-        k, v, _, lw = self.layers[layer].views()
+        k, v, _, lw = self.visible(layer)
+        sem = self.sem[layer]
         if self.wants_probs:
-            out, probs = dense_attention(q, k, v, self.scaling, lw, return_probs=True)
+            out, probs = dense_attention(q, k, v, sem, lw, return_probs=True)
             self.after_attend(layer, probs)
             return out
-        if use_triton(q.device):  # fused Triton decode attention on CUDA; elsewhere unchanged
+        if use_triton(q.device) and sem.plain and sem.v_dim == sem.k_dim:  # fused Triton decode attention on CUDA
             return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
-        return dense_attention(q, k, v, self.scaling, lw)
+        return dense_attention(q, k, v, sem, lw)
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        k, v, _, lw = self.layers[layer].views()
+        k, v, _, lw = self.visible(layer)
         return k, v, lw
 
     def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
         """Vectorized when nothing evicts or scores per step: append all c tokens, one causal attention."""
         cache = self.layers[layer]
-        if not self._plain_feed() or not isinstance(cache, DenseLayer):
+        if not self._plain_feed() or not isinstance(cache, DenseLayer) or self.sem[layer].is_local:
             return super().feed(layer, q, k, v, pos)
         return self._append_attend_block(layer, q, k, v, pos)
 
@@ -539,7 +587,8 @@ class DenseCompressor(Compressor):
         cache = self.layers[layer]
         cache.append(k, v, pos)
         keys, values, _, lw = cache.views()
-        return dense_attention(q, keys, values, self.scaling, lw, return_probs=return_probs, causal_tail=q.shape[-2])
+        sem = self.sem[layer]
+        return dense_attention(q, keys, values, sem, lw, return_probs=return_probs, causal_tail=q.shape[-2])
 
     def _plain_feed(self) -> bool:
         """True when append and attend are the dense store's own (no eviction, no per-step scores)."""
@@ -557,8 +606,19 @@ class DenseCompressor(Compressor):
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """Softmax over the kept tokens (with their log-weights), at their positions; 0 where evicted."""
-        k, _, pos, lw = self.layers[layer].views()
-        return weights_on_positions(q, k, pos, self.scaling, lw)
+        k, _, pos, lw = self.visible(layer)
+        return weights_on_positions(q, k, pos, self.sem[layer], lw)
+
+
+def _in_window(pos: Tensor, first: int) -> Tensor | None:
+    """Indices [Hkv, m'] of the entries of ``pos`` [Hkv, m] (token positions) that are >= ``first``, in
+    order; None when the heads hold different counts of them (the window then hides the others)."""
+    keep = pos >= first
+    counts = keep.sum(-1)
+    if bool((counts != counts[0]).any()):
+        return None
+    idx = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    return idx[keep].view(pos.shape[0], -1)
 
 
 __all__ = ["Compressor", "DenseCompressor", "DenseLayer", "Param", "ParamError", "PrefillState", "field"]

@@ -29,7 +29,7 @@ from kvlab.budgets import exact_bytes
 from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState, _Growable
 from kvlab.compressors.registry import register
 from kvlab.models import ModelInfo
-from kvlab.ops import attention_logits, dense_attention, group_queries, ungroup
+from kvlab.ops import group_queries, ungroup
 from kvlab.quant import (
     QuantizedGroups,
     cat_groups,
@@ -38,6 +38,7 @@ from kvlab.quant import (
     quantize_groups,
     weighted_token_sum,
 )
+from kvlab.semantics import grouped_softmax
 
 KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
 
@@ -270,11 +271,13 @@ class KIVI(Compressor):
         sum is read from their codes (``weighted_token_sum``), never dequantized whole. q [Hq, t, d]."""
         st = self.layers[layer]
         rk, rv = st.rk.view(), st.rv.view()
+        k = rk.float() if st.kq is None else torch.cat([dequantize_groups(st.kq), rk.float()], -2)  # float32
+        hkv, sem = rk.shape[0], self.sem[layer]
+        # every token is held in order: the layer's soft-cap, window and sinks (``semantics.grouped_softmax``)
+        pg = grouped_softmax(group_queries(q.float() * sem.scaling, hkv) @ k.transpose(-1, -2), sem, q.shape[0])
         if st.kq is None:
-            return dense_attention(q, rk, rv, self.scaling)
-        k = torch.cat([dequantize_groups(st.kq), rk.float()], -2)  # float32, as the logits are computed
-        probs = torch.softmax(attention_logits(q.float(), k, self.scaling), dim=-1)  # [Hq, t, n]
-        pg, nq = group_queries(probs, rk.shape[0]), k.shape[-2] - rk.shape[-2]
+            return ungroup(torch.matmul(pg, rv.float()), q.shape[0]).to(q.dtype)
+        nq = k.shape[-2] - rk.shape[-2]
         out = weighted_token_sum(pg[..., :nq], st.vq) + torch.matmul(pg[..., nq:], rv.float())
         return ungroup(out, q.shape[0]).to(q.dtype)
 
@@ -299,12 +302,12 @@ class KIVI(Compressor):
             first = layers[rows[0]]
             keys = dequantize_groups(first.kq)  # [Hkv, nq, d] float32
             hkv, nq = keys.shape[0], keys.shape[-2]
-            qg = [group_queries(q[i].float() * comps[i].scaling, hkv) for i in rows]  # [Hkv, g, d] each
+            qg = [group_queries(q[i].float() * comps[i].sem[layer].scaling, hkv) for i in rows]  # [Hkv, g, d] each
             quantized = torch.matmul(torch.cat(qg, 1), keys.transpose(-1, -2)).chunk(len(rows), dim=1)
             probs = []
             for i, qi, lq in zip(rows, qg, quantized):
                 recent = torch.matmul(qi, layers[i].rk.view().float().transpose(-1, -2))
-                probs.append(torch.softmax(torch.cat([lq, recent], -1), dim=-1))  # [Hkv, g, n]
+                probs.append(grouped_softmax(torch.cat([lq, recent], -1), comps[i].sem[layer], hq))  # [Hkv, g, n]
             summed = weighted_token_sum(torch.cat([p[..., :nq] for p in probs], 1), first.vq).chunk(len(rows), dim=1)
             for i, p, s in zip(rows, probs, summed):
                 out = s + torch.matmul(p[..., nq:], layers[i].rv.view().float())
@@ -323,4 +326,8 @@ class KIVI(Compressor):
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """Softmax over the dequantized keys (every token, in order). q [Hq, 1, d] -> [Hq, n]."""
         k, _ = self.layers[layer].dequantized()
-        return torch.softmax(attention_logits(q.float(), k, self.scaling), dim=-1)[:, 0]
+        sem = self.sem[layer]
+        return ungroup(
+            grouped_softmax(group_queries(q.float() * sem.scaling, k.shape[0]) @ k.transpose(-1, -2), sem, q.shape[0]),
+            q.shape[0],
+        )[:, 0]

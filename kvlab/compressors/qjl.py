@@ -60,6 +60,7 @@ from kvlab.quant import (
     unpack_signs,
     weighted_token_sum,
 )
+from kvlab.semantics import grouped_softmax
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)
 M_MIN = 8  # smallest sketch: one byte of sign bits per key
@@ -597,7 +598,8 @@ class QJL(Compressor):
         probability-weighted sum is read from the codes (``weighted_token_sum``).
         """
         st = self.layers[layer]
-        probs = torch.softmax(self._logits(st, q, causal_tail), dim=-1)  # [Hkv, g*t, n]
+        # [Hkv, g*t, n]: the layer's soft-cap, window and sinks on the estimates (``semantics.grouped_softmax``)
+        probs = grouped_softmax(self._logits(st, q, causal_tail), self.sem[layer], q.shape[0], st.n_seen, q.shape[-2])
         out = torch.matmul(probs[..., st.n_quantized :], st.res_v.float())
         for seg, lo in zip(st.segments, _starts(st.segments)):
             out = out + weighted_token_sum(probs[..., lo : lo + seg.n], seg.values)
@@ -623,7 +625,8 @@ class QJL(Compressor):
         outs, probs = [], []
         for i, st in enumerate(layers):
             window = torch.matmul(qg[i], st.res_k.float().transpose(-1, -2))
-            p = torch.softmax(torch.cat([*(scores[i, id(seg)] for seg in st.segments), window], -1), dim=-1)
+            p = torch.cat([*(scores[i, id(seg)] for seg in st.segments), window], -1)
+            p = grouped_softmax(p, comps[i].sem[layer], hq, st.n_seen)
             probs.append(p)
             outs.append(torch.matmul(p[..., st.n_quantized :], st.res_v.float()))
         starts = [dict(zip(map(id, st.segments), _starts(st.segments))) for st in layers]  # row -> segment -> first
@@ -711,7 +714,7 @@ class QJL(Compressor):
         """The softmax ``attend`` takes: sketched score estimates (quantized tokens, positions
         0..n_quantized-1), exact scores (the recent window, the positions after). q [Hq, 1, d] -> [Hq, n]."""
         st = self.layers[layer]
-        return ungroup(torch.softmax(self._logits(st, q), dim=-1), q.shape[0])[:, 0]
+        return ungroup(grouped_softmax(self._logits(st, q), self.sem[layer], q.shape[0], st.n_seen), q.shape[0])[:, 0]
 
 
 def _starts(segments: list[QJLSegment]) -> list[int]:

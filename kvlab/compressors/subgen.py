@@ -61,9 +61,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvlab import semantics as sm
 from kvlab.compressors.base import Compressor, DenseCompressor, DenseLayer, Param, PrefillState
 from kvlab.compressors.registry import register
 from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
+from kvlab.semantics import LayerSemantics
 
 PAPER = (
     "Zandieh, Han, Mirrokni, Karbasi, SubGen: Token Generation in Sublinear Time and Memory, "
@@ -305,27 +307,36 @@ class SubGenState:
         mu += vsq
 
     def attend(
-        self, layer: int, q: Tensor, scaling: float, exact_k: Tensor | None = None, exact_v: Tensor | None = None
+        self,
+        layer: int,
+        q: Tensor,
+        scaling: LayerSemantics | float,
+        exact_k: Tensor | None = None,
+        exact_v: Tensor | None = None,
     ) -> Tensor:
         """QueryStreamAttn: q [Hq, w, d] -> z / tau [Hq, w, d].
 
         ``exact_k`` / ``exact_v`` [H, e, d]: tokens held exactly beside the stream (sink and recent
-        tokens); their exact terms join both the numerator and the denominator."""
+        tokens); their exact terms join both the numerator and the denominator. ``scaling`` a
+        ``LayerSemantics``: every score (sampled, exact) soft-capped, the sinks added to tau."""
+        sem = sm.as_semantics(scaling, q)
+        scaling = sem.scaling
         h = self.centers.shape[1]
         m = max(1, int(self.count[layer].max()))
         qg = group_queries(q.float(), h)  # [H, g*w, d]
         samples = self.samples[layer, :, :m].reshape(h, m * self.t, -1).float()
         size = self.sizes[layer, :, :m].float()
         logw = torch.log(size / self.t).repeat_interleave(self.t, dim=-1)  # -inf for unused clusters
-        log_tau = torch.logsumexp(torch.matmul(qg, samples.transpose(-1, -2)) * scaling + logw.unsqueeze(1), -1)
+        sampled = sem.cap(torch.matmul(qg, samples.transpose(-1, -2)) * scaling)
+        log_tau = sm.with_sinks(torch.logsumexp(sampled + logw.unsqueeze(1), -1), sem, q.shape[0])
         mk, mv, mu = self.mk[layer].float(), self.mv[layer].float(), self.mu[layer]
         vsq = (mv * mv).sum(-1).clamp_min(1e-30)
         logw_m = torch.log(mu.clamp_min(1e-30)).unsqueeze(-1) - math.log(self.s) - torch.log(vsq)
-        logits = torch.matmul(qg, mk.transpose(-1, -2)) * scaling + logw_m.unsqueeze(1)
+        logits = sem.cap(torch.matmul(qg, mk.transpose(-1, -2)) * scaling) + logw_m.unsqueeze(1)
         if exact_k is None or exact_k.shape[-2] == 0:
             out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
         else:
-            le = torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling  # [H, g*w, e]
+            le = sem.cap(torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling)  # [H, g*w, e]
             shift = torch.maximum(log_tau, le.amax(-1)).unsqueeze(-1)  # a common shift cancels in the ratio
             pe = torch.exp(le - shift)
             num = torch.matmul(torch.exp(logits - shift), mv) + torch.matmul(pe, exact_v.float())
@@ -345,7 +356,7 @@ class SubGenState:
         yield "value_mass", self.mu
 
     def estimated_weights(
-        self, layer: int, q: Tensor, scaling: float, exact_k: Tensor | None = None
+        self, layer: int, q: Tensor, scaling: LayerSemantics | float, exact_k: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
         """The softmax weights QueryStreamAttn's denominator implies: q [Hq, 1, d] -> stream tokens [Hq, n]
         (in stream order) and the exactly held tokens ``exact_k`` [H, e, d] -> [Hq, e] (None without them).
@@ -354,18 +365,20 @@ class SubGenState:
         cluster i gets (1 / t) sum_{S_i} exp(<q, k>) / tau, its cluster's mean sampled score (the rows
         sum to 1: the sizes count the tokens assigned).
         """
+        sem = sm.as_semantics(scaling, q)
+        scaling = sem.scaling
         h, m = self.centers.shape[1], max(1, int(self.count[layer].max()))
         qg = group_queries(q.float(), h)  # [H, g, d]
         samples = self.samples[layer, :, :m].float()  # [H, m, t, d]
-        scores = torch.einsum("hgd,hmtd->hgmt", qg, samples) * scaling
+        scores = sem.cap(torch.einsum("hgd,hmtd->hgmt", qg, samples) * scaling)
         per_member = torch.logsumexp(scores, -1) - math.log(self.t)  # [H, g, m]
         logw = torch.log(self.sizes[layer, :, :m].float()).unsqueeze(1)  # -inf for unused clusters
         terms = per_member + logw
         le = None
         if exact_k is not None and exact_k.shape[-2]:
-            le = torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling  # [H, g, e]
+            le = sem.cap(torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling)  # [H, g, e]
             terms = torch.cat([terms, le], -1)
-        log_z = torch.logsumexp(terms, -1, keepdim=True)
+        log_z = sm.with_sinks(torch.logsumexp(terms, -1, keepdim=True), sem, q.shape[0])
         idx = self.assign[layer].long().unsqueeze(1).expand(-1, qg.shape[1], -1)  # [H, g, n]
         w = torch.gather(torch.exp(per_member - log_z), -1, idx)
         we = None if le is None else ungroup(torch.exp(le - log_z), q.shape[0])[:, 0]
@@ -784,6 +797,9 @@ class SubGen(Compressor):
         ),
     )
 
+    no_local_layers = "its clustered stream summarises every token seen and cannot drop those that leave the window"
+    no_value_head_size = "its value samples share the key's head size"
+
     def plan(self, n_prompt: int) -> dict:
         info = self.info
         self.full = self.is_full
@@ -901,8 +917,8 @@ class SubGen(Compressor):
     def attend(self, layer: int, q: Tensor) -> Tensor:
         if self.full:
             k, v, _, _ = self.dense[layer].views()
-            return dense_attention(q, k, v, self.scaling)
-        return self.state.attend(layer, q, self.scaling, self.exact.keys[layer], self.exact.values[layer])
+            return dense_attention(q, k, v, self.sem[layer])
+        return self.state.attend(layer, q, self.sem[layer], self.exact.keys[layer], self.exact.values[layer])
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
         return self.dense[layer].views()[:2] + (None,) if self.full else None
@@ -920,9 +936,9 @@ class SubGen(Compressor):
         """Each token weighted by its cluster's sampled scores (``SubGenState.estimated_weights``)."""
         if self.full:
             k, _, pos, _ = self.dense[layer].views()
-            return weights_on_positions(q, k, pos, self.scaling)
+            return weights_on_positions(q, k, pos, self.sem[layer])
         ex = self.exact
-        stream, held = self.state.estimated_weights(layer, q, self.scaling, ex.keys[layer])
+        stream, held = self.state.estimated_weights(layer, q, self.sem[layer], ex.keys[layer])
         if held is None:
             return stream
         window = torch.roll(held[:, ex.sink :], -ex.head[layer], dims=-1)  # ring slots -> oldest first
@@ -1019,17 +1035,18 @@ def kcenter_compress(
     kc = greedy_kcenter(xk, k)
     kk = kc.centers.shape[1]
     size = torch.zeros(xk.shape[0], kk).scatter_add_(1, kc.assign, torch.ones_like(kc.assign, dtype=torch.float))
+    dv = values.shape[-1]  # the value head size (multi-head latent attention: not the key's)
     if value == "mean":
-        xv = values[:, :, :old].reshape(-1, old, d).float()
-        sums = torch.zeros(xv.shape[0], kk, d).scatter_add_(1, kc.assign.unsqueeze(-1).expand(-1, -1, d), xv)
+        xv = values[:, :, :old].reshape(-1, old, dv).float()
+        sums = torch.zeros(xv.shape[0], kk, dv).scatter_add_(1, kc.assign.unsqueeze(-1).expand(-1, -1, dv), xv)
         cv = sums / size.clamp_min(1).unsqueeze(-1)
     else:
-        cv = gather_tokens(values[:, :, :old].reshape(-1, old, d), kc.centers)
+        cv = gather_tokens(values[:, :, :old].reshape(-1, old, dv), kc.centers)
     ck = gather_tokens(xk, kc.centers)
     lead = (n_layers, h)
     rpos = torch.arange(old, n).expand(*lead, recent)
     out_k = torch.cat([ck.view(*lead, kk, d).to(keys.dtype), keys[:, :, old:]], 2)
-    out_v = torch.cat([cv.view(*lead, kk, d).to(values.dtype), values[:, :, old:]], 2)
+    out_v = torch.cat([cv.view(*lead, kk, dv).to(values.dtype), values[:, :, old:]], 2)
     pos = torch.cat([kc.centers.view(*lead, kk), rpos], 2)
     logw = torch.cat([size.clamp_min(1).log().view(*lead, kk), torch.zeros(*lead, recent)], 2)
     return out_k, out_v, pos, logw

@@ -1,0 +1,129 @@
+"""The architecture matrix: tiny random-weight models of 15 families, built in-process (no hub).
+
+For each (``tiny_models``): the load path (attention semantics read from the model, the self-check
+against its own forward) accepts it; ``exact`` with a float32 cache generates ``generate``'s tokens
+on a prompt longer than its sliding window; every registered method runs at budget 0.5 in the same
+comparison, holds its budget in bytes and raises no health flag, or is refused in one line where
+its cache cannot compute the model's attention. Also: the self-check refuses a broken attention
+path, unsupported architectures are refused in one line, and bf16 on the CPU stays exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from tiny_models import ARCHITECTURES, WINDOW, build
+
+from kvlab import attention as attn
+from kvlab import semantics as sm
+from kvlab.budgets import TOLERANCE, Budget, exact_bytes
+from kvlab.compressors import names
+from kvlab.engine import Engine, GenerationSettings, RunSpec
+from kvlab.models import ModelLoadError, from_model, load_model, refuse_unsupported
+
+PROMPT_TOKENS = 3 * WINDOW  # past every window
+NEW_TOKENS = 6
+LOCAL = {"mistral", "gemma2", "gemma3", "gpt-oss"}  # families with sliding-window layers
+# (architecture, method) -> the words of its one-line refusal
+REFUSED = {**{(a, "subgen"): "sliding-window layers" for a in LOCAL}, ("deepseek-v3", "subgen"): "value heads"}
+
+
+@pytest.fixture(scope="module")
+def prompt(lm, long_text):
+    return [int(i) for i in lm.tokenizer(long_text)["input_ids"][:PROMPT_TOKENS]]
+
+
+def _generate(model, ids, n):
+    return model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_architecture(arch, lm, prompt):
+    model = build(arch)
+    loaded = from_model(model, lm.tokenizer, arch).with_cache_dtype("float32")  # self-check on
+    info = loaded.info
+    assert (arch in LOCAL) == info.semantics.has_local
+    methods = [m for m in names() if m != "exact"]
+    runs = [RunSpec("exact")] + [RunSpec(m, Budget.parse("0.5")) for m in methods]
+    res = Engine(loaded).compare(prompt, runs, GenerationSettings(max_new_tokens=NEW_TOKENS))
+    exact = res.runs[0]
+    assert exact.token_ids == _generate(model, prompt, NEW_TOKENS)
+    # a local layer's exact cache holds its window only
+    assert exact.kv_bytes == exact_bytes(info, len(prompt))
+    held = sum(min(len(prompt), s.window or len(prompt)) for s in info.semantics.layers)
+    assert exact.kv_bytes == info.n_kv_heads * held * (info.head_dim + info.v_head_dim) * 4
+    for r in res.runs[1:]:
+        refusal = REFUSED.get((arch, r.method))
+        if refusal:
+            assert r.finish_reason == "refused" and refusal in r.error and "\n" not in r.error, r.error
+            continue
+        assert not r.error, f"{arch} / {r.method}: {r.error}"
+        assert r.health == [], f"{arch} / {r.method}: {r.health}"
+        assert r.kv_bytes <= 0.5 * exact.kv_bytes * (1 + TOLERANCE), f"{arch} / {r.method}"
+        assert len(r.token_ids) == NEW_TOKENS
+
+
+def _mistral(lm):
+    return build("mistral"), lm.tokenizer
+
+
+def test_self_check_refuses_a_dropped_window(lm, monkeypatch):
+    """The old fault: the attention function ignores ``sliding_window``. The load check names it."""
+    real = sm.from_call
+
+    def no_window(module, q, k, v, scaling, kw, config):
+        return real(module, q, k, v, scaling, {**kw, "sliding_window": None}, None)
+
+    monkeypatch.setattr(sm, "from_call", no_window)
+    with pytest.raises(ModelLoadError, match="differs from the model's own forward") as info:
+        from_model(*_mistral(lm), "mistral")
+    assert "\n" not in str(info.value) and "docs/models.md" in str(info.value)
+    monkeypatch.undo()
+    from_model(*_mistral(lm), "mistral")  # the same model, honoured, loads
+
+
+def test_self_check_refuses_a_broken_decode_handler(lm, monkeypatch):
+    """A decode path whose attention is off by a little is caught and located."""
+    real = attn.LockstepDecode._attend
+
+    def off(self, layer, query, key, value):
+        out, w = real(self, layer, query, key, value)
+        return out * 1.05, w
+
+    monkeypatch.setattr(attn.LockstepDecode, "_attend", off)
+    with pytest.raises(ModelLoadError, match="at decode step 1"):
+        from_model(build("llama"), lm.tokenizer, "llama")
+
+
+def test_self_check_is_on_by_default_and_cheap(lm):
+    """load_model runs it (the embedded model passed it); the probe is the window + 8 tokens, then 5 decode steps."""
+    from kvlab.selfcheck import divergence
+
+    errs, prefix = divergence(lm)
+    assert max(errs) < 1e-4 and prefix == 24 and len(errs) == 6  # plain attention: a 24-token prefill
+
+
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        (tf.T5Config(), "encoder-decoder"),
+        (tf.MambaConfig(), "state-space"),
+        (tf.FalconConfig(alibi=True), "ALiBi"),
+        (tf.Qwen3NextConfig(), "not softmax attention"),
+    ],
+)
+def test_unsupported_architectures_refused_in_one_line(config, why):
+    with pytest.raises(ModelLoadError, match=why) as info:
+        refuse_unsupported(config, "x")
+    assert "\n" not in str(info.value) and "docs/models.md" in str(info.value)
+
+
+@pytest.mark.slow
+def test_bfloat16_cpu_exact_equals_generate(lm):
+    """The GPU's 16-bit path, on the CPU: a bf16 model with a bf16 cache generates generate's tokens."""
+    bf = load_model("embedded", dtype="bfloat16", cache_dtype="bfloat16")
+    assert bf.info.dtype == "bfloat16" and bf.info.cache_dtype == "bfloat16"
+    ids = bf.encode("Name three rivers of Europe and the seas they flow into.")
+    res = Engine(bf).compare(ids, [RunSpec("exact")], GenerationSettings(max_new_tokens=16))
+    assert res.runs[0].token_ids == _generate(bf.model, ids, 16)

@@ -1,0 +1,117 @@
+"""Tiny random-weight causal LMs of many architectures, built in-process from transformers' config classes.
+
+Every model has 4 layers, hidden size 128, 4 query heads and 2 KV heads where the architecture has
+grouped-query attention, a sliding window of ``WINDOW`` tokens where it has one, and the embedded model's
+vocabulary (so the embedded tokenizer serves them all). Weights are random (seeded): no hub, no
+downloads. ``ARCHITECTURES`` names each one; ``build(name)`` returns the model in eval mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import transformers as tf
+
+VOCAB = 49152  # the embedded SmolLM2 tokenizer's
+WINDOW = 32  # small, so that a short prompt runs past it (the matrix stays fast)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+
+
+def _common(**over) -> dict:
+    return {**COMMON, **over}
+
+
+CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
+    "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common())),
+    "llama-mha": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common(num_key_value_heads=4))),
+    "mistral": lambda: (tf.MistralForCausalLM, tf.MistralConfig(**_common(sliding_window=WINDOW))),
+    "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**_common())),
+    "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**_common(head_dim=32))),
+    "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(**_common(pad_token_id=0))),
+    "gpt-neox": lambda: (
+        tf.GPTNeoXForCausalLM,
+        tf.GPTNeoXConfig(**_common(rotary_pct=0.25, tie_word_embeddings=False)),
+    ),
+    "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2))),
+    "smollm3": lambda: (tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**_common(pad_token_id=0))),
+    "gemma2": lambda: (
+        tf.Gemma2ForCausalLM,
+        tf.Gemma2Config(**_common(head_dim=32, sliding_window=WINDOW, attn_logit_softcapping=50.0)),
+    ),
+    "gemma3": lambda: (
+        tf.Gemma3ForCausalLM,
+        tf.Gemma3TextConfig(**_common(head_dim=32, sliding_window=WINDOW, sliding_window_pattern=2)),
+    ),
+    "gpt-oss": lambda: (
+        tf.GptOssForCausalLM,
+        tf.GptOssConfig(**_common(head_dim=32, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+    ),
+    "opt": lambda: (
+        tf.OPTForCausalLM,
+        tf.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            ffn_dim=256,
+            word_embed_proj_dim=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=2048,
+        ),
+    ),
+    "deepseek-v3": lambda: (
+        tf.DeepseekV3ForCausalLM,
+        tf.DeepseekV3Config(
+            **_common(
+                num_key_value_heads=4,
+                q_lora_rank=64,
+                kv_lora_rank=32,
+                qk_rope_head_dim=16,
+                qk_nope_head_dim=32,
+                v_head_dim=32,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
+                moe_intermediate_size=64,
+            )
+        ),
+    ),
+    "falcon": lambda: (
+        tf.FalconForCausalLM,
+        tf.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            max_position_embeddings=2048,
+        ),
+    ),
+}
+ARCHITECTURES = tuple(CONFIGS)
+
+
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The tiny ``name`` model with seeded random weights, in eval mode (sdpa attention)."""
+    cls, config = CONFIGS[name]()
+    config._attn_implementation = "sdpa" if name not in ("gemma2", "gpt-oss") else "eager"
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype).eval()
+    # random init leaves tiny logits; a larger spread gives the greedy tokens a clear margin
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(2.0)
+    return model
