@@ -20,6 +20,11 @@ experiments' recent tokens, Sec. 3.2) exactly; a token leaving the window enters
 the exact terms join the numerator and the denominator. ``sink=0, recent_share=0`` is Algorithm 1
 alone (its attention error on the embedded model is ~2.2 against ~0.6: docs/methods/subgen.md).
 
+Local (sliding-window) layers: Algorithm 1 cannot drop the tokens that leave a window, so it runs
+on the global layers only; a local layer holds its latest tokens exactly in a sliding ``DenseLayer``
+(its whole window when the budget pays for it beside Algorithm 1, else its own share of the budget;
+``SubGen.plan``). Keys use the key head size, values the value head size (they may differ: MLA).
+
 The pass runs over the prompt at compress time and keeps running on every generated token. It is
 sequential only in the cluster assignment, which runs over all L x Hkv streams together, in chunks
 of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
