@@ -269,3 +269,49 @@ def test_recent_window_slides_into_the_stream(lm, prefill_state):
     assert lit.plan(n)["recent"] == 0
     lit.compress(st)
     assert int(lit.state.sizes.sum(-1).max()) == n and lit.exact.keys.shape[2] == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_local_layers_hold_the_window_and_attend_exactly(lm, long_text, arch):
+    """On a model with sliding-window layers, ``subgen``'s local layers hold at most their window (a
+    sliding dense store that drops the token leaving it) and Algorithm 1 runs on the global layers only.
+    Gemma 3 (local and global layers): the budget pays for the whole window beside Algorithm 1, so a
+    local layer's output equals exact sliding-window attention over every token seen, while decoding
+    too. Mistral (every layer local): each local layer holds its share of the budget, the latest tokens."""
+    from tiny_models import WINDOW, build
+
+    from kvlab.compressors import get
+    from kvlab.engine import Engine
+    from kvlab.models import from_model
+
+    loaded = from_model(build(arch), lm.tokenizer, arch).with_cache_dtype("float32")
+    info, sem = loaded.info, loaded.info.semantics
+    ids = lm.encode(long_text)[: 3 * WINDOW]
+    st, _ = Engine(loaded).prefill(ids)
+    n, h, d = st.n_tokens, info.n_kv_heads, info.head_dim
+    c = get("subgen")(info, Budget.parse("0.5"), {})
+    knobs = c.plan(n)
+    c.compress(st)
+    local = [i for i, s in enumerate(sem.layers) if s.is_local]
+    assert local and c.local_layers == local
+    assert knobs["local_whole_window"] == (arch == "gemma3")
+    g = torch.Generator().manual_seed(0)
+    keys, values = st.keys.float(), st.values.float()
+    for step in range(WINDOW + 3):  # past a whole window of generated tokens
+        k = torch.randn(info.n_layers, h, 1, d, generator=g)
+        v = torch.randn(info.n_layers, h, 1, info.v_head_dim, generator=g)
+        keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+        for layer in range(info.n_layers):
+            c.append(layer, k[layer], v[layer], n + step)
+        q = torch.randn(info.n_heads, 1, d, generator=g)
+        for layer in local:
+            held_k, _, pos, _ = c.local[layer].views()
+            cap = WINDOW if arch == "gemma3" else int(0.5 * WINDOW)
+            assert held_k.shape[1] == cap <= sem[layer].window
+            assert torch.equal(pos[0], torch.arange(n + step + 1 - cap, n + step + 1, dtype=pos.dtype))
+            if arch == "gemma3":  # exact sliding-window attention of the newest token over all it has seen
+                seen = torch.arange(keys.shape[2])
+                hide = torch.zeros(h, seen.numel()).masked_fill(seen <= n + step - sem[layer].window, float("-inf"))
+                want = dense_attention(q, keys[layer], values[layer], sem[layer], hide)
+                torch.testing.assert_close(c.attend(layer, q), want, rtol=1e-5, atol=1e-6)
+    assert c.state is None if arch == "mistral" else c.state.centers.shape[0] == info.n_layers - len(local)

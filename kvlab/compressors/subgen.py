@@ -20,6 +20,11 @@ experiments' recent tokens, Sec. 3.2) exactly; a token leaving the window enters
 the exact terms join the numerator and the denominator. ``sink=0, recent_share=0`` is Algorithm 1
 alone (its attention error on the embedded model is ~2.2 against ~0.6: docs/methods/subgen.md).
 
+Local (sliding-window) layers: Algorithm 1 cannot drop the tokens that leave a window, so it runs
+on the global layers only; a local layer holds its latest tokens exactly in a sliding ``DenseLayer``
+(its whole window when the budget pays for it beside Algorithm 1, else its own share of the budget;
+``SubGen.plan``). Keys use the key head size, values the value head size (they may differ: MLA).
+
 The pass runs over the prompt at compress time and keeps running on every generated token. It is
 sequential only in the cluster assignment, which runs over all L x Hkv streams together, in chunks
 of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
@@ -62,6 +67,7 @@ import torch
 from torch import Tensor
 
 from kvlab import semantics as sm
+from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, DenseCompressor, DenseLayer, Param, PrefillState
 from kvlab.compressors.registry import register
 from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
@@ -253,7 +259,8 @@ class SubGenState:
         (representatives, cluster samples, M's keys and values) are stored in ``dtype``.
         ``clustering``: the prompt's cluster pass at this delta when already known (``leader_delta``)."""
         n_layers, h, n, d = keys.shape
-        flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, d).float()
+        dv = values.shape[-1]  # the value head size (differs from d with multi-head latent attention)
+        flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, dv).float()
         c = clustering or Clustering(*_cluster_stream(flat_k, delta.reshape(-1).float(), m_cap))
         assign, centers, count, forced = c.assign, c.centers, c.count, c.forced
         sizes = torch.zeros(assign.shape[0], m_cap, dtype=torch.long).scatter_add_(1, assign, torch.ones_like(assign))
@@ -270,7 +277,7 @@ class SubGenState:
             count.to(torch.int32).view(lead),
             delta.float().clone(),
             gather_tokens(flat_k, mpick).view(*lead, s, d).to(dtype),
-            gather_tokens(flat_v, mpick).view(*lead, s, d).to(dtype),
+            gather_tokens(flat_v, mpick).view(*lead, s, dv).to(dtype),
             mu.view(lead),
             forced.view(lead),
             list(assign.to(torch.int32).view(*lead, n)),
@@ -722,24 +729,27 @@ def plan_subgen(
     value_share: float,
     sink: int = 0,
     recent_share: float = 0.0,
+    dv: int | None = None,
 ) -> SubGenPlan:
     """Share a per-stream byte budget between exact tokens (``sink`` + a ``recent_share`` of the budget's
-    tokens, 2 vectors each), M (2 s vectors) and clusters ((1 + t) vectors + a size each).
+    tokens, a key and a value each), M (s keys and values) and clusters ((1 + t) keys + a size each).
+    ``d`` is the key head size, ``dv`` the value head size (None: d).
 
     Fixed per stream: the cluster counter, delta and mu (4 bytes each).
     """
     fixed = 12
-    per_token = 2 * d * elem
+    dv = d if dv is None else dv
+    per_token = (d + dv) * elem
     recent = int(recent_share * bytes_per_stream // per_token)
     exact = min(sink + recent, max(0, int((bytes_per_stream - fixed) // per_token) - 2))  # leave room for M
     sink = min(sink, exact)
     recent = exact - sink
     room = max(0.0, bytes_per_stream - fixed - exact * per_token)
     if s is None:
-        s = max(1, int(value_share * room // (2 * d * elem)))
+        s = max(1, int(value_share * room // per_token))
     per_cluster = (1 + t) * d * elem + 4
-    m_cap = max(1, int((room - 2 * d * elem * s) // per_cluster))
-    planned = fixed + exact * per_token + 2 * d * elem * s + m_cap * per_cluster
+    m_cap = max(1, int((room - per_token * s) // per_cluster))
+    planned = fixed + exact * per_token + per_token * s + m_cap * per_cluster
     return SubGenPlan(t, s, m_cap, int(bytes_per_stream), planned, sink, recent)
 
 
@@ -797,20 +807,56 @@ class SubGen(Compressor):
         ),
     )
 
-    no_local_layers = "its clustered stream summarises every token seen and cannot drop those that leave the window"
-    no_value_head_size = "its value samples share the key's head size"
-
     def plan(self, n_prompt: int) -> dict:
-        info = self.info
+        """Local (sliding-window) layers hold their latest tokens exactly in a sliding dense store: the
+        whole window when the budget pays for it beside Algorithm 1 on the global layers, else each
+        its own share of the budget (``_local_caps``); Algorithm 1 gets the rest, per global stream."""
         self.full = self.is_full
+        self.local_layers = [i for i, s in enumerate(self.sem) if s.is_local]
+        self.global_layers = [i for i, s in enumerate(self.sem) if not s.is_local]
         if self.full:
+            self.local_cap = self._local_caps(n_prompt, whole=True)
             return {"compressed": False}
-        per_stream = self.budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
-        cfg = self.cfg
+        target = self.budget.target_bytes(self.info, n_prompt)
+        for whole in (True, False) if self.local_layers else (True,):  # a plan that does not fit is refused
+            self.local_cap = self._local_caps(n_prompt, whole)
+            if self._plan_global(target - self._local_bytes(n_prompt)):
+                break
+        knobs = {}
+        if self.local_layers:
+            knobs = {"local_tokens": max(self.local_cap.values()), "local_whole_window": whole}
+        if self.global_layers:
+            p = self.sg_plan
+            knobs.update(t=p.t, s=p.s, m_cap=p.m_cap, planned_bytes_per_stream=p.planned_bytes_per_stream)
+            knobs.update(sink=p.sink, recent=p.recent)
+        self.knobs = knobs
+        return self.knobs  # compress adds what the prompt's clustering found (delta, clusters, cap bound)
+
+    def _local_caps(self, n_prompt: int, whole: bool) -> dict[int, int]:
+        """Tokens each local layer holds: its window (``whole``), else its share of the budget,
+        ``fraction x min(n_prompt, window)`` (at least 1): the latest ones in both cases."""
+        if whole:
+            return {i: self.sem[i].window for i in self.local_layers}
+        f = self.budget.fraction_of(n_prompt)
+        return {i: max(1, int(f * min(n_prompt, self.sem[i].window))) for i in self.local_layers}
+
+    def _local_bytes(self, n_prompt: int) -> int:
+        """Bytes the local layers' sliding stores hold at most over the plan's horizon."""
+        seen = n_prompt + self.horizon(n_prompt)
+        tokens = sum(min(cap, seen) for cap in self.local_cap.values())
+        return self.info.n_kv_heads * tokens * per_token_bytes(self.info)
+
+    def _plan_global(self, rest: float) -> bool:
+        """Plan Algorithm 1 on the global layers with ``rest`` bytes (``self.sg_plan``); True if it fits."""
+        if not self.global_layers:
+            self.sg_plan = None
+            return rest >= 0
+        info, cfg = self.info, self.cfg
+        per_stream = rest / (len(self.global_layers) * info.n_kv_heads)
         t0 = cfg["t"]  # not given and too large for the budget: fewer cluster samples (down to 1)
         for t in [t0] + ([x for x in (2, 1) if x < t0] if "t" not in self.params_given else []):
             self.sg_plan = plan_subgen(
-                per_stream,
+                max(0.0, per_stream),
                 info.head_dim,
                 info.dtype_bytes,
                 t,
@@ -818,41 +864,51 @@ class SubGen(Compressor):
                 cfg["value_share"],
                 cfg["sink"],
                 cfg["recent_share"],
+                dv=info.v_head_dim,
             )
             if self.sg_plan.planned_bytes_per_stream <= per_stream:
-                break
-        p = self.sg_plan
-        self.knobs = {"t": p.t, "s": p.s, "m_cap": p.m_cap, "planned_bytes_per_stream": p.planned_bytes_per_stream}
-        self.knobs.update(sink=p.sink, recent=p.recent)
-        return self.knobs  # compress adds what the prompt's clustering found (delta, clusters, cap bound)
+                return True
+        return False
 
     @property
     def uncapped(self) -> bool:
         return self.cfg["max_clusters"] == "none"
 
     def budget_ratio(self, n_prompt: int) -> float | None:
-        """Held bytes never exceed the plan's (the clusters are capped); the allowance only grows.
-        Uncapped (Theorem 1's regime), the bytes follow the keys' clusterability: not predicted."""
-        if self.uncapped:
+        """Held bytes never exceed the plan's (the clusters are capped; the local stores hold at most
+        their caps); the allowance only grows. Uncapped (Theorem 1's regime), the bytes follow the
+        keys' clusterability: not predicted."""
+        if self.uncapped and self.global_layers:
             return None
-        streams = self.info.n_layers * self.info.n_kv_heads
-        return streams * self.sg_plan.planned_bytes_per_stream / max(1.0, self.allowed(n_prompt, 0))
+        planned = self._local_bytes(n_prompt)
+        if self.global_layers:
+            planned += len(self.global_layers) * self.info.n_kv_heads * self.sg_plan.planned_bytes_per_stream
+        return planned / max(1.0, self.allowed(n_prompt, 0))
 
     def compress(self, state: PrefillState) -> None:
+        n = state.n_tokens
+        self.local = {i: self._sliding(state, i) for i in self.local_layers}
+        gl = self.global_layers
+        self.slot = {layer: j for j, layer in enumerate(gl)}  # a global layer's index in Algorithm 1's streams
         if self.full:
-            self.dense = [
-                DenseLayer.make(
-                    self.as_cached(k), self.as_cached(v), torch.arange(state.n_tokens).expand(k.shape[0], -1)
+            self.dense = {
+                i: DenseLayer.make(
+                    self.as_cached(state.keys[i]),
+                    self.as_cached(state.values[i]),
+                    torch.arange(n).expand(state.keys.shape[1], -1),
                 )
-                for k, v in zip(state.keys, state.values)
-            ]
+                for i in gl
+            }
+            return
+        self.state = None
+        if not gl:
             return
         p = self.sg_plan
-        n = state.n_tokens
         sink = min(p.sink, n - 1)
         recent = min(p.recent, n - 1 - sink)  # at least one token goes through Algorithm 1
         stream = slice(sink, n - recent)
-        keys, values = state.keys[:, :, stream], state.values[:, :, stream]
+        all_keys, all_values = state.keys[gl], state.values[gl]  # [Lg, H, n, d], [Lg, H, n, dv]
+        keys, values = all_keys[:, :, stream], all_values[:, :, stream]
         m_cap = p.m_cap
         if self.uncapped:  # Theorem 1: a fixed delta, as many clusters as the keys need
             delta, clustering, m_cap = self._uncapped_clusters(keys)
@@ -864,7 +920,7 @@ class SubGen(Compressor):
         self.state.growable = self.uncapped
         held = torch.cat([torch.arange(sink), torch.arange(n - recent, n)])
         self.exact = ExactTokens.make(
-            self.as_cached(state.keys[:, :, held]), self.as_cached(state.values[:, :, held]), sink
+            self.as_cached(all_keys[:, :, held]), self.as_cached(all_values[:, :, held]), sink
         )
         self.clusters = self.state.count.float().mean().item()
         bound = self.state.cap_joins > 0
@@ -875,6 +931,14 @@ class SubGen(Compressor):
             cap_bound=bool(bound.any()),  # some stream reached m_cap and put a far key in a near cluster
             cap_bound_streams=round(float(bound.float().mean()), 4),
         )
+
+    def _sliding(self, state: PrefillState, layer: int) -> DenseLayer:
+        """A local layer's sliding store: its latest ``local_cap`` prompt tokens, exactly."""
+        n = state.n_tokens
+        first = max(0, n - self.local_cap[layer])
+        pos = torch.arange(first, n).expand(state.keys.shape[1], -1)
+        k, v = state.keys[layer][:, first:], state.values[layer][:, first:]
+        return DenseLayer.make(self.as_cached(k), self.as_cached(v), pos)
 
     def _uncapped_clusters(self, keys: Tensor) -> tuple[Tensor, Clustering, int]:
         """delta [L, H] (the given one; without one, the automatic radius at the budget's cap), the
@@ -905,43 +969,63 @@ class SubGen(Compressor):
     def cap_bound(self) -> dict:
         """How often the cluster cap bound so far (prompt and decoding): keys that joined a cluster
         farther than delta because their stream already had ``m_cap`` clusters."""
+        if self.state is None:  # no global layer: no stream
+            return {"cap_bound_keys": 0, "cap_bound_streams": 0.0}
         joins = self.state.cap_joins
         return {"cap_bound_keys": int(joins.sum()), "cap_bound_streams": round(float((joins > 0).float().mean()), 4)}
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
-        if self.full:
+        if layer in self.local:  # the sliding store drops the token that leaves it
+            cache = self.local[layer]
+            cache.append(k, v, pos)
+            cap = self.local_cap[layer]
+            if cache.n > cap:
+                cache.keep(torch.arange(cache.n - cap, cache.n).expand(k.shape[0], -1))
+        elif self.full:
             self.dense[layer].append(k, v, pos)
         else:
-            self.state.append(layer, *self.exact.push(layer, k[:, 0], v[:, 0]), self.generator)
+            j = self.slot[layer]
+            self.state.append(j, *self.exact.push(j, k[:, 0], v[:, 0]), self.generator)
+
+    def _dense(self, layer: int) -> DenseLayer | None:
+        """The dense store of ``layer``: a local layer's sliding store, or any layer's when full."""
+        if layer in self.local:
+            return self.local[layer]
+        return self.dense[layer] if self.full else None
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
-        if self.full:
-            k, v, _, _ = self.dense[layer].views()
+        dense = self._dense(layer)
+        if dense is not None:  # a local store holds only tokens inside the window
+            k, v, _, _ = dense.views()
             return dense_attention(q, k, v, self.sem[layer])
-        return self.state.attend(layer, q, self.sem[layer], self.exact.keys[layer], self.exact.values[layer])
+        j = self.slot[layer]
+        return self.state.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
-        return self.dense[layer].views()[:2] + (None,) if self.full else None
+        dense = self._dense(layer)
+        return None if dense is None else dense.views()[:2] + (None,)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        if self.full:
-            for layer in self.dense:
-                yield from ((kind, t) for kind, t in layer.tensors() if kind != "positions")
-        else:
+        stores = list(self.local.values()) + (list(self.dense.values()) if self.full else [])
+        for store in stores:  # positions are implicit (the latest tokens)
+            yield from ((kind, t) for kind, t in store.tensors() if kind != "positions")
+        if not self.full and self.state is not None:
             yield from self.state.tensors()
             yield "keys", self.exact.keys
             yield "values", self.exact.values
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
-        """Each token weighted by its cluster's sampled scores (``SubGenState.estimated_weights``)."""
-        if self.full:
-            k, _, pos, _ = self.dense[layer].views()
+        """Each token weighted by its cluster's sampled scores (``SubGenState.estimated_weights``); on
+        a dense store, the exact softmax at the held positions."""
+        dense = self._dense(layer)
+        if dense is not None:
+            k, _, pos, _ = dense.views()
             return weights_on_positions(q, k, pos, self.sem[layer])
-        ex = self.exact
-        stream, held = self.state.estimated_weights(layer, q, self.sem[layer], ex.keys[layer])
+        ex, j = self.exact, self.slot[layer]
+        stream, held = self.state.estimated_weights(j, q, self.sem[layer], ex.keys[j])
         if held is None:
             return stream
-        window = torch.roll(held[:, ex.sink :], -ex.head[layer], dims=-1)  # ring slots -> oldest first
+        window = torch.roll(held[:, ex.sink :], -ex.head[j], dims=-1)  # ring slots -> oldest first
         return torch.cat([held[:, : ex.sink], stream, window], -1)  # by position: sinks, stream, window
 
 
