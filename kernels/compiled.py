@@ -12,7 +12,8 @@ Where a decode step spends its time on the CPU, written so that inductor fuses i
 
 Each is a plain torch function (the eager reference, same maths as kernels.qjl / kernels.quant)
 wrapped by ``Fused``: calls run eagerly until a background warm-up has compiled the function
-(``warm_up``; the app starts it), then go to the compiled code. Shapes are dynamic (a growing
+(``warm_up``; the app starts it), then go to the compiled code if, on the warm-up's example, it
+beat the eager code (``SPEEDUP_NEEDED``); otherwise they stay eager. Shapes are dynamic (a growing
 cache does not recompile each step); calls with a dim of size 0 or 1, which dynamo specializes,
 stay eager. Compiled code lands in inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, by
 default ``~/.cache/kvlab/inductor``), so a later process compiles in a fraction of the time.
@@ -138,6 +139,19 @@ def dequantize_keys(codes: Tensor, scale: Tensor, minimum: Tensor, shifts: Tenso
 
 
 # ----- compiled wrappers ------------------------------------------------------------------------
+SPEEDUP_NEEDED = 0.8  # compiled must take under 80% of the eager time to be used
+
+
+def _best_ms(fn: Callable, args: tuple, reps: int = 7) -> float:
+    """Best wall milliseconds of ``reps`` calls (noise only adds time)."""
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def _unspecialized(a) -> bool:
     """Dynamo specializes dims of size 0 and 1 (they would recompile): such calls stay eager."""
     return not isinstance(a, Tensor) or a.dim() == 0 or min(a.shape) > 1
@@ -152,16 +166,19 @@ class Fused:
     compiled: Callable | None = None
     compile_s: float | None = None
     error: str | None = None
+    eager_ms: float | None = None  # best of a few calls on the warm-up's example
+    compiled_ms: float | None = None
+    faster: bool = False  # calls go to the compiled code only when it beat the eager one
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def ready(self) -> bool:
-        """Compiled, and not inside ``eager()``."""
-        return self.compiled is not None and not _eager_only
+        """Compiled, faster than eager on the example, and not inside ``eager()``."""
+        return self.compiled is not None and self.faster and not _eager_only
 
     def __call__(self, *args):
         fn = self.compiled
-        if fn is not None and not _eager_only and all(_unspecialized(a) for a in args):
+        if self.ready and all(_unspecialized(a) for a in args):
             return fn(*args)
         return self.eager(*args)
 
@@ -179,6 +196,9 @@ class Fused:
                 self.error = f"{type(e).__name__}: {e}"[:500]
                 return
             self.compile_s = time.perf_counter() - t0
+            with torch.no_grad():
+                self.eager_ms, self.compiled_ms = _best_ms(self.eager, example_args), _best_ms(fn, example_args)
+            self.faster = self.compiled_ms < SPEEDUP_NEEDED * self.eager_ms
             self.compiled = fn
 
 
@@ -194,8 +214,11 @@ def shifts_for(storage_bits: int, device: torch.device | str = "cpu") -> Tensor:
     return torch.arange(0, 8, storage_bits, dtype=torch.uint8, device=device)
 
 
-def examples(hkv: int = 3, g: int = 3, d: int = 64, n: int = 256, group: int = 32, n_out: int = 8) -> dict:
-    """Example arguments of each fused function, shaped as the embedded model's decode step (real dtypes)."""
+def examples(hkv: int = 3, g: int = 3, d: int = 64, n: int = 1440, group: int = 32, n_out: int = 8) -> dict:
+    """Example arguments of each fused function, shaped as the embedded model's decode step (real dtypes).
+
+    The defaults give every dim a distinct size: dynamo would otherwise tie equal sizes to one symbol
+    and recompile when they differ."""
     gen = torch.Generator().manual_seed(0)
     m, ng, r, vg = 2 * d, n // group, 2 * g, 32
 
@@ -254,4 +277,5 @@ def warm_up(background: bool = True) -> threading.Thread | None:
 
 def status() -> dict:
     """Per fused path: ready, compile seconds, error."""
-    return {f.name: {"ready": f.ready, "compile_s": f.compile_s, "error": f.error} for f in ALL}
+    keys = ("ready", "compile_s", "eager_ms", "compiled_ms", "error")
+    return {f.name: {k: getattr(f, k) for k in keys} for f in ALL}
