@@ -179,7 +179,8 @@ class Fused:
     def __call__(self, *args):
         fn = self.compiled
         if self.ready and all(_unspecialized(a) for a in args):
-            return fn(*args)
+            with torch.no_grad():  # as compiled: a change of grad mode would recompile
+                return fn(*args)
         return self.eager(*args)
 
     def compile(self, *example_args) -> None:
