@@ -30,9 +30,13 @@ def real(prefill_state):
 
 @pytest.fixture(scope="module")
 def warmed():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVLAB_COMPILE", "1")
     if not C.enabled():
-        pytest.skip("KVLAB_COMPILE=0 or no C++ compiler")
+        mp.undo()
+        pytest.skip("no C++ compiler")
     C.warm_up(background=False)
+    mp.undo()
     assert all(f.compiled is not None and f.error is None for f in C.ALL), C.status()
 
 
