@@ -256,7 +256,7 @@ def cold_kvlab(args, ids: list[int]) -> dict:
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     os.unlink(f.name)
-    return {"wall_s": round(wall, 2), "command": " ".join(cmd[1:3] + cmd[3:4] + ["PROMPT"] + cmd[5:])}
+    return {"wall_s": round(wall, 2), "command": " ".join(cmd[1:5] + ["PROMPT"] + cmd[6:])}
 
 
 def table(out: dict) -> str:
