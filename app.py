@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.model == "embedded":
         ensure_embedded_model()
     lm = load_model(args.model)  # loaded once at start
+    if str(lm.device) == "cpu":  # fused CPU decode paths compile in the background; eager until then
+        from kernels import compiled
+
+        compiled.warm_up()
     limits = Limits()
     demo = build_demo(lm, limits)
     demo.queue(max_size=limits.queue_size, default_concurrency_limit=4)

@@ -40,9 +40,9 @@ PRESSES = {
     "snapkv": ("SnapKVPress", "balancekv: kvpress's standard query-window attention press"),
     "observed_attention": ("ObservedAttentionPress", "scissorhands: accumulated observed attention (H2O family)"),
     "streaming_llm": ("StreamingLLMPress", "sink + recent window"),
-    "tova": ("TOVAPress", "last query's attention"),
+    "tova": ("TOVAPress", "scissorhands: attention-based eviction that runs with SDPA (the last query's attention)"),
 }
-DEFAULT_PRESSES = "knorm,keydiff,snapkv,observed_attention"
+DEFAULT_PRESSES = "knorm,keydiff,snapkv,tova"  # one SDPA stand-in per kvlab method
 NEEDS_EAGER = {"observed_attention"}  # the press reads the attention weights the layer returns
 QUESTION = "\n\nSummarize the text above."
 

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels import _runtime
+from kernels import _runtime, compiled
 from kernels.formats import QJLKeys
 from kernels.quant import pack_signs, sign_table, unpack_signs
 from kernels.tensor_ops import group_queries, ungroup
@@ -472,12 +472,15 @@ def qjl_estimate_split_pair(
     (S_out), i.e. ``qjl_estimate_split_grouped`` over both sketches, summed. Shapes as there (out_bits
     [Hkv, n, m_out/8], out_norms [Hkv, n]); returns float32 [Hkv, R, n].
 
-    Triton as ``qjl_estimate_split_grouped``; the torch path projects both parts' queries at once
+    Triton as ``qjl_estimate_split_grouped``; on the CPU the compiled fused loop once warmed up
+    (``kernels.compiled``), else the torch path, which projects both parts' queries at once
     (``split_query_parts``) and sums the parts before the one reordering to [Hkv, R, n].
     """
     if _split_on_triton(qg.device, group):
         est = qjl_estimate_split_grouped(qg, sketch, bits, norms, out_idx, group, False)
         return est + qjl_estimate_split_grouped(qg, out_sketch, out_bits, out_norms, out_idx, group, True)
+    if compiled.SPLIT_PAIR.ready:  # the fused C++ loop once the background warm-up compiled it
+        return compiled.SPLIT_PAIR(qg, sketch, bits, norms, out_sketch, out_bits, out_norms, out_idx)
     sq_in, sq_out = split_query_parts(qg, sketch, out_sketch, out_idx)
     est = _split_dots(sq_in, bits, norms, group).add_(_split_dots(sq_out, out_bits, out_norms, group))
     return _tokens_last(est)
