@@ -9,6 +9,10 @@ from kernels import compiled as C
 from kernels.qjl import make_sketch, outlier_channels, qjl_estimate_grouped, qjl_estimate_split_pair, qjl_quantize_torch
 from kernels.quant import dequantize_groups, quantize_groups, weighted_token_sum
 
+# Compiling from an empty cache takes minutes on a 2-core machine, and the compiled paths are off by
+# default (KVLAB_COMPILE=1), so these run in `make test-all`.
+pytestmark = pytest.mark.acceptance
+
 GROUP, N_OUT = 32, 8
 
 
