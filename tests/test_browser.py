@@ -112,7 +112,7 @@ def test_default_comparison_renders_every_panel(page, app_url):
     # gauges (one indicator per run) and the bytes chart are drawn by plotly once the values arrive
     page.wait_for_function(
         f"() => document.querySelectorAll('#kv-gauges .indicatorlayer .trace').length === {n}"
-        f" && document.querySelectorAll('#kv-bytes .scatterlayer .trace').length === {n + 1}",
+        f" && document.querySelectorAll('#kv-bytes .scatterlayer .trace').length === {2 * n + 1}",
         timeout=60_000,
     )
     SHOT.parent.mkdir(exist_ok=True)

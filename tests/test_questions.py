@@ -1,5 +1,6 @@
 """The query-agnostic protocol: the context compressed once, each question fed afterwards through every cache."""
 
+import dataclasses
 import json
 
 import pytest
@@ -229,12 +230,12 @@ def test_schema_refuses_an_unknown_protocol(lm):
 
 
 def test_dashboard_question_box_makes_the_comparison_query_agnostic(lm, context):
-    from kvlab.ui.dashboard import Dashboard
+    from kvlab.ui.dashboard import Dashboard, PageInputs
 
     dash = Dashboard(lm)
-    inputs = ("embedded", context, [], ["streaming"], "0.5", 2, 0, None, False, None, 0, None)
-    _, plain, n_plain = dash.request(*inputs)
-    _, asked, n_asked = dash.request(*inputs, QUESTIONS[0])
+    inputs = PageInputs("embedded", context, [], ["streaming"], "0.5", 2, 0, None, False, None, 0)
+    _, plain, n_plain = dash.request(inputs)
+    _, asked, n_asked = dash.request(dataclasses.replace(inputs, question=QUESTIONS[0]))
     assert plain.chosen_protocol == "query-aware" and asked.chosen_protocol == "query-agnostic"
     ctx, rests = asked.split(lm)
     assert n_asked == len(ctx) + len(rests[0].ids) > n_plain

@@ -153,7 +153,9 @@ def render(report: Path, shot: Path) -> int:
 @pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian's chromium (make browser)")
 def test_report_renders_in_chromium(small_sweep, tmp_path):
     shot = tmp_path / "report.png"
-    assert render(small_sweep / "report.html", shot) == 3
+    # quality vs memory, attention error, bytes per step, and the leaderboard (task scores at fraction budgets)
+    assert render(small_sweep / "report.html", shot) == 4
+    assert "id='fig-leaderboard'" in (small_sweep / "report.html").read_text()
     assert shot.stat().st_size > 20000
 
 

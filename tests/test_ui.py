@@ -86,7 +86,12 @@ def test_compare_returns_cards_and_figures(compared):
     values = sorted(d["value"] for d in gauge_fig["data"])
     assert values[0] < values[1] < values[2] == pytest.approx(100.0)
     steps = json.loads(bytes_fig["plot"])["data"]
-    assert len(steps) == 4 and len(steps[1]["y"]) == 6  # exact dashed + 3 runs, prefill + 5 steps
+    # exact dashed + each run's line (prefill + 5 steps) and its mean over the run (dotted, the same value twice)
+    assert [d["name"] for d in steps] == ["exact (all tokens seen)"] + [
+        name for label in ("exact", "streaming@0.5", "streaming@0.25") for name in (label, f"{label} mean")
+    ]
+    for line, mean in zip(steps[1::2], steps[2::2]):
+        assert len(line["y"]) == 6 and mean["y"][0] == pytest.approx(sum(line["y"]) / 6)
 
 
 def test_measurements_reach_the_panels(compared, lm):
@@ -112,7 +117,8 @@ def test_measurements_reach_the_panels(compared, lm):
 def test_saving_in_cards_matches_budget(compared):
     cards = compared[1]
     # StreamingLLM at 0.25 holds about a quarter of the exact bytes (positions are implicit)
-    assert "75% saved" in cards or "74% saved" in cards
+    # (the saving at the peak: the exact cache's peak includes the generated tokens, so 0.25 saves ~75%)
+    assert any(f"{p}% saved" in cards for p in (74, 75, 76))
 
 
 def test_view_errors_rerenders_from_state(client, compared):
