@@ -44,18 +44,9 @@ from collections import Counter
 from collections.abc import Callable
 from functools import cache
 
-from kvlab.tasks import _FILLER, Task, _fit, _sentence_start
+from kvlab.tasks import _FILLER, RULER_TASKS, Task, _fit, _sentence_start
 
-SUITE = (
-    "niah_single_1",
-    "niah_single_2",
-    "niah_multikey_1",
-    "niah_multivalue",
-    "niah_multiquery",
-    "vt",
-    "cwe",
-    "fwe",
-)
+SUITE = RULER_TASKS  # the task names, kept in kvlab.tasks so that importing it stays light
 
 # Tokens to generate per task: RULER's (niah 128, vt 30, cwe 120, fwe 50), cut to what the answer
 # needs on this tokenizer family (a 7-digit number is 7 tokens for SmolLM2).

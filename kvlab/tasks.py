@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 OWN_TASKS = ("passkey", "needle", "multikey", "lines", "document")
-# RULER's synthetic tasks (kvlab.ruler.SUITE, written out so that importing this module stays light)
+# RULER's synthetic tasks (kvlab.ruler.SUITE is this tuple; kept here so that importing this module stays light)
 RULER_TASKS = (
     "niah_single_1",
     "niah_single_2",
