@@ -88,7 +88,11 @@ def main() -> int:
             key = f"{label} {r.method} {r.budget}"
             while key in out:
                 key += "'"
-            out[key] = {"hash": digest(fingerprint(r)), "tokens": len(r.token_ids), "peak": max(r.kv_bytes_per_step or [0])}
+            out[key] = {
+                "hash": digest(fingerprint(r)),
+                "tokens": len(r.token_ids),
+                "peak": max(r.kv_bytes_per_step or [0]),
+            }
             print(key, out[key], flush=True)
     total = digest({k: v["hash"] for k, v in out.items()})
     print("all runs:", total)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kvlab import semantics as sm
-from kvlab.compressors.base import DenseCompressor
+from kvlab.compressors.dense import DenseCompressor
 from kvlab.ops import attention_logits, group_queries, mask_future, ungroup
 from kvlab.semantics import LayerSemantics, window_bias
 

@@ -8,7 +8,7 @@ import torch
 
 from kvlab import plots
 from kvlab.budgets import Budget
-from kvlab.compressors.base import DenseCompressor
+from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import get, names
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.metrics import answer_positions

@@ -13,9 +13,9 @@ from kvlab.attention import LockstepDecode
 from kvlab.batched_attention import DenseRows, attend_rows, batched_dense_attention, length_buckets
 from kvlab.budgets import Budget
 from kvlab.compressors import names
-from kvlab.compressors._scored import ScoredEvictionCompressor
-from kvlab.compressors.base import DenseCompressor
 from kvlab.compressors.composed import ComposedStore
+from kvlab.compressors.dense import DenseCompressor
+from kvlab.compressors.scored import ScoredEvictionCompressor
 from kvlab.compressors.subgen import SubGen
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import dense_attention

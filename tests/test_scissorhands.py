@@ -5,7 +5,7 @@ import torch
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import PrefillState, get
-from kvlab.compressors._scored import eviction_keep
+from kvlab.compressors.scored import eviction_keep
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
 

@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 from kvlab.budgets import exact_bytes
-from kvlab.compressors.base import DenseCompressor, Param, PrefillState
+from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import register
 
 MAX_ROUNDS = 14

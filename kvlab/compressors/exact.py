@@ -9,7 +9,8 @@ generates the same tokens as ``generate``; with float16 storage its teacher-forc
 
 from __future__ import annotations
 
-from kvlab.compressors.base import DenseCompressor, PrefillState
+from kvlab.compressors.base import PrefillState
+from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import register
 
 

@@ -16,9 +16,9 @@ towards the bytes and the budget.
 
 from __future__ import annotations
 
-from kvlab.compressors._scored import ScoredEvictionCompressor
 from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.registry import register
+from kvlab.compressors.scored import ScoredEvictionCompressor
 from kvlab.ops import pool_heads
 
 

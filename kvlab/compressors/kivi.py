@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from kvlab.budgets import exact_bytes
-from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState, _Growable
+from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
+from kvlab.compressors.dense import _Growable
 from kvlab.compressors.registry import register
 from kvlab.models import ModelInfo
 from kvlab.ops import group_queries, ungroup

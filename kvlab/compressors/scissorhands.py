@@ -39,10 +39,11 @@ import torch
 from torch import Tensor
 
 from kvlab import cancel
-from kvlab.compressors._scored import ScoredEvictionCompressor
-from kvlab.compressors.base import DenseLayer, Param, PrefillState
+from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.dense import DenseLayer
 from kvlab.compressors.pyramidkv import pyramid_budgets
 from kvlab.compressors.registry import register
+from kvlab.compressors.scored import ScoredEvictionCompressor
 from kvlab.ops import causal_window_probs, pool_heads
 
 _PROBS_CHUNK_BYTES = 4 * 2**20  # one chunk of prefill window attention, small enough to stay in cache

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.compressors.base import DenseCompressor, Param, PrefillState
+from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import register
 from kvlab.ops import pool_heads
 

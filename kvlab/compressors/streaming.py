@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.compressors.base import DenseCompressor, Param, PrefillState
+from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import register
 
 

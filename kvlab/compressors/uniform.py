@@ -24,7 +24,8 @@ import math
 import torch
 from torch import Tensor
 
-from kvlab.compressors.base import DenseCompressor, Param, PrefillState
+from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import register
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvlab.compressors.base import DenseCompressor, DenseLayer, Param
+from kvlab.compressors.base import Param
 from kvlab.compressors.composed import (
     ComposedStore,
     TokenStore,
@@ -26,6 +26,7 @@ from kvlab.compressors.composed import (
     quantize_tokens,
     quantized_token_bytes,
 )
+from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.scissorhands import Scissorhands
 from kvlab.compressors.snapkv import SnapKV

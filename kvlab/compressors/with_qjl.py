@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvlab.compressors.base import DenseCompressor, DenseLayer, Param, ParamError, PrefillState
+from kvlab.compressors.base import Param, ParamError, PrefillState
 from kvlab.compressors.composed import (
     ComposedStore,
     TokenStore,
@@ -36,6 +36,7 @@ from kvlab.compressors.composed import (
     quantize_tokens,
     quantized_token_bytes,
 )
+from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.h2o import H2O
 from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, make_sketch, quantize_keys
 from kvlab.compressors.registry import add_resolver, register

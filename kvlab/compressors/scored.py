@@ -31,7 +31,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvlab.compressors.base import DenseCompressor, DenseLayer, PrefillState
+from kvlab.compressors.base import PrefillState
+from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.ops import gather_tokens, pool_heads
 
 
