@@ -8,10 +8,17 @@ prompts, multikey in 15/20), in the query-aware protocol the paper uses, each me
 0.25 of the exact cache's bytes (matched on the peak: every method here is prefill-only or holds its
 budget while decoding). BalanceKV runs as ``balancekv@paper`` (the paper's T = 2) and with kvlab's
 defaults (T from the budget, windows of up to a quarter of it).
+
+At 0.25 the 135M model often loses the exact answer under every method (a 5-digit key comes back
+with 4 digits right), so accuracy alone can tie at 0 and say nothing. Each answer is therefore also
+scored by its edit similarity to the gold answer (difflib's ratio over the answer's first
+characters; LongBench scores its code tasks by edit similarity), and the claim is judged on that
+score whenever accuracy does not separate the methods.
 """
 
 from __future__ import annotations
 
+import difflib
 import time
 
 from kvlab.reproduce.common import Claim, Report, Row
@@ -53,6 +60,7 @@ def run(ctx: Context) -> Report:
     budget = Budget.parse(cfg["budget"])
     methods = list(PAPER)
     scores: dict[str, dict[str, list[float]]] = {t: {m: [] for m in methods} for t in cfg["tasks"]}
+    sims: dict[str, dict[str, list[float]]] = {t: {m: [] for m in methods} for t in cfg["tasks"]}
     peak: dict[str, list[float]] = {m: [] for m in methods}
     errors: dict[str, str] = {}
     for task_name in cfg["tasks"]:
@@ -68,6 +76,7 @@ def run(ctx: Context) -> Report:
                     errors[m] = r.error
                     continue
                 scores[task_name][m].append(float(r.metrics.get("task_score") or 0.0))
+                sims[task_name][m].append(edit_similarity(str(task.answer), r.text))
                 fr = [b / e for b, e in zip(r.kv_bytes_per_step, r.exact_kv_bytes_per_step) if e]
                 peak[m].append(max(fr) if fr else float("nan"))
 
@@ -76,6 +85,8 @@ def run(ctx: Context) -> Report:
 
     acc = {t: {m: mean(v) for m, v in by.items()} for t, by in scores.items()}
     avg = {m: mean([acc[t][m] for t in cfg["tasks"]]) for m in methods}
+    sim = {t: {m: mean(v) for m, v in by.items()} for t, by in sims.items()}
+    avg_sim = {m: mean([sim[t][m] for t in cfg["tasks"]]) for m in methods}
     held = {m: max(v) if v else float("nan") for m, v in peak.items()}
     rows = []
     for m in methods:
@@ -85,19 +96,22 @@ def run(ctx: Context) -> Report:
             Row(
                 m,
                 f"{PAPER[m]} (LongBench avg)",
-                f"avg {avg[m]:.2f} ({per_task}){matched}",
+                f"avg {avg[m]:.2f} ({per_task}); edit similarity {avg_sim[m]:.2f}{matched}",
                 None,
                 errors.get(m, "the reference" if m == "exact" else ""),
             )
         )
+    compressed = [m for m in methods if m != "exact"]
+    separates = len({round(avg[m], 6) for m in compressed}) > 1
+    judged, label = (avg, "accuracy") if separates else (avg_sim, "edit similarity (accuracy ties)")
     for m in ("balancekv@paper", "balancekv"):
-        beaten = [b for b in BASELINES if avg[m] < avg[b]]
+        beaten = [b for b in BASELINES if judged[m] < judged[b]]
         rows.append(
             Row(
-                f"{m} >= every baseline on average",
+                f"{m} >= every baseline on average, by {label}",
                 "44.99 >= 44.82, 44.57, 44.03, 42.51",
-                f"{avg[m]:.2f} vs " + ", ".join(f"{b} {avg[b]:.2f}" for b in BASELINES),
-                not beaten if avg[m] == avg[m] else None,
+                f"{judged[m]:.2f} vs " + ", ".join(f"{b} {judged[b]:.2f}" for b in BASELINES),
+                not beaten if judged[m] == judged[m] else None,
                 f"below {', '.join(beaten)}" if beaten else "",
             )
         )
@@ -113,11 +127,25 @@ def run(ctx: Context) -> Report:
         ctx.command(NAME),
         setting,
         rows,
-        {"settings": cfg, "accuracy": acc, "average": avg, "peak_fraction": held, "errors": errors},
+        {
+            "settings": cfg,
+            "accuracy": acc,
+            "average": avg,
+            "edit_similarity": sim,
+            "average_edit_similarity": avg_sim,
+            "peak_fraction": held,
+            "errors": errors,
+        },
         list(CLAIMS),
         _figure(avg, methods),
         time.perf_counter() - t0,
     )
+
+
+def edit_similarity(gold: str, text: str) -> float:
+    """difflib's ratio between ``gold`` and the generated text's first ``len(gold) + 2`` characters
+    (leading spaces dropped): 1 for the exact answer, partial credit for a near miss."""
+    return difflib.SequenceMatcher(None, gold, text.lstrip()[: len(gold) + 2]).ratio()
 
 
 def _figure(avg: dict, methods: list[str]):
