@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget
-from kvlab.compressors.subgen import SubGenState, _cluster_stream, greedy_kcenter, kcenter_compress
+from kvlab.clustering import cluster_stream, greedy_kcenter
+from kvlab.compressors.subgen import SubGenState, kcenter_compress
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import dense_attention
 
@@ -38,9 +39,9 @@ def test_cluster_pass_matches_token_by_token_rule():
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(6, 300, 8, generator=g, dtype=torch.float64)
     delta = torch.tensor([2.0, 3.0, 3.5, 4.0, 5.0, 3.0], dtype=torch.float64)
-    assign, centers, count, forced = _cluster_stream(keys, delta, 40, chunk=64)  # chunks, as on long prompts
+    assign, centers, count, forced = cluster_stream(keys, delta, 40, chunk=64)  # chunks, as on long prompts
     assert torch.equal(assign, _sequential_clusters(keys, delta, 40))
-    assert torch.equal(_cluster_stream(keys, delta, 40, chunk=300)[0], assign)
+    assert torch.equal(cluster_stream(keys, delta, 40, chunk=300)[0], assign)
     assert count.tolist()[0] == 40 and count.tolist()[4] < 10  # the cap binds for small delta only
     far = (keys - torch.gather(centers, 1, assign.unsqueeze(-1).expand_as(keys))).norm(dim=-1) > delta.unsqueeze(-1)
     assert torch.equal(forced, far.sum(-1)) and forced[0] > 0 and forced[4] == 0  # keys the cap forced in
@@ -203,7 +204,7 @@ def test_algorithm1_delta_fits_m_cap_on_the_prompt(lm, prefill_state):
     sink, recent = knobs["sink"], knobs["recent"]
     assert sink == 4 and recent > 0 and int(c.state.sizes.sum(-1).max()) == n - sink - recent
     stream = st.keys[:, :, sink : n - recent].reshape(n_layers * h, -1, d).float()
-    tighter = _cluster_stream(stream, c.state.delta.reshape(-1) * 0.97, m_cap + 1)[2]
+    tighter = cluster_stream(stream, c.state.delta.reshape(-1) * 0.97, m_cap + 1)[2]
     assert (tighter > m_cap).float().mean() > 0.5
     errs = []
     for layer in range(n_layers):
