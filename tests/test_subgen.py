@@ -18,39 +18,6 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def _sequential_clusters(keys, delta, m_cap):
-    """Algorithm 1, lines 11-22, one key at a time (the reference)."""
-    out = []
-    for b in range(keys.shape[0]):
-        reps, assign = [], []
-        for k in keys[b]:
-            if reps:
-                dist, j = torch.stack([(k - c).norm() for c in reps]).min(0)
-                if dist <= delta[b] or len(reps) >= m_cap:
-                    assign.append(int(j))
-                    continue
-            reps.append(k)
-            assign.append(len(reps) - 1)
-        out.append(assign)
-    return torch.tensor(out)
-
-
-def test_cluster_pass_matches_token_by_token_rule():
-    g = torch.Generator().manual_seed(0)
-    keys = torch.randn(6, 300, 8, generator=g, dtype=torch.float64)
-    delta = torch.tensor([2.0, 3.0, 3.5, 4.0, 5.0, 3.0], dtype=torch.float64)
-    assign, centers, count, forced = cluster_stream(keys, delta, 40, chunk=64)  # chunks, as on long prompts
-    assert torch.equal(assign, _sequential_clusters(keys, delta, 40))
-    assert torch.equal(cluster_stream(keys, delta, 40, chunk=300)[0], assign)
-    assert count.tolist()[0] == 40 and count.tolist()[4] < 10  # the cap binds for small delta only
-    far = (keys - torch.gather(centers, 1, assign.unsqueeze(-1).expand_as(keys))).norm(dim=-1) > delta.unsqueeze(-1)
-    assert torch.equal(forced, far.sum(-1)) and forced[0] > 0 and forced[4] == 0  # keys the cap forced in
-    # every representative is the first key of its cluster
-    for b in range(6):
-        first = [int((assign[b] == j).nonzero()[0]) for j in range(int(count[b]))]
-        assert torch.equal(centers[b, : int(count[b])], keys[b, first])
-
-
 def _one_cluster_stream(n_streams, n, d=8, norms=None):
     """n tokens with one-hot keys (token i = e_i, all within one cluster of radius 2) in every stream."""
     keys = torch.eye(d)[:n].expand(1, n_streams, n, d).clone()
