@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,7 +73,7 @@ from kvlab.compressors.base import Compressor, Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.registry import register
 from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
-from kvlab.semantics import LayerSemantics
+from kvlab.semantics import LayerSemantics, ModelSemantics
 
 PAPER = (
     "Zandieh, Han, Mirrokni, Karbasi, SubGen: Token Generation in Sublinear Time and Memory, "
@@ -258,6 +259,7 @@ class SubGenState:
         if exact_k is None or exact_k.shape[-2] == 0:
             out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
         else:
+            assert exact_v is not None, "exact_k needs its exact_v"
             le = sem.cap(torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling)  # [H, g*w, e]
             shift = torch.maximum(log_tau, le.amax(-1)).unsqueeze(-1)  # a common shift cancels in the ratio
             pe = torch.exp(le - shift)
@@ -301,6 +303,7 @@ class SubGenState:
             le = sem.cap(torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling)  # [H, g, e]
             terms = torch.cat([terms, le], -1)
         log_z = sm.with_sinks(torch.logsumexp(terms, -1, keepdim=True), sem, q.shape[0])
+        assert self.assign is not None, "the token-to-cluster assignment is kept by build and append"
         idx = self.assign[layer].long().unsqueeze(1).expand(-1, qg.shape[1], -1)  # [H, g, n]
         w = torch.gather(torch.exp(per_member - log_z), -1, idx)
         we = None if le is None else ungroup(torch.exp(le - log_z), q.shape[0])[:, 0]
@@ -443,26 +446,45 @@ class SubGen(Compressor):
         ),
     )
 
+    sem: ModelSemantics  # (``ModelInfo`` always fills its semantics)
+    # set by ``plan``
+    full: bool
+    local_layers: list[int]  # sliding-window layers: an exact sliding store each
+    global_layers: list[int]  # Algorithm 1's layers
+    local_window: dict[int, int]  # a local layer's window
+    local_cap: dict[int, int]  # tokens a local layer holds
+    sg_plan: SubGenPlan | None  # Algorithm 1's knobs per global stream (None: no global layer)
+    knobs: dict[str, Any]
+    # set by ``compress``
+    local: dict[int, DenseLayer]  # the local layers' sliding stores
+    dense: dict[int, DenseLayer]  # the global layers' exact stores when the budget is full
+    slot: dict[int, int]  # a global layer's index among Algorithm 1's streams
+    state: SubGenState | None  # Algorithm 1 over the global layers (None: no global layer)
+    exact: ExactTokens  # sink and recent tokens held exactly beside it
+    clusters: float  # mean clusters per stream after the prompt
+
     def plan(self, n_prompt: int) -> dict:
         """Local (sliding-window) layers hold their latest tokens exactly in a sliding dense store: the
         whole window when the budget pays for it beside Algorithm 1 on the global layers, else each
         its own share of the budget (``_local_caps``); Algorithm 1 gets the rest, per global stream."""
         self.full = self.is_full
-        self.local_layers = [i for i, s in enumerate(self.sem) if s.is_local]
-        self.global_layers = [i for i, s in enumerate(self.sem) if not s.is_local]
+        self.local_window = {i: s.window for i, s in enumerate(self.sem.layers) if s.window is not None}
+        self.local_layers = list(self.local_window)
+        self.global_layers = [i for i, s in enumerate(self.sem.layers) if not s.is_local]
         if self.full:
             self.local_cap = self._local_caps(n_prompt, whole=True)
             return {"compressed": False}
+        assert self.budget is not None  # no budget is a full one (returned above)
         target = self.budget.target_bytes(self.info, n_prompt)
         for whole in (True, False) if self.local_layers else (True,):  # a plan that does not fit is refused
             self.local_cap = self._local_caps(n_prompt, whole)
             if self._plan_global(target - self._local_bytes(n_prompt)):
                 break
-        knobs = {}
+        knobs: dict[str, Any] = {}
         if self.local_layers:
             knobs = {"local_tokens": max(self.local_cap.values()), "local_whole_window": whole}
         if self.global_layers:
-            p = self.sg_plan
+            p = self._planned
             knobs.update(t=p.t, s=p.s, m_cap=p.m_cap, planned_bytes_per_stream=p.planned_bytes_per_stream)
             knobs.update(sink=p.sink, recent=p.recent)
         self.knobs = knobs
@@ -472,9 +494,10 @@ class SubGen(Compressor):
         """Tokens each local layer holds: its window (``whole``), else its share of the budget,
         ``fraction x min(n_prompt, window)`` (at least 1): the latest ones in both cases."""
         if whole:
-            return {i: self.sem[i].window for i in self.local_layers}
+            return dict(self.local_window)
+        assert self.budget is not None  # a share of the budget: planned under one only
         f = self.budget.fraction_of(n_prompt)
-        return {i: max(1, int(f * min(n_prompt, self.sem[i].window))) for i in self.local_layers}
+        return {i: max(1, int(f * min(n_prompt, w))) for i, w in self.local_window.items()}
 
     def _local_bytes(self, n_prompt: int) -> int:
         """Bytes the local layers' sliding stores hold at most over the plan's horizon."""
@@ -507,6 +530,18 @@ class SubGen(Compressor):
         return False
 
     @property
+    def _planned(self) -> SubGenPlan:
+        """Algorithm 1's knobs per global stream (``plan`` on a model with global layers)."""
+        assert self.sg_plan is not None, "Algorithm 1 is planned on global layers only"
+        return self.sg_plan
+
+    @property
+    def _stream(self) -> SubGenState:
+        """Algorithm 1's streams (``compress`` under a budget, on a model with global layers)."""
+        assert self.state is not None, "Algorithm 1 runs on global layers only, under a budget"
+        return self.state
+
+    @property
     def uncapped(self) -> bool:
         return self.cfg["max_clusters"] == "none"
 
@@ -518,7 +553,7 @@ class SubGen(Compressor):
             return None
         planned = self._local_bytes(n_prompt)
         if self.global_layers:
-            planned += len(self.global_layers) * self.info.n_kv_heads * self.sg_plan.planned_bytes_per_stream
+            planned += len(self.global_layers) * self.info.n_kv_heads * self._planned.planned_bytes_per_stream
         return planned / max(1.0, self.allowed(n_prompt, 0))
 
     def compress(self, state: PrefillState) -> None:
@@ -539,13 +574,14 @@ class SubGen(Compressor):
         self.state = None
         if not gl:
             return
-        p = self.sg_plan
+        p = self._planned
         sink = min(p.sink, n - 1)
         recent = min(p.recent, n - 1 - sink)  # at least one token goes through Algorithm 1
         stream = slice(sink, n - recent)
         all_keys, all_values = state.keys[gl], state.values[gl]  # [Lg, H, n, d], [Lg, H, n, dv]
         keys, values = all_keys[:, :, stream], all_values[:, :, stream]
         m_cap = p.m_cap
+        clustering: Clustering | None  # the prompt's cluster pass when the radius search made it
         if self.uncapped:  # Theorem 1: a fixed delta, as many clusters as the keys need
             delta, clustering, m_cap = self._uncapped_clusters(keys)
         else:
@@ -582,7 +618,7 @@ class SubGen(Compressor):
         stream opened, plus room to grow)."""
         n_layers, h, n, d = keys.shape
         if self.cfg["delta"] is None:
-            delta, _ = self._delta(keys, self.sg_plan.m_cap)
+            delta, _ = self._delta(keys, self._planned.m_cap)
         else:
             delta = torch.full((n_layers, h), float(self.cfg["delta"]))
         assign, centers, count, forced = cluster_stream(keys.reshape(-1, n, d).float(), delta.reshape(-1).float(), n)
@@ -621,7 +657,7 @@ class SubGen(Compressor):
             self.dense[layer].append(k, v, pos)
         else:
             j = self.slot[layer]
-            self.state.append(j, *self.exact.push(j, k[:, 0], v[:, 0]), self.generator)
+            self._stream.append(j, *self.exact.push(j, k[:, 0], v[:, 0]), self.generator)
 
     def _dense(self, layer: int) -> DenseLayer | None:
         """The dense store of ``layer``: a local layer's sliding store, or any layer's when full."""
@@ -635,7 +671,7 @@ class SubGen(Compressor):
             k, v, _, _ = dense.views()
             return dense_attention(q, k, v, self.sem[layer])
         j = self.slot[layer]
-        return self.state.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
+        return self._stream.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
         dense = self._dense(layer)
@@ -658,7 +694,7 @@ class SubGen(Compressor):
             k, _, pos, _ = dense.views()
             return weights_on_positions(q, k, pos, self.sem[layer])
         ex, j = self.exact, self.slot[layer]
-        stream, held = self.state.estimated_weights(j, q, self.sem[layer], ex.keys[j])
+        stream, held = self._stream.estimated_weights(j, q, self.sem[layer], ex.keys[j])
         if held is None:
             return stream
         window = torch.roll(held[:, ex.sink :], -ex.head[j], dims=-1)  # ring slots -> oldest first
