@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget
-from kvlab.compressors.subgen import SubGenState, _cluster_stream, greedy_kcenter, kcenter_compress
+from kvlab.clustering import cluster_stream, greedy_kcenter
+from kvlab.compressors.subgen import SubGenState, kcenter_compress
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import dense_attention
 
@@ -15,39 +16,6 @@ CHI2_CRIT = {5: 20.52, 7: 24.32}
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
-
-
-def _sequential_clusters(keys, delta, m_cap):
-    """Algorithm 1, lines 11-22, one key at a time (the reference)."""
-    out = []
-    for b in range(keys.shape[0]):
-        reps, assign = [], []
-        for k in keys[b]:
-            if reps:
-                dist, j = torch.stack([(k - c).norm() for c in reps]).min(0)
-                if dist <= delta[b] or len(reps) >= m_cap:
-                    assign.append(int(j))
-                    continue
-            reps.append(k)
-            assign.append(len(reps) - 1)
-        out.append(assign)
-    return torch.tensor(out)
-
-
-def test_cluster_pass_matches_token_by_token_rule():
-    g = torch.Generator().manual_seed(0)
-    keys = torch.randn(6, 300, 8, generator=g, dtype=torch.float64)
-    delta = torch.tensor([2.0, 3.0, 3.5, 4.0, 5.0, 3.0], dtype=torch.float64)
-    assign, centers, count, forced = _cluster_stream(keys, delta, 40, chunk=64)  # chunks, as on long prompts
-    assert torch.equal(assign, _sequential_clusters(keys, delta, 40))
-    assert torch.equal(_cluster_stream(keys, delta, 40, chunk=300)[0], assign)
-    assert count.tolist()[0] == 40 and count.tolist()[4] < 10  # the cap binds for small delta only
-    far = (keys - torch.gather(centers, 1, assign.unsqueeze(-1).expand_as(keys))).norm(dim=-1) > delta.unsqueeze(-1)
-    assert torch.equal(forced, far.sum(-1)) and forced[0] > 0 and forced[4] == 0  # keys the cap forced in
-    # every representative is the first key of its cluster
-    for b in range(6):
-        first = [int((assign[b] == j).nonzero()[0]) for j in range(int(count[b]))]
-        assert torch.equal(centers[b, : int(count[b])], keys[b, first])
 
 
 def _one_cluster_stream(n_streams, n, d=8, norms=None):
@@ -203,7 +171,7 @@ def test_algorithm1_delta_fits_m_cap_on_the_prompt(lm, prefill_state):
     sink, recent = knobs["sink"], knobs["recent"]
     assert sink == 4 and recent > 0 and int(c.state.sizes.sum(-1).max()) == n - sink - recent
     stream = st.keys[:, :, sink : n - recent].reshape(n_layers * h, -1, d).float()
-    tighter = _cluster_stream(stream, c.state.delta.reshape(-1) * 0.97, m_cap + 1)[2]
+    tighter = cluster_stream(stream, c.state.delta.reshape(-1) * 0.97, m_cap + 1)[2]
     assert (tighter > m_cap).float().mean() > 0.5
     errs = []
     for layer in range(n_layers):

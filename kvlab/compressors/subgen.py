@@ -27,10 +27,10 @@ on the global layers only; a local layer holds its latest tokens exactly in a sl
 
 The pass runs over the prompt at compress time and keeps running on every generated token. It is
 sequential only in the cluster assignment, which runs over all L x Hkv streams together, in chunks
-of tokens, looping once per opened cluster rather than once per token (see ``_cluster_stream``; the
-same result as the token-by-token rule). Over the prompt the reservoirs are drawn from the closed
-form of their coin flips (the same distribution); while decoding the coins are flipped token by
-token.
+of tokens, looping once per opened cluster rather than once per token (``kvlab.clustering``: the
+same result as the token-by-token rule of ``kvlab.clustering_reference``). Over the prompt the
+reservoirs are drawn from the closed form of their coin flips (the same distribution); while
+decoding the coins are flipped token by token.
 
 The radius delta. The paper assumes a clusterable stream: m clusters of radius delta, m sublinear in
 n, the cluster count never capped. kvlab picks delta per stream (layer, KV head) so that leader
@@ -58,117 +58,27 @@ lie close to x.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from kvlab import semantics as sm
 from kvlab.budgets import per_token_bytes
+from kvlab.clustering import Clustering, cluster_stream, greedy_kcenter, leader_delta, nearest_center, open_or_join
 from kvlab.compressors.base import Compressor, Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.registry import register
 from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
-from kvlab.semantics import LayerSemantics
+from kvlab.semantics import LayerSemantics, ModelSemantics
 
 PAPER = (
     "Zandieh, Han, Mirrokni, Karbasi, SubGen: Token Generation in Sublinear Time and Memory, "
     "arXiv:2402.06082 (2024); ClusterGen (later version)"
 )
-
-
-# ----- clustering ----------------------------------------------------------------------------------
-def _sqdist(x: Tensor, xsq: Tensor, c: Tensor, csq: Tensor) -> Tensor:
-    """Squared distances of points x [B, n, d] to points c [B, m, d] given their squared norms: [B, n, m].
-
-    Expanded as |x|^2 + |c|^2 - 2 <x, c> (may dip a rounding error below 0; callers only compare).
-    """
-    return torch.baddbmm(xsq.unsqueeze(-1) + csq.unsqueeze(-2), x, c.transpose(-1, -2), alpha=-2)
-
-
-@dataclass
-class KCenter:
-    """Greedy k-center result per stream: centers [B, k] (token indices), assign [B, n], radius [B]."""
-
-    centers: Tensor
-    assign: Tensor
-    radius: Tensor
-
-
-KCENTER_BYTES = 16 << 20  # keys of the streams one greedy k-center pass works on together
-
-
-def greedy_kcenter(x: Tensor, k: int) -> KCenter:
-    """Gonzalez' greedy k-center (a 2-approximation) on every stream.
-
-    x: [B, n, d]. Starts from token 0; each round adds the point farthest from the chosen centers.
-    Returns the chosen token indices, each point's nearest center (index into ``centers``) and the
-    final cover radius. A chosen point belongs to its own cluster and is never chosen twice, so
-    every cluster has at least one member even when keys repeat (k distinct tokens for k <= n).
-
-    Each round reads all keys of its streams, so the streams go in groups of at most
-    ``KCENTER_BYTES`` of keys (at least two streams, which keeps the batched products' rounding),
-    the k rounds of a group reading from cache rather than memory.
-    """
-    b, n, d = x.shape
-    step = max(2, KCENTER_BYTES // max(1, n * d * x.element_size()))
-    if step >= b:
-        return _greedy_kcenter(x, k)
-    parts = [_greedy_kcenter(x[i : i + step], k) for i in range(0, b, step)]
-    return KCenter(*(torch.cat(t) for t in zip(*((p.centers, p.assign, p.radius) for p in parts))))
-
-
-def _greedy_kcenter(x: Tensor, k: int) -> KCenter:
-    """``greedy_kcenter`` on all streams of x [B, n, d] in lockstep.
-
-    Each round measures every point against the new center with one batched product (the new
-    center's key as a [B, d, 1] view: the product's rounding depends on its layout) and updates the
-    running nearest distance and center in place (assign kept in int32 until the end).
-    """
-    b, n, d = x.shape
-    k = min(k, n)
-    xsq = (x * x).sum(-1)
-    flat, flat_sq, first = x.reshape(-1, d), xsq.view(-1), torch.arange(b, device=x.device) * n
-    xsq = xsq.unsqueeze(-1)
-    d2 = torch.empty_like(xsq)  # [B, n, 1]: each round's squared distances, written in place
-    best = torch.full((b, n), float("inf"), dtype=x.dtype, device=x.device)
-    assign = torch.zeros(b, n, dtype=torch.int32, device=x.device)
-    closer = torch.empty(b, n, dtype=torch.bool, device=x.device)
-    cur = torch.zeros(b, dtype=torch.long, device=x.device)
-    picks = []
-    for j in range(k):
-        picks.append(cur)
-        at = first + cur
-        c, csq = flat.index_select(0, at), flat_sq.index_select(0, at)
-        torch.add(xsq, csq.view(b, 1, 1), out=d2).baddbmm_(x, c.unsqueeze(1).transpose(-1, -2), alpha=-2)
-        torch.lt(d2.view(b, n), best, out=closer)
-        torch.minimum(best, d2.view(b, n), out=best)  # = where(closer, d2, best): no NaN; equal values are equal
-        assign.masked_fill_(closer, j)
-        assign.view(-1).index_fill_(0, at, j)
-        best.view(-1).index_fill_(0, at, -1.0)  # chosen: distance 0, below every unchosen point's
-        cur = best.argmax(-1)
-    return KCenter(torch.stack(picks, 1), assign.long(), best.amax(-1).clamp_min(0).sqrt())
-
-
-def _nearest(centers: Tensor, csq: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    """Nearest center of each stream's key: centers [B, m, d], csq [B, m] (inf = unused), k [B, d].
-
-    Returns (squared distance [B], index [B]).
-    """
-    d2 = _sqdist(k.unsqueeze(1), (k * k).sum(-1, keepdim=True), centers, csq).squeeze(1)
-    return d2.min(-1)
-
-
-def _open_or_join(dmin: Tensor, j: Tensor, count: Tensor, delta: Tensor, m_cap: int) -> tuple[Tensor, Tensor]:
-    """Line 13 of Algorithm 1: open a cluster when the nearest is farther than delta (and room is left).
-
-    Returns (cluster index [B], opened [B] bool).
-    """
-    opened = (dmin > delta * delta) & (count < m_cap)
-    return torch.where(opened, count.long(), j), opened
 
 
 # ----- reservoirs ----------------------------------------------------------------------------------
@@ -201,6 +111,11 @@ def norm_reservoir(values: Tensor, s: int, gen: torch.Generator) -> Tensor:
 def _replace(slots: Tensor, coins: Tensor, x: Tensor) -> None:
     """Write x [B, d] into the slots [B, s, d] whose coin [B, s] succeeded (in place)."""
     slots.copy_(torch.where(coins.unsqueeze(-1), x.unsqueeze(1), slots))
+
+
+def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
+    """One coin per slot with success probability p [B]: [B, slots] bool."""
+    return torch.rand(p.shape[0], slots, generator=gen).to(p.device) < p.unsqueeze(-1)
 
 
 # ----- the streaming data structure ----------------------------------------------------------------
@@ -262,7 +177,7 @@ class SubGenState:
         n_layers, h, n, d = keys.shape
         dv = values.shape[-1]  # the value head size (differs from d with multi-head latent attention)
         flat_k, flat_v = keys.reshape(-1, n, d).float(), values.reshape(-1, n, dv).float()
-        c = clustering or Clustering(*_cluster_stream(flat_k, delta.reshape(-1).float(), m_cap))
+        c = clustering or Clustering(*cluster_stream(flat_k, delta.reshape(-1).float(), m_cap))
         assign, centers, count, forced = c.assign, c.centers, c.count, c.forced
         sizes = torch.zeros(assign.shape[0], m_cap, dtype=torch.long).scatter_add_(1, assign, torch.ones_like(assign))
         pick = uniform_reservoirs(assign, m_cap, t, gen)
@@ -293,8 +208,8 @@ class SubGenState:
         cf = centers.float()
         unused = torch.arange(self.m_cap, device=k.device) >= count.unsqueeze(-1)
         csq = (cf * cf).sum(-1).masked_fill(unused, float("inf"))
-        dmin, near = _nearest(cf, csq, k)
-        j, opened = _open_or_join(dmin, near, count, self.delta[layer], self.m_cap)
+        dmin, near = nearest_center(cf, csq, k)
+        j, opened = open_or_join(dmin, near, count, self.delta[layer], self.m_cap)
         self.cap_joins[layer] += ((dmin > self.delta[layer] ** 2) & ~opened).to(self.cap_joins.dtype)
         rows = torch.arange(k.shape[0], device=k.device)
         centers[rows[opened], j[opened]] = k[opened].to(centers.dtype)
@@ -344,6 +259,7 @@ class SubGenState:
         if exact_k is None or exact_k.shape[-2] == 0:
             out = torch.matmul(torch.exp(logits - log_tau.unsqueeze(-1)), mv)
         else:
+            assert exact_v is not None, "exact_k needs its exact_v"
             le = sem.cap(torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling)  # [H, g*w, e]
             shift = torch.maximum(log_tau, le.amax(-1)).unsqueeze(-1)  # a common shift cancels in the ratio
             pe = torch.exp(le - shift)
@@ -387,6 +303,7 @@ class SubGenState:
             le = sem.cap(torch.matmul(qg, exact_k.float().transpose(-1, -2)) * scaling)  # [H, g, e]
             terms = torch.cat([terms, le], -1)
         log_z = sm.with_sinks(torch.logsumexp(terms, -1, keepdim=True), sem, q.shape[0])
+        assert self.assign is not None, "the token-to-cluster assignment is kept by build and append"
         idx = self.assign[layer].long().unsqueeze(1).expand(-1, qg.shape[1], -1)  # [H, g, n]
         w = torch.gather(torch.exp(per_member - log_z), -1, idx)
         we = None if le is None else ungroup(torch.exp(le - log_z), q.shape[0])[:, 0]
@@ -426,285 +343,6 @@ class ExactTokens:
         self.values[layer, :, slot] = v.to(self.values.dtype)
         self.head[layer] = (self.head[layer] + 1) % self.recent
         return old_k, old_v
-
-
-def _coins(p: Tensor, slots: int, gen: torch.Generator) -> Tensor:
-    """One coin per slot with success probability p [B]: [B, slots] bool."""
-    return torch.rand(p.shape[0], slots, generator=gen).to(p.device) < p.unsqueeze(-1)
-
-
-GEMM_MIN_COLS = 12  # products with fewer columns take another (small-matrix) path with another rounding
-NEAREST_GROUP = 16  # streams per product in ``_nearest_open``
-
-
-def _nearest_open(x: Tensor, xsq: Tensor, centers: Tensor, csq: Tensor, count: Tensor, index: bool = False):
-    """Squared distance of each key of a chunk x [B, c, d] (xsq [B, c]) to the nearest of its stream's
-    ``count`` [B] representatives (centers [B, m, d], csq [B, m]; inf for none): [B, c], and with
-    ``index`` also the nearest one's index [B, c].
-
-    The streams go in groups of ``NEAREST_GROUP`` with similar counts, one product per group over
-    the most representatives of its streams: the same rounding as one product over the most any
-    stream has (the unused ones are at infinity), less the padding. While the most is below
-    ``GEMM_MIN_COLS`` the single product is kept (another rounding).
-    """
-    used = max(1, int(count.max()))
-    if used < GEMM_MIN_COLS:
-        d2 = _sqdist(x, xsq, centers[:, :used], csq[:, :used])
-        return d2.min(-1) if index else d2.amin(-1)
-    best = x.new_empty(x.shape[:2])
-    near = torch.empty(x.shape[:2], dtype=torch.long, device=x.device) if index else None
-    ranked, order = torch.sort(count, stable=True)
-    for g in range(0, count.numel(), NEAREST_GROUP):
-        rows = order[g : g + NEAREST_GROUP]
-        m = max(int(ranked[g : g + NEAREST_GROUP][-1]), GEMM_MIN_COLS)
-        cg, cgsq = centers[:, :m].index_select(0, rows), csq[:, :m].index_select(0, rows)
-        d2 = _sqdist(x.index_select(0, rows), xsq.index_select(0, rows), cg, cgsq)
-        if index:
-            v, i = d2.min(-1)
-            best.index_copy_(0, rows, v)
-            near.index_copy_(0, rows, i)
-        else:
-            best.index_copy_(0, rows, d2.amin(-1))
-    return (best, near) if index else best
-
-
-def _cluster_stream(
-    keys: Tensor, delta: Tensor, m_cap: int, chunk: int = 256, first: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """UpdateSoftmaxNormalizer's cluster assignment over a whole prompt, for B streams in lockstep.
-
-    Exactly the sequential rule (a key joins the nearest representative opened before it if within
-    delta, else opens one; past ``m_cap`` clusters it joins the nearest), computed in chunks of
-    tokens: one matrix product gives every key of the chunk its nearest earlier representative,
-    then the chunk loops once per representative it opens (the first key of a stream that nothing
-    covers opens the next one, visible only to keys from there on). Python loops over opened
-    clusters, not over tokens.
-
-    keys [B, n, d], delta [B]; ``first``: the first chunk's ``_pair_dists`` when already made.
-    Returns assign [B, n], centers [B, m_cap, d], count [B] and forced [B]: how many keys joined a
-    cluster farther than delta because the cap was reached.
-    """
-    b, n, d = keys.shape
-    ksq = (keys * keys).sum(-1)
-    centers = keys.new_zeros(b, m_cap, d)
-    csq = torch.full((b, m_cap), float("inf"), dtype=keys.dtype, device=keys.device)
-    count = torch.zeros(b, dtype=torch.long, device=keys.device)
-    assign = torch.empty(b, n, dtype=torch.long, device=keys.device)
-    forced = torch.zeros(b, dtype=torch.long, device=keys.device)
-    delta2 = (delta * delta).unsqueeze(-1)
-    for a in range(0, n, chunk):
-        x, xsq = keys[:, a : a + chunk], ksq[:, a : a + chunk]
-        best, near = _nearest_open(x, xsq, centers, csq, count, index=True)
-        _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2, first if a == 0 else None)
-        assign[:, a : a + chunk] = near
-        forced += (best > delta2).sum(-1)
-    return assign, centers, count, forced
-
-
-@dataclass
-class Clustering:
-    """The cluster pass over B streams' prompt keys: assign [B, n], centers [B, m_cap, d], count [B],
-    forced [B] (keys that joined a cluster farther than delta because of the cap)."""
-
-    assign: Tensor
-    centers: Tensor
-    count: Tensor
-    forced: Tensor
-
-
-def leader_delta(
-    keys: Tensor, m_cap: int, iters: int = 10, chunk: int = 256, cluster: bool = True
-) -> tuple[Tensor, Clustering | None]:
-    """The smallest radius (to 2^-iters of the keys' diameter bound) at which Algorithm 1's leader
-    clustering of each stream opens at most ``m_cap`` clusters: bisection on the prompt.
-
-    keys [B, n, d] float32. Returns delta [B] and the clustering at that delta. Any delta >= the
-    diameter gives one cluster, so the upper end always fits; each step counts the clusters of all
-    streams in lockstep (``_fits``, which needs no assignments), and the clustering at the radius
-    found is made once at the end (``_cluster_stream``: the same pass as the accepting step's; None
-    without ``cluster``). The first chunk's distances, which every pass needs, are measured once
-    (``_pair_dists``). Every distance comes from the same product as in ``_cluster_stream`` (the same
-    rounding), so the steps, delta and clustering are those of running it in full at every step.
-    """
-    keys = keys.contiguous()  # (the prompt's keys come as a view)
-    hi = 2 * keys.norm(dim=-1).amax(-1) + 1e-6
-    lo = torch.zeros_like(hi)
-    first = _pair_dists(keys[:, :chunk])
-    ksq = (keys * keys).sum(-1)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        fits = _fits(keys, ksq, mid, m_cap, chunk, first)
-        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-    return hi, Clustering(*_cluster_stream(keys, hi, m_cap, chunk, first)) if cluster else None
-
-
-def _pair_dists(x: Tensor) -> Tensor:
-    """Squared distances within a chunk x [B, c, d] as ``_open_in_chunk`` measures them (the product of
-    the keys from p on with key p, so the same rounding): [B, c, c], [:, p, i] = |x_i - x_p|^2 for i >= p
-    (0 below)."""
-    b, c, _ = x.shape
-    xsq = (x * x).sum(-1)
-    out = x.new_zeros(b, c, c)
-    for p in range(c):
-        out[:, p, p:] = _sqdist(x[:, p:], xsq[:, p:], x[:, p : p + 1], xsq[:, p : p + 1]).squeeze(-1)
-    return out
-
-
-def _fits(
-    keys: Tensor, ksq: Tensor, delta: Tensor, m_cap: int, chunk: int = 256, first: Tensor | None = None
-) -> Tensor:
-    """Whether leader clustering (``_cluster_stream``) of each stream opens at most ``m_cap``
-    clusters: keys [B, n, d], their squared norms ksq [B, n], delta [B] -> bool [B]; ``first`` as in
-    ``_cluster_stream``.
-
-    Only the count matters here, so a key needs only its distance to the nearest representative of
-    the earlier chunks: the keys of a chunk that these leave uncovered are its only candidates to
-    open one, and its openers are found among them alone (``_open_among``). A stream is decided
-    once it opens cluster m_cap + 1; it then leaves the lockstep batch, so the rest of the prompt is
-    clustered only for the streams still undecided (a step of the bisection whose radius is too
-    small stops early for most streams).
-    """
-    b, n, d = keys.shape
-    cap = m_cap + 1
-    live = torch.arange(b, device=keys.device)  # streams still undecided, as rows of the full batch
-    rest, rsq, delta2 = keys.contiguous(), ksq, (delta * delta).unsqueeze(-1)  # live streams, from ``start`` on
-    start = 0
-    centers = keys.new_zeros(b, cap, d)
-    csq = torch.full((b, cap), float("inf"), dtype=keys.dtype, device=keys.device)
-    count = torch.zeros(b, dtype=torch.long, device=keys.device)
-    over = torch.zeros(b, dtype=torch.bool, device=keys.device)
-    for a in range(0, n, chunk):
-        x, xsq = rest[:, a - start : a - start + chunk], rsq[:, a - start : a - start + chunk]
-        if a == 0:  # nothing open yet: every key is a candidate
-            _open_among(x, xsq, torch.full_like(xsq, float("inf")), centers, csq, count, delta2, first)
-        else:
-            best = _nearest_open(x, xsq, centers, csq, count)
-            rows = torch.arange(live.numel(), device=keys.device) * rest.shape[1] + (a - start)
-            _open_among(x, xsq, best, centers, csq, count, delta2, src=(rest.view(-1, d), rows))
-        done = count >= cap
-        if 4 * int(done.sum()) >= live.numel():  # drop the decided streams once they are a quarter
-            over[live[done]] = True
-            keep = ~done
-            live, delta2, centers, csq, count = live[keep], delta2[keep], centers[keep], csq[keep], count[keep]
-            rest, rsq, start = rest[keep, a + chunk - start :], rsq[keep, a + chunk - start :], a + chunk
-            if first is not None:
-                first = first[keep]
-            if live.numel() == 0:
-                break
-    over[live[count >= cap]] = True
-    return ~over
-
-
-def _open_among(
-    x, xsq, best, centers, csq, count, delta2, dist: Tensor | None = None, src: tuple[Tensor, Tensor] | None = None
-) -> None:
-    """The representatives one chunk opens, in order, for the cluster count only; updates centers,
-    csq and count in place (past ``centers.shape[1]`` clusters a stream opens none).
-
-    x [B, c, d], xsq [B, c]: the chunk's keys; best [B, c]: squared distance to the nearest
-    representative of the earlier chunks; ``dist``: the chunk's ``_pair_dists`` when measured;
-    ``src``: the keys as rows [N, d] of a matrix and the row [B] of each stream's first key of the
-    chunk (x's rows are gathered from there).
-    A key stays uncovered while every representative it sees is farther than delta; the first
-    uncovered key of each stream opens the next one. Only keys beyond delta of the earlier
-    representatives can open one, so without ``dist`` they are gathered (in order, padded with
-    covered keys) and each new representative is measured against them with the same product as
-    ``_open_in_chunk`` (the same rounding). Streams with nothing left to open leave the batch once
-    they are half of it (at least two streams stay: a batch of one takes another product path).
-    """
-    b = x.shape[0]
-    cap = centers.shape[1]
-    free = best > delta2
-    if dist is None:
-        free &= (count < cap).unsqueeze(-1)
-        per = free.sum(-1)
-        u = int(per.max())
-        if u == 0:
-            return
-        slot = torch.where(free, free.cumsum(-1) - 1, u)  # the candidates' places, in order; the rest: spare column
-        take = torch.zeros(b, u + 1, dtype=torch.long, device=x.device)
-        take.scatter_(1, slot, torch.arange(x.shape[1], device=x.device).expand_as(slot))
-        take = take[:, :u]
-        if src is None:
-            x = x[torch.arange(b, device=x.device).unsqueeze(-1), take]
-        else:
-            x = src[0].index_select(0, (src[1].unsqueeze(-1) + take).view(-1)).view(b, u, -1)
-        xsq = torch.gather(xsq, 1, take)
-        free = torch.arange(u, device=x.device) < per.unsqueeze(-1)
-    keys, ksq = x, xsq
-    width = x.shape[1]
-    ids, room, lim = torch.arange(b, device=x.device), cap - count, delta2.squeeze(-1)
-    opened = torch.zeros_like(room)
-    base = ids * width  # each stream's first row in x.view(-1, d)
-    who, at, did = [], [], []  # per round: the batch's streams, their first uncovered keys, which opened
-    for rnd in itertools.count():
-        has, p = torch.max(free, dim=-1)  # the first uncovered key
-        has &= opened < room
-        lo = int(p.masked_fill(~has, width).min())  # no key before lo sees a new representative
-        if lo == width:
-            break
-        if rnd % 4 == 3 and ids.numel() > 2 and 2 * int(has.sum()) <= ids.numel():
-            keep = has.nonzero().squeeze(-1)  # the streams done with this chunk leave the batch
-            if keep.numel() == 1:
-                keep = torch.cat([keep, (~has).nonzero()[0]])
-            ids, free, room, opened, lim, has, p = (
-                t.index_select(0, keep) for t in (ids, free, room, opened, lim, has, p)
-            )
-            if dist is None:
-                x, xsq = x.index_select(0, keep), xsq.index_select(0, keep)
-                base = torch.arange(ids.numel(), device=x.device) * width
-        who.append(ids)
-        at.append(p)
-        did.append(has)
-        cut = lim.masked_fill(~has, -float("inf")).unsqueeze(-1)  # streams without an opener keep their keys
-        if dist is not None:
-            free &= dist.view(-1, width).index_select(0, ids * width + p) > cut
-        else:
-            flat = base + p
-            c, c_sq = x.view(-1, x.shape[-1]).index_select(0, flat), xsq.view(-1).index_select(0, flat)
-            free[:, lo:] &= _sqdist(x[:, lo:], xsq[:, lo:], c.unsqueeze(1), c_sq.unsqueeze(1)).squeeze(-1) > cut
-        opened += has
-    if who:
-        did = torch.cat(did)
-        s, p = torch.cat(who)[did], torch.cat(at)[did]
-        order = torch.sort(s, stable=True).indices  # by stream, each in order of opening
-        s, p = s[order], p[order]
-        per = torch.bincount(s, minlength=b)
-        slot = count[s] + torch.arange(s.numel(), device=s.device) - (per.cumsum(0) - per)[s]
-        centers[s, slot], csq[s, slot] = keys[s, p], ksq[s, p]
-        count += per
-
-
-def _open_in_chunk(x, xsq, best, near, centers, csq, count, delta2, dist: Tensor | None = None) -> None:
-    """Open representatives inside one chunk, in order; updates best / near [B, c], centers, csq, count in place.
-
-    x [B, c, d], xsq [B, c]: the chunk's keys; best / near: squared distance to, and index of, the
-    nearest representative visible to each key so far; ``dist``: the chunk's ``_pair_dists`` when
-    already measured (else each new representative's distances are measured here).
-    """
-    b, c, _ = x.shape
-    m_cap = centers.shape[1]
-    rows, tok = torch.arange(b, device=x.device), torch.arange(c, device=x.device)
-    while True:
-        has, p = torch.max(best > delta2, dim=-1)  # the first key no earlier representative covers
-        has &= count < m_cap
-        if not bool(has.any()):
-            return
-        slot = count.clamp_max(m_cap - 1)
-        opened = torch.where(has.unsqueeze(-1), x[rows, p], centers[rows, slot])
-        centers[rows, slot] = opened
-        csq[rows, slot] = torch.where(has, xsq[rows, p], csq[rows, slot])
-        p = p.masked_fill_(~has, c)  # streams without a new representative update nothing
-        lo = int(p.min())  # no key before lo sees a new representative
-        if dist is not None:
-            d2 = dist[rows, p.clamp_max(c - 1), lo:]
-        else:
-            psq = xsq[rows, p.clamp_max(c - 1)].unsqueeze(1)
-            d2 = _sqdist(x[:, lo:], xsq[:, lo:], opened.unsqueeze(1), psq).squeeze(-1)
-        upd = (d2 < best[:, lo:]) & (tok[lo:] >= p.unsqueeze(-1))
-        best[:, lo:] = torch.where(upd, d2, best[:, lo:])
-        near[:, lo:] = torch.where(upd, slot.unsqueeze(-1), near[:, lo:])
-        count += has
 
 
 # ----- the compressors -----------------------------------------------------------------------------
@@ -808,26 +446,45 @@ class SubGen(Compressor):
         ),
     )
 
+    sem: ModelSemantics  # (``ModelInfo`` always fills its semantics)
+    # set by ``plan``
+    full: bool
+    local_layers: list[int]  # sliding-window layers: an exact sliding store each
+    global_layers: list[int]  # Algorithm 1's layers
+    local_window: dict[int, int]  # a local layer's window
+    local_cap: dict[int, int]  # tokens a local layer holds
+    sg_plan: SubGenPlan | None  # Algorithm 1's knobs per global stream (None: no global layer)
+    knobs: dict[str, Any]
+    # set by ``compress``
+    local: dict[int, DenseLayer]  # the local layers' sliding stores
+    dense: dict[int, DenseLayer]  # the global layers' exact stores when the budget is full
+    slot: dict[int, int]  # a global layer's index among Algorithm 1's streams
+    state: SubGenState | None  # Algorithm 1 over the global layers (None: no global layer)
+    exact: ExactTokens  # sink and recent tokens held exactly beside it
+    clusters: float  # mean clusters per stream after the prompt
+
     def plan(self, n_prompt: int) -> dict:
         """Local (sliding-window) layers hold their latest tokens exactly in a sliding dense store: the
         whole window when the budget pays for it beside Algorithm 1 on the global layers, else each
         its own share of the budget (``_local_caps``); Algorithm 1 gets the rest, per global stream."""
         self.full = self.is_full
-        self.local_layers = [i for i, s in enumerate(self.sem) if s.is_local]
-        self.global_layers = [i for i, s in enumerate(self.sem) if not s.is_local]
+        self.local_window = {i: s.window for i, s in enumerate(self.sem.layers) if s.window is not None}
+        self.local_layers = list(self.local_window)
+        self.global_layers = [i for i, s in enumerate(self.sem.layers) if not s.is_local]
         if self.full:
             self.local_cap = self._local_caps(n_prompt, whole=True)
             return {"compressed": False}
+        assert self.budget is not None  # no budget is a full one (returned above)
         target = self.budget.target_bytes(self.info, n_prompt)
         for whole in (True, False) if self.local_layers else (True,):  # a plan that does not fit is refused
             self.local_cap = self._local_caps(n_prompt, whole)
             if self._plan_global(target - self._local_bytes(n_prompt)):
                 break
-        knobs = {}
+        knobs: dict[str, Any] = {}
         if self.local_layers:
             knobs = {"local_tokens": max(self.local_cap.values()), "local_whole_window": whole}
         if self.global_layers:
-            p = self.sg_plan
+            p = self._planned
             knobs.update(t=p.t, s=p.s, m_cap=p.m_cap, planned_bytes_per_stream=p.planned_bytes_per_stream)
             knobs.update(sink=p.sink, recent=p.recent)
         self.knobs = knobs
@@ -837,9 +494,10 @@ class SubGen(Compressor):
         """Tokens each local layer holds: its window (``whole``), else its share of the budget,
         ``fraction x min(n_prompt, window)`` (at least 1): the latest ones in both cases."""
         if whole:
-            return {i: self.sem[i].window for i in self.local_layers}
+            return dict(self.local_window)
+        assert self.budget is not None  # a share of the budget: planned under one only
         f = self.budget.fraction_of(n_prompt)
-        return {i: max(1, int(f * min(n_prompt, self.sem[i].window))) for i in self.local_layers}
+        return {i: max(1, int(f * min(n_prompt, w))) for i, w in self.local_window.items()}
 
     def _local_bytes(self, n_prompt: int) -> int:
         """Bytes the local layers' sliding stores hold at most over the plan's horizon."""
@@ -872,6 +530,18 @@ class SubGen(Compressor):
         return False
 
     @property
+    def _planned(self) -> SubGenPlan:
+        """Algorithm 1's knobs per global stream (``plan`` on a model with global layers)."""
+        assert self.sg_plan is not None, "Algorithm 1 is planned on global layers only"
+        return self.sg_plan
+
+    @property
+    def _stream(self) -> SubGenState:
+        """Algorithm 1's streams (``compress`` under a budget, on a model with global layers)."""
+        assert self.state is not None, "Algorithm 1 runs on global layers only, under a budget"
+        return self.state
+
+    @property
     def uncapped(self) -> bool:
         return self.cfg["max_clusters"] == "none"
 
@@ -883,7 +553,7 @@ class SubGen(Compressor):
             return None
         planned = self._local_bytes(n_prompt)
         if self.global_layers:
-            planned += len(self.global_layers) * self.info.n_kv_heads * self.sg_plan.planned_bytes_per_stream
+            planned += len(self.global_layers) * self.info.n_kv_heads * self._planned.planned_bytes_per_stream
         return planned / max(1.0, self.allowed(n_prompt, 0))
 
     def compress(self, state: PrefillState) -> None:
@@ -904,13 +574,14 @@ class SubGen(Compressor):
         self.state = None
         if not gl:
             return
-        p = self.sg_plan
+        p = self._planned
         sink = min(p.sink, n - 1)
         recent = min(p.recent, n - 1 - sink)  # at least one token goes through Algorithm 1
         stream = slice(sink, n - recent)
         all_keys, all_values = state.keys[gl], state.values[gl]  # [Lg, H, n, d], [Lg, H, n, dv]
         keys, values = all_keys[:, :, stream], all_values[:, :, stream]
         m_cap = p.m_cap
+        clustering: Clustering | None  # the prompt's cluster pass when the radius search made it
         if self.uncapped:  # Theorem 1: a fixed delta, as many clusters as the keys need
             delta, clustering, m_cap = self._uncapped_clusters(keys)
         else:
@@ -947,10 +618,10 @@ class SubGen(Compressor):
         stream opened, plus room to grow)."""
         n_layers, h, n, d = keys.shape
         if self.cfg["delta"] is None:
-            delta, _ = self._delta(keys, self.sg_plan.m_cap)
+            delta, _ = self._delta(keys, self._planned.m_cap)
         else:
             delta = torch.full((n_layers, h), float(self.cfg["delta"]))
-        assign, centers, count, forced = _cluster_stream(keys.reshape(-1, n, d).float(), delta.reshape(-1).float(), n)
+        assign, centers, count, forced = cluster_stream(keys.reshape(-1, n, d).float(), delta.reshape(-1).float(), n)
         m_cap = int(count.max()) + 16
         room = centers.new_zeros(centers.shape[0], m_cap, d)
         room[:, : min(n, m_cap)] = centers[:, :m_cap]
@@ -986,7 +657,7 @@ class SubGen(Compressor):
             self.dense[layer].append(k, v, pos)
         else:
             j = self.slot[layer]
-            self.state.append(j, *self.exact.push(j, k[:, 0], v[:, 0]), self.generator)
+            self._stream.append(j, *self.exact.push(j, k[:, 0], v[:, 0]), self.generator)
 
     def _dense(self, layer: int) -> DenseLayer | None:
         """The dense store of ``layer``: a local layer's sliding store, or any layer's when full."""
@@ -1000,7 +671,7 @@ class SubGen(Compressor):
             k, v, _, _ = dense.views()
             return dense_attention(q, k, v, self.sem[layer])
         j = self.slot[layer]
-        return self.state.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
+        return self._stream.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
 
     def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
         dense = self._dense(layer)
@@ -1023,7 +694,7 @@ class SubGen(Compressor):
             k, _, pos, _ = dense.views()
             return weights_on_positions(q, k, pos, self.sem[layer])
         ex, j = self.exact, self.slot[layer]
-        stream, held = self.state.estimated_weights(j, q, self.sem[layer], ex.keys[j])
+        stream, held = self._stream.estimated_weights(j, q, self.sem[layer], ex.keys[j])
         if held is None:
             return stream
         window = torch.roll(held[:, ex.sink :], -ex.head[j], dims=-1)  # ring slots -> oldest first

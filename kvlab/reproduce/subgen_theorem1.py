@@ -58,12 +58,13 @@ def theorem_errors(state, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 def build(keys: torch.Tensor, values: torch.Tensor, rel: float, t: int, s: int, seed: int):
     """Algorithm 1 over keys/values [L, H, n, d] with no cluster cap at delta = rel x median key norm."""
-    from kvlab.compressors.subgen import Clustering, SubGenState, _cluster_stream
+    from kvlab.clustering import Clustering, cluster_stream
+    from kvlab.compressors.subgen import SubGenState
 
     n_layers, h, n, d = keys.shape
     flat = keys.reshape(-1, n, d).float()
     delta = rel * flat.norm(dim=-1).median(-1).values
-    assign, centers, count, forced = _cluster_stream(flat, delta, n)
+    assign, centers, count, forced = cluster_stream(flat, delta, n)
     m = int(count.max())
     clustering = Clustering(assign, centers[:, :m].contiguous(), count, forced)
     gen = torch.Generator().manual_seed(seed)
