@@ -68,8 +68,10 @@ from torch import Tensor
 
 from kvlab import semantics as sm
 from kvlab.budgets import per_token_bytes
-from kvlab.compressors.base import Compressor, Param, PrefillState
+from kvlab.compressors.base import Compressor
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
 from kvlab.semantics import LayerSemantics
@@ -808,6 +810,8 @@ class SubGen(Compressor):
         ),
     )
 
+    full: bool  # set by plan: no budget, nothing compressed
+
     def plan(self, n_prompt: int) -> dict:
         """Local (sliding-window) layers hold their latest tokens exactly in a sliding dense store: the
         whole window when the budget pays for it beside Algorithm 1 on the global layers, else each
@@ -1058,6 +1062,8 @@ class SubGenKCenter(DenseCompressor):
         ),
         Param("weighted", False, "add log(cluster size) to a center's logit (not in the paper)"),
     )
+
+    full: bool  # set by plan: no budget, nothing compressed
 
     def plan(self, n_prompt: int) -> dict:
         self.full = self.is_full
