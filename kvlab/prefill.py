@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from kvlab.rope import Rotary
 if TYPE_CHECKING:
     from kvlab.compressors.base import Compressor
 
-USER_MARKER = "KVLAB_USER_TURN_7f3a"  # stands for the user's text in the chat template (``chat_wrap``)
+USER_MARKER = "KVLAB_USER_TURN_7f3a"  # stands for a user's text the chat template does not keep as it is
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def prefill(lm: LoadedModel, ids: list[int], *needs: PrefillNeeds) -> tuple[Pref
         )
     keys, values = capture.stacked()
     if capture.window:
-        captured = torch.stack(capture.queries)  # [L, Hq, window, d]
+        captured = torch.stack(cast(list[Tensor], capture.queries))  # [L, Hq, window, d]
     else:
         captured = keys.new_zeros(info.n_layers, info.n_heads, 0, info.head_dim)
     qw = min(n, want.query_window)
@@ -91,12 +91,13 @@ def prefill(lm: LoadedModel, ids: list[int], *needs: PrefillNeeds) -> tuple[Pref
         w = min(n, want.query_stats)
         stats = query_stats(captured[..., window - w :, :], info.rope, n - w)
     sem = info.semantics
+    assert sem is not None  # ModelInfo sets it
     state = PrefillState(
         keys,
         values,
         queries,
         scaling=sem[0].scaling,
-        acc_attn=torch.stack(capture.acc).float() if want.acc_attn else None,
+        acc_attn=torch.stack(cast(list[Tensor], capture.acc)).float() if want.acc_attn else None,
         semantics=sem,
         query_stats=stats,
         model=ExactExtension(lm, list(ids), keys, values) if want.model_access else None,
@@ -132,19 +133,23 @@ class ExactExtension:
         self.keys, self.values = keys, values  # [L, Hkv, n, d]: the prefill's, read only
 
     def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        tok: Any = self.lm.tokenizer
+        return [int(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
 
     def chat_wrap(self, user: str) -> tuple[list[int], list[int]]:
-        tok = self.lm.tokenizer
+        tok: Any = self.lm.tokenizer
         if not getattr(tok, "chat_template", None):
             return [], []
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": USER_MARKER}], add_generation_prompt=True, tokenize=False
-        )
-        before, found, after = str(text).partition(USER_MARKER)
-        if not found:
-            return [], []
-        return self.encode(before), self.encode(after)
+        for content in (user, USER_MARKER):  # the marker when the template changes the text (trims it)
+            text = str(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+                )
+            )
+            at = text.rfind(content) if content else -1  # the user turn comes after any system prompt
+            if at >= 0:
+                return self.encode(text[:at]), self.encode(text[at + len(content) :])
+        return [], []
 
     @torch.inference_mode()
     def extend(self, ids: list[int], observe: Callable[[int, Tensor, Tensor], None]) -> None:

@@ -93,7 +93,8 @@ def _pairing(cos: Tensor) -> str | None:
 def model_rotary(model: nn.Module, head_dim: int) -> Rotary | None:
     """The ``Rotary`` of a loaded causal LM, or None when it has no single rotary embedding that every
     layer shares (no RoPE, per-layer-type RoPE, several rotary modules) or its angles cannot be read."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
     module = getattr(decoder, "rotary_emb", None)
     if not isinstance(module, nn.Module):
         found = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1].startswith("rotary")]

@@ -29,6 +29,7 @@ class Param:
         if self.default is None and (value is None or str(value).strip().lower() in ("", "none", "auto")):
             return None
         kind = self.kind or type(self.default)
+        v: Any
         try:
             if kind is bool:
                 v = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
