@@ -9,7 +9,8 @@ methods as it is computed). Timed, each in the same process after one warm-up pr
 * window: only the last queries copied out (``window`` = the largest any method asks for);
 * acc: only the accumulated attention (``kvlab.attention.accumulated_attention`` per layer);
 * window + acc: both;
-* comparison: what ``Engine._prefill_for`` runs (window, accumulated attention and observers);
+* comparison: what a comparison's ``prefill.prefill_for`` runs (window, accumulated attention and
+  observers);
 * accumulated_attention alone, on the real queries and keys of every layer (no model).
 
 CPU seconds of the process (``time.process_time``) and wall seconds; the CPU seconds are the steadier
@@ -48,23 +49,27 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     from kvlab.attention import accumulated_attention
+    from kvlab.compressors.handover import PrefillNeeds
+    from kvlab.prefill import MergedNeeds, prefill, prefill_for
 
     start = machine()
     engine, specs, ids = default_setup(args, args.tokens)
     fresh = lambda: engine._make_compressors(specs, len(ids), 0, args.new)[0]  # noqa: E731
     comps = fresh()
-    window = max((c.query_window() for c in comps), default=0)
-    observers = [o for c in comps if (o := c.window_observer(len(ids))) is not None]
+    needs = [c.prefill_needs(len(ids)) for c in comps]
+    merged = MergedNeeds.of(needs)
+    window, observers = merged.query_window, merged.observers
+    lm = engine.lm
     with torch.inference_mode():
-        engine.prefill(ids)  # warm-up
+        prefill(lm, ids)  # warm-up
         rows = {
-            "plain": timed(lambda: engine.prefill(ids)),
-            "window": timed(lambda: engine.prefill(ids, window)),
-            "acc": timed(lambda: engine.prefill(ids, 0, True)),
-            "window + acc": timed(lambda: engine.prefill(ids, window, True)),
-            "comparison": timed(lambda: engine._prefill_for(ids, fresh())),
+            "plain": timed(lambda: prefill(lm, ids)),
+            "window": timed(lambda: prefill(lm, ids, PrefillNeeds(query_window=window))),
+            "acc": timed(lambda: prefill(lm, ids, PrefillNeeds(acc_attn=True))),
+            "window + acc": timed(lambda: prefill(lm, ids, PrefillNeeds(query_window=window, acc_attn=True))),
+            "comparison": timed(lambda: prefill_for(lm, ids, fresh())),
         }
-        state, _ = engine.prefill(ids, len(ids))  # every query, to time accumulated_attention alone
+        state, _ = prefill(lm, ids, PrefillNeeds(query_window=len(ids)))  # every query: accumulated_attention alone
         q, k = state.queries, state.keys
         rows["accumulated_attention alone (all layers)"] = timed(
             lambda: [accumulated_attention(q[j], k[j], state.scaling) for j in range(q.shape[0])]
@@ -79,8 +84,8 @@ def main() -> None:
         "window": window,
         "observers": [type(o).__name__ for o in observers],
         "observer_rows": [o.rows for o in observers],
-        "acc_attn_for": [s.method for s, c in zip(specs, comps) if c.needs_acc_attn],
-        "window_for": {s.method: c.query_window() for s, c in zip(specs, comps) if c.query_window()},
+        "acc_attn_for": [s.method for s, x in zip(specs, needs) if x.acc_attn],
+        "window_for": {s.method: x.query_window for s, x in zip(specs, needs) if x.query_window},
         "rows": rows,
     }
     print(json.dumps(out, indent=1))

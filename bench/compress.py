@@ -22,10 +22,11 @@ import torch
 
 from bench.compare_lockstep import emit, long_prompt
 from kvlab.budgets import Budget
-from kvlab.compressors import get
+from kvlab.compressors import PrefillNeeds, budget_search, get
 from kvlab.compressors.registry import names
 from kvlab.engine import Engine
 from kvlab.models import load_model
+from kvlab.prefill import prefill, prefill_for
 
 
 def measure(engine: Engine, lm, methods: list[str], budget: Budget, tokens: int, repeats: int) -> dict:
@@ -33,17 +34,18 @@ def measure(engine: Engine, lm, methods: list[str], budget: Budget, tokens: int,
     ids = long_prompt(lm, tokens)
     comps = {m: get(m)(lm.info, budget, {}, seed=0) for m in methods}
     for c in comps.values():
-        c.plan(len(ids))
-    window = max(c.query_window() for c in comps.values())
-    acc = any(c.needs_acc_attn for c in comps.values())
+        budget_search.planned(c, len(ids))
+    needs = [c.prefill_needs(len(ids)) for c in comps.values()]
+    window = max(x.query_window for x in needs)
+    acc = any(x.acc_attn for x in needs)
     t0, c0 = time.perf_counter(), time.process_time()
-    engine.prefill(ids)
+    prefill(lm, ids)
     prefill_s, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0, c0 = time.perf_counter(), time.process_time()
-    engine.prefill(ids, window, acc)
+    prefill(lm, ids, PrefillNeeds(query_window=window, acc_attn=acc))
     capture_s, capture_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0, c0 = time.perf_counter(), time.process_time()
-    state, _, _ = engine._prefill_for(ids, list(comps.values()))  # as a comparison does: observers included
+    state, _, _ = prefill_for(lm, ids, list(comps.values()))  # as a comparison does: observers included
     observed_s, observed_cpu = time.perf_counter() - t0, time.process_time() - c0
     rows = {}
     exact_bytes = state.keys.numel() * 2 * state.keys.element_size()
@@ -53,7 +55,7 @@ def measure(engine: Engine, lm, methods: list[str], budget: Budget, tokens: int,
             # the first repeat compresses with what the prefill observed for it; later ones recompute
             comp = comps[name] if i == 0 else get(name)(lm.info, budget, {}, seed=0)
             t0, c0 = time.perf_counter(), time.process_time()
-            comp.plan(len(ids))
+            budget_search.planned(comp, len(ids))
             comp.compress(state)
             best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.process_time() - c0)
         rows[name] = {
@@ -95,7 +97,7 @@ def main() -> None:
     engine = Engine(lm)
     methods = names() if args.methods == "all" else args.methods.split(",")
     budget = Budget.parse(args.budget)
-    engine.prefill(long_prompt(lm, 64))  # warm up
+    prefill(lm, long_prompt(lm, 64))  # warm up
     runs = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         run = measure(engine, lm, methods, budget, tokens, args.repeats)

@@ -27,6 +27,7 @@ from bench.linear_rows import forward_ms
 from kvlab import attention
 from kvlab.batched_attention import attend_rows
 from kvlab.engine import GenerationSettings
+from kvlab.prefill import prefill_for
 
 
 def step_ms(engine, ids, specs, new: int, batched: bool) -> float:
@@ -45,7 +46,7 @@ def attention_ms(engine, ids, specs, repeats: int) -> dict[str, float]:
     (alternating): the methods compressed from the prompt's prefill, random queries at the model's shapes."""
     info = engine.info
     comps, _ = engine._make_compressors(specs, len(ids), 0, 1)
-    state, _ = engine.prefill(ids, max(c.query_window() for c in comps), any(c.needs_acc_attn for c in comps))
+    state, _, _ = prefill_for(engine.lm, ids, comps)
     for c in comps:
         c.compress(state)
     del state

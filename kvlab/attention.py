@@ -17,9 +17,8 @@ With no context active the function is plain SDPA, so the same model object also
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvlab import faults
 from kvlab import semantics as sm
 from kvlab.batched_attention import attend_rows
+from kvlab.compressors.handover import WindowObserver
 from kvlab.few_rows import torch_functions_plain
 from kvlab.ops import attention_logits, pool_heads
 from kvlab.semantics import LayerSemantics, attend, window_bias
@@ -43,7 +43,7 @@ _ACTIVE: ContextVar[object | None] = ContextVar("kvlab_attention", default=None)
 class PrefillCapture:
     """Records, per layer, the last ``window`` queries [Hq, w, d] and optionally acc_attn [Hq, n].
 
-    ``observers`` (``WindowObserver``s) see the attention of the last prompt queries as the prefill
+    ``observers`` (``handover.WindowObserver``s) see the attention of the last prompt queries as the prefill
     computes it: those rows are attended in blocks of at most ``BLOCK_BYTES`` of probabilities
     (``dense_attention``, float32) instead of by SDPA, and each block's probabilities [Hq, rows, e]
     go to every observer whose window holds them. The rows before run through SDPA as usual. So a
@@ -52,7 +52,9 @@ class PrefillCapture:
 
     BLOCK_BYTES = 4 * 2**20
 
-    def __init__(self, n_layers: int, window: int, acc_attn: bool, chunk: int = 256, observers=()):
+    def __init__(
+        self, n_layers: int, window: int, acc_attn: bool, chunk: int = 256, observers: Sequence[WindowObserver] = ()
+    ):
         self.window, self.want_acc, self.chunk = window, acc_attn, chunk
         self.queries: list[Tensor | None] = [None] * n_layers
         self.acc: list[Tensor | None] = [None] * n_layers
@@ -106,15 +108,6 @@ class PrefillCapture:
     def stacked(self) -> tuple[Tensor, Tensor]:
         """[L, Hkv, n, d] keys and [L, Hkv, n, dv] values of the single prompt (post-RoPE)."""
         return torch.stack(self.keys), torch.stack(self.values)
-
-
-class WindowObserver(Protocol):
-    """Sees the prefill's attention of the last ``rows`` prompt queries, one block of rows at a time."""
-
-    rows: int
-
-    def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
-        """probs [Hq, r, e]: queries at positions first_pos..first_pos+r-1 over keys 0..e-1 (causal)."""
 
 
 def accumulated_attention(q: Tensor, k: Tensor, scaling: LayerSemantics | float, chunk: int = 256) -> Tensor:
@@ -302,7 +295,6 @@ __all__ = [
     "LockstepChunk",
     "LockstepDecode",
     "PrefillCapture",
-    "WindowObserver",
     "accumulated_attention",
     "active",
     "pool_heads",

@@ -226,11 +226,11 @@ def _ok(*args: Any) -> bool:
 
 
 def _kinds(compressors: list, outs: list, guard: Callable) -> list[list[int]]:
-    """The rows left (``outs`` None, not failed) whose class attends several rows in one call (``attend_many``),
-    by class."""
+    """The rows left (``outs`` None, not failed) whose class declares a call attending several rows at once
+    (``Compressor.attend_many``), by class."""
     by_kind: dict[type, list[int]] = {}
     for row, comp in enumerate(compressors):
-        if outs[row] is None and stands_for_attend(type(comp), "attend_many") and guard(row, _ok):
+        if outs[row] is None and type(comp).attend_many is not None and guard(row, _ok):
             by_kind.setdefault(type(comp), []).append(row)
     return list(by_kind.values())
 

@@ -1,12 +1,13 @@
-"""transformers ``Cache`` subclasses: one that keeps the exact prefill, one that routes decode rows.
+"""transformers ``Cache`` subclasses: one that keeps the exact prefill, one that routes decode rows, one
+that runs a chunk after the exact prompt.
 
-Neither stores attention state for the model itself, and neither appends anything: both report
-the true number of tokens seen (for positions and mask sizes) and hand the new states straight to
-the attention function, where kvlab takes the keys and values as attention sees them (the prefill's
+None stores attention state for the model itself, and none appends anything: each reports the
+true number of tokens seen (for positions and mask sizes) and hands the new states straight to the
+attention function, where kvlab takes the keys and values as attention sees them (the prefill's
 ``attention.PrefillCapture`` keeps them; ``attention.LockstepDecode`` / ``LockstepChunk`` hand each
-row's to its compressor). A model whose cache holds something else than the attention's keys and
-values (multi-head latent attention caches the latent and expands it after the cache) is thereby
-routed like any other.
+row's to its compressor; ``prefill.ExactExtension`` attends a chunk over the exact prompt). A model
+whose cache holds something else than the attention's keys and values (multi-head latent attention
+caches the latent and expands it after the cache) is thereby routed like any other.
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ class LockstepCache(Cache):
         super().__init__(layers=[_RoutedLayer(max(self.positions, default=0)) for _ in range(n_layers)])
         self.compressors = compressors
         self.chunk = chunk
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
+
+
+class ExtendCache(Cache):
+    """``seen`` tokens already attended (the exact prompt, which the attention handler holds); the keys
+    and values of a chunk fed after them pass straight through (``prefill.ExactExtension``)."""
+
+    def __init__(self, n_layers: int, seen: int):
+        super().__init__(layers=[_RoutedLayer(seen) for _ in range(n_layers)])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         return key_states, value_states

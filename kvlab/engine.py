@@ -1,7 +1,7 @@
 """The engine: one exact prefill shared by every method, then lockstep decoding.
 
-Data flow (docs/design.md §2): tokenize -> one exact prefill (K/V of the prompt, last queries and,
-when a method asks, accumulated attention) -> each method compresses its own copy -> decode all
+Data flow (docs/design.md §2): tokenize -> one exact prefill (``kvlab.prefill``: K/V of the prompt and
+what the methods ask for, once for all) -> each method compresses its own copy -> decode all
 methods together, one batched forward per step, row i attending through method i's cache ->
 results. Positions always continue from the true number of tokens seen.
 
@@ -31,10 +31,12 @@ from torch import Tensor
 from kvlab import attention as attn
 from kvlab import cancel, faults
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes
-from kvlab.cache import LockstepCache, PrefillCache
+from kvlab.cache import LockstepCache
 from kvlab.compressors import Compressor, PrefillState, get
+from kvlab.compressors.budget_search import planned
 from kvlab.few_rows import few_row_linears
 from kvlab.models import LoadedModel
+from kvlab.prefill import prefill_for
 from kvlab.results import QUERY_AGNOSTIC, QUERY_AWARE, CompareResult, RunResult, RunTimings
 from kvlab.semantics import UnsupportedAttention
 
@@ -194,45 +196,6 @@ class Engine:
         self.stepwise_questions = stepwise_questions
         cancel.install(lm.model, lm.info.n_layers)  # a cancel or the time limit stops a forward between layers
 
-    # ----- prefill ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(
-        self, ids: list[int], window: int = 0, acc_attn: bool = False, observers=()
-    ) -> tuple[PrefillState, Tensor]:
-        """Exact prefill of one prompt. Returns the state every compressor starts from and the last logits [V].
-
-        ``observers`` (``attention.WindowObserver``) see the attention of the last prompt queries."""
-        model, n = self.lm.model, len(ids)
-        dev = self.lm.device
-        cache = PrefillCache(self.info.n_layers)
-        capture = attn.PrefillCapture(self.info.n_layers, min(window, n), acc_attn, observers=observers)
-        with attn.active(model, capture):
-            out = model(
-                input_ids=torch.tensor([ids], device=dev),
-                position_ids=torch.arange(n, device=dev).unsqueeze(0),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        keys, values = capture.stacked()
-        if capture.window:
-            queries = torch.stack(capture.queries)
-        else:
-            queries = keys.new_zeros(self.info.n_layers, self.info.n_heads, 0, self.info.head_dim)
-        acc = torch.stack(capture.acc).float() if acc_attn else None
-        sem = self.info.semantics
-        state = PrefillState(keys, values, queries, scaling=sem[0].scaling, acc_attn=acc, semantics=sem)
-        return state, out.logits[0, -1]
-
-    def _prefill_for(self, ids: list[int], comps: list[Compressor]) -> tuple[PrefillState, Tensor, float]:
-        """The exact prefill with what ``comps`` need captured (last queries, accumulated attention);
-        returns the state, the last logits [V] and the prefill's seconds."""
-        t0 = time.perf_counter()
-        window = max((c.query_window() for c in comps), default=0)
-        observers = [o for c in comps if (o := c.window_observer(len(ids))) is not None]
-        state, logits = self.prefill(ids, window, any(c.needs_acc_attn for c in comps), observers)
-        return state, logits, time.perf_counter() - t0
-
     # ----- compare ------------------------------------------------------------------------
     def check_prompt(self, ids: list[int], gen: GenerationSettings) -> None:
         if not ids:
@@ -311,7 +274,7 @@ class Engine:
             yield from self._stream_questions(prompt_ids, planned, gen, probes, questions, t_start)
             return
 
-        state, last_logits, prefill_s = self._prefill_for(prompt_ids, comps)
+        state, last_logits, prefill_s = prefill_for(self.lm, prompt_ids, comps)
         yield Event("prefill", f"prefill of {len(prompt_ids)} tokens done in {prefill_s:.2f} s", 0.1)
 
         results = yield from self._compress_all(state, runs, comps, knobs, prefill_s)
@@ -353,7 +316,7 @@ class Engine:
         """
         n = len(ctx_ids)
         runs, comps, knobs, refusals = planned
-        state, last_logits, prefill_s = self._prefill_for(ctx_ids, comps)
+        state, last_logits, prefill_s = prefill_for(self.lm, ctx_ids, comps)
         yield Event("prefill", f"prefill of the context ({n} tokens) done in {prefill_s:.2f} s", 0.1)
         base = yield from self._compress_all(state, runs, comps, knobs, prefill_s)
         shared = {
@@ -866,7 +829,7 @@ def _plan(comp: Compressor, n: int, decode_steps: int) -> dict | BudgetRefused |
     """The run's knobs; or why it cannot run: its budget refused, or its plan raised (that run only)."""
     comp.decode_steps = decode_steps
     try:
-        return comp.plan(n)
+        return planned(comp, n)
     except (BudgetRefused, UnsupportedAttention) as exc:  # the budget, or the model's attention, refused
         return exc
     except faults.OOM:

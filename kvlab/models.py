@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.rope import Rotary, model_rotary
 from kvlab.semantics import ModelSemantics, plain_semantics
 
 EMBEDDED = "embedded"
@@ -44,6 +45,8 @@ class ModelInfo:
     cache_dtype: str = ""  # the dtype caches store K/V in ("": the compute dtype; see ``default_cache_dtype``)
     # per layer: scaling, sliding window, soft-cap, sinks, key/value head sizes (default: plain attention)
     semantics: ModelSemantics | None = field(default=None, compare=False, repr=False)
+    # the model's rotary position embedding (``kvlab.rope``); None: none that every layer shares
+    rope: Rotary | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.cache_dtype:
@@ -82,7 +85,7 @@ class ModelInfo:
         return sum(s.held(n_tokens) for s in self.semantics.layers)
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "semantics"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("semantics", "rope")}
         out["semantics"] = self.semantics.to_json()
         out["features"] = self.semantics.features()
         return out
@@ -325,6 +328,7 @@ def from_model(model: torch.nn.Module, tokenizer, name: str, check: bool = True)
         device=_device_name(next(model.parameters()).device),
         max_positions=getattr(text_cfg, "max_position_embeddings", 2048),
         semantics=sem,
+        rope=model_rotary(model, sem[0].k_dim),
     )
     loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
     if check:

@@ -48,13 +48,14 @@ def divergence(lm: LoadedModel) -> tuple[list[float], int]:
     then after each decode step; and the prefill length."""
     from kvlab.compressors.registry import get
     from kvlab.engine import Engine
+    from kvlab.prefill import prefill
 
     window = probe_window(lm)
     prefix = window + 8 if window else PLAIN_PREFIX
     ids = probe_ids(lm, prefix + DECODE_STEPS)
     lm32 = lm.with_cache_dtype("float32")
     engine = Engine(lm32, time_limit_s=None)
-    state, last = engine.prefill(ids[:prefix])
+    state, last = prefill(lm32, ids[:prefix])
     exact = get("exact")(lm32.info)
     exact.plan(prefix)
     exact.compress(state)

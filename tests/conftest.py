@@ -54,10 +54,13 @@ def long_text():
 
 
 @pytest.fixture(scope="session")
-def prefill_state(engine, lm, long_text):
+def prefill_state(lm, long_text):
     """A real prefill of ~600 tokens with the last 64 queries and accumulated attention."""
+    from kvlab.compressors.handover import PrefillNeeds
+    from kvlab.prefill import prefill
+
     ids = lm.encode(long_text[:3000])
-    state, _ = engine.prefill(ids, window=64, acc_attn=True)
+    state, _ = prefill(lm, ids, PrefillNeeds(query_window=64, acc_attn=True))
     return state
 
 

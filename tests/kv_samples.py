@@ -1,7 +1,7 @@
 """Shared test inputs built from real prefill tensors, and compressors built on them."""
 
 from kvlab.budgets import Budget
-from kvlab.compressors import get
+from kvlab.compressors import budget_search, get
 
 
 def new_token(state, layer, step):
@@ -13,7 +13,7 @@ def new_token(state, layer, step):
 def planned(lm, name, budget, n_tokens, **params):
     """A compressor for method ``name`` at ``budget`` (text), planned for ``n_tokens``: (compressor, knobs)."""
     comp = get(name)(lm.info, Budget.parse(budget), params, seed=0)
-    return comp, comp.plan(n_tokens)
+    return comp, budget_search.planned(comp, n_tokens)
 
 
 def compressed(lm, state, name, budget, **params):

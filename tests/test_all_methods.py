@@ -12,7 +12,9 @@ from kv_samples import new_token, planned
 
 from kvlab.budgets import BudgetRefused, exact_bytes
 from kvlab.compressors import names
+from kvlab.compressors.handover import PrefillNeeds
 from kvlab.ops import dense_attention
+from kvlab.prefill import prefill
 
 COMPOSED = [
     "streaming+kivi4",
@@ -26,24 +28,23 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def matrix_state(engine, lm, long_text):
+def matrix_state(lm, long_text):
     """The same ~600-token real prefill as ``prefill_state``, with every prompt query captured so that
     methods with long query windows (Scissorhands: w = B/2) are covered too."""
     ids = lm.encode(long_text[:3000])
-    state, _ = engine.prefill(ids, window=len(ids), acc_attn=True)
+    state, _ = prefill(lm, ids, PrefillNeeds(query_window=len(ids), acc_attn=True))
     return state
 
 
 def _build(lm, state, name, budget):
     """(compressor, knobs) compressed from ``state``; (None, refusal) when the plan refuses the budget."""
     try:
-        comp, knobs = planned(lm, name, budget, state.n_tokens)  # the engine's order: plan, then query_window
+        comp, knobs = planned(lm, name, budget, state.n_tokens)  # the engine's order: plan, then prefill_needs
     except BudgetRefused as exc:
         return None, exc
-    if comp.query_window() > state.queries.shape[-2]:
-        pytest.skip(
-            f"{name} needs {comp.query_window()} prompt queries; the fixture captured {state.queries.shape[-2]}"
-        )
+    window = comp.prefill_needs(state.n_tokens).query_window
+    if window > state.queries.shape[-2]:
+        pytest.skip(f"{name} needs {window} prompt queries; the fixture captured {state.queries.shape[-2]}")
     comp.compress(state)
     return comp, knobs
 

@@ -8,6 +8,7 @@ import torch
 
 from kvlab import plots
 from kvlab.budgets import Budget
+from kvlab.compressors import budget_search
 from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import get, names
 from kvlab.engine import GenerationSettings, RunSpec
@@ -67,7 +68,7 @@ def test_qjl_weights_follow_exact_attention_on_real_keys(lm, prefill_state):
     reproduce its output from its own values and track exact attention over the prompt."""
     state, n = prefill_state, prefill_state.n_tokens
     qjl = get("qjl")(lm.info, Budget.parse("0.25"))
-    qjl.plan(n)
+    budget_search.planned(qjl, n)
     qjl.compress(state)
     corr = []
     for layer in range(0, lm.info.n_layers, 3):
@@ -88,7 +89,7 @@ def test_subgen_weights_spread_each_cluster_over_its_tokens(lm, prefill_state):
     and puts more than chance of exact's top positions' mass there."""
     state, n = prefill_state, prefill_state.n_tokens
     sg = get("subgen")(lm.info, Budget.parse("0.25"))
-    sg.plan(n)
+    budget_search.planned(sg, n)
     sg.compress(state)
     layer = 21
     q = state.queries[layer][:, -1:]

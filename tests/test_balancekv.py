@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget, exact_bytes
+from kvlab.compressors import budget_search
 from kvlab.compressors.balancekv import (
     BalanceKV,
     WalkConfig,
@@ -131,8 +132,8 @@ def test_layout_fits_budget(lm):
         assert cap - 2 <= lay.kept <= cap  # at or just under the budget
         assert lay.n_sink <= max(256, cap // 4) and lay.n_sink + lay.n_middle + lay.n_recent == n
     assert fit_layout(2048, 1000, 256, 256).rounds < fit_layout(2048, 300, 256, 256).rounds
-    assert comp_cap.plan(600)["T"] >= 1
-    assert BalanceKV(lm.info, Budget.parse("1.0")).plan(600)["T"] == 0
+    assert budget_search.planned(comp_cap, 600)["T"] >= 1
+    assert budget_search.planned(BalanceKV(lm.info, Budget.parse("1.0")), 600)["T"] == 0
 
 
 def test_engine_runs_within_budget(engine, lm, long_text):
@@ -153,7 +154,7 @@ def test_engine_runs_within_budget(engine, lm, long_text):
 def test_compressor_uses_log_weights(prefill_state, lm):
     """The kept middle tokens carry log(weight) > 0 on their logits; sinks and recent carry 0."""
     comp = BalanceKV(lm.info, Budget.parse("0.25"), {"block_size": 64})
-    knobs = comp.plan(prefill_state.n_tokens)
+    knobs = budget_search.planned(comp, prefill_state.n_tokens)
     comp.compress(prefill_state)
     k, v, pos, lw = comp.layers[3].views()
     a = knobs["n_sink"]
@@ -166,13 +167,13 @@ def test_compressor_uses_log_weights(prefill_state, lm):
 def test_streaming_merge_and_reduce(prefill_state, lm):
     """balancekv-stream: generated tokens go through the MergeAndReduce tree (Algorithm 3)."""
     from kvlab.compressors.balancekv import BalanceKVStream
-    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.handover import PrefillState
     from kvlab.ops import dense_attention
 
     st, n0, g = prefill_state, 200, 96
     comp = BalanceKVStream(lm.info, Budget.parse("0.25"), {"block_size": 16})
     comp.decode_steps = g  # the plan holds the budget for the g tokens appended below
-    knobs = comp.plan(n0)
+    knobs = budget_search.planned(comp, n0)
     comp.compress(PrefillState(st.keys[:, :, :n0], st.values[:, :, :n0], st.queries[..., :0, :], st.scaling))
     start = comp.layers[0].n
     for p in range(n0, n0 + g):
@@ -258,9 +259,9 @@ def test_paper_preset_runs_T2_and_shrinks_its_windows_to_fit(lm):
 
     cls = get("balancekv@paper")
     assert cls.name == "balancekv@paper" and cls.defaults()["T"] == 2 and cls.defaults()["block_size"] == 256
-    tight = cls(lm.info, Budget(fraction=0.25)).plan(1000)
-    loose = cls(lm.info, Budget(fraction=0.4)).plan(1000)
+    tight = budget_search.planned(cls(lm.info, Budget(fraction=0.25)), 1000)
+    loose = budget_search.planned(cls(lm.info, Budget(fraction=0.4)), 1000)
     assert tight["T"] == loose["T"] == 2
     assert tight["n_sink"] < 32 and loose["n_sink"] == 32
-    default = get("balancekv")(lm.info, Budget(fraction=0.25)).plan(1000)
+    default = budget_search.planned(get("balancekv")(lm.info, Budget(fraction=0.25)), 1000)
     assert default["T"] == 3  # kvlab's default picks T from the budget

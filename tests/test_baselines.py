@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import get
+from kvlab.compressors import budget_search, get
 from kvlab.compressors.pyramidkv import pyramid_budgets
 
 
@@ -15,7 +15,7 @@ def _make(lm, name, budget, **params):
 
 def _compressed(lm, state, name, budget, **params):
     comp = get(name)(lm.info, Budget.parse(budget), params)
-    knobs = comp.plan(state.n_tokens)
+    knobs = budget_search.planned(comp, state.n_tokens)
     comp.compress(state)
     return comp, knobs
 
@@ -148,7 +148,7 @@ def test_uniform_reweighted_estimate_is_unbiased(lm, prefill_state):
     dens, nums, unweighted = [], [], []
     for seed in range(48):
         c = get("uniform")(lm.info, Budget.parse("0.25"), {"n_first": 16, "n_last": 16}, seed=seed)
-        c.plan(st.n_tokens)
+        budget_search.planned(c, st.n_tokens)
         c.compress(st)
         k, v, pos, lw = c.layers[layer].views()
         assert lw is not None

@@ -19,6 +19,7 @@ from kvlab.compressors.scored import ScoredEvictionCompressor
 from kvlab.compressors.subgen import SubGen
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import dense_attention
+from kvlab.prefill import prefill_for
 
 # every method at 0.25 (its own default for exact), plus rows of other cache lengths
 SPECS = [RunSpec(m, None if m == "exact" else Budget.parse("0.25")) for m in names()] + [
@@ -53,7 +54,7 @@ def compressed(engine, lm, long_text):
     """Every spec compressed from one real ~280-token prefill: (engine, compressors)."""
     ids = lm.encode(long_text[:1200])
     comps, _ = engine._make_compressors(SPECS, len(ids), 0, 8)
-    state, _ = engine.prefill(ids, max(c.query_window() for c in comps), any(c.needs_acc_attn for c in comps))
+    state, _, _ = prefill_for(lm, ids, comps)
     for c in comps:
         c.compress(state)
     return comps

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from kvlab.budgets import TOLERANCE, Budget
-from kvlab.compressors import get, names
+from kvlab.compressors import budget_search, get, names
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.health import HealthProbe
 
@@ -97,15 +97,15 @@ def test_refusal_message_names_method_prompt_and_smallest_budget(lm):
     from kvlab.budgets import BudgetRefused
 
     with pytest.raises(BudgetRefused) as refused:
-        get("qjl")(lm.info, Budget.parse("0.01"), {}).plan(16)
+        budget_search.planned(get("qjl")(lm.info, Budget.parse("0.01"), {}), 16)
     exc = refused.value
     assert REFUSAL.match(str(exc)).groups()[:3] == ("qjl", "0.01", "16")
     assert exc.smallest.fraction > 0.01 and exc.n_prompt == 16 and exc.method == "qjl"
     comp = get("qjl")(lm.info, exc.smallest, {})
-    assert comp.plan(16)["fits_budget"]  # the smallest budget named is honoured
+    assert budget_search.planned(comp, 16)["fits_budget"]  # the smallest budget named is honoured
     # a token budget is answered with a token count
     with pytest.raises(BudgetRefused, match=r"the smallest budget it can honour here is \d+t$"):
-        get("kivi")(lm.info, Budget.parse("1t"), {}).plan(300)
+        budget_search.planned(get("kivi")(lm.info, Budget.parse("1t"), {}), 300)
 
 
 def test_a_refused_run_is_recorded_shown_and_exported_while_the_others_run(engine, prompt_ids):

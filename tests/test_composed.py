@@ -10,9 +10,9 @@ from kv_samples import compressed, new_token
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
-from kvlab.compressors.base import ParamError
 from kvlab.compressors.dense import DenseLayer
 from kvlab.compressors.h2o import H2O
+from kvlab.compressors.params import ParamError
 from kvlab.compressors.qjl import dense_key_estimate, estimate_scores, estimate_scores_split
 from kvlab.compressors.registry import UnknownMethodError
 from kvlab.compressors.streaming import StreamingLLM

@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.engine import GenerationSettings, InputError, RunSpec, expand_runs
+from kvlab.prefill import prefill
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -136,7 +137,7 @@ def test_positions_after_eviction(engine32, lm, long_text):
     keep = list(range(sink)) + list(range(n - window + 1, n))
     # Reference: an ordinary DynamicCache holding the kept K/V of the exact prefill, SDPA attention,
     # the first generated token at its true position n.
-    state, logits0 = engine.prefill(ids)
+    state, logits0 = prefill(lm, ids)
     cache = _kept_cache(state, keep, lm)
     first = res.runs[0].token_ids[0]
     with torch.inference_mode():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import get
+from kvlab.compressors import budget_search, get
 from kvlab.engine import GenerationSettings, RunSpec
 
 
@@ -29,7 +29,7 @@ def test_prefill_keeps_heavy_hitters_and_recent_window(prefill_state, eager_acc,
     info = lm.info
     assert eager_acc.shape == (info.n_layers, info.n_heads, n)
     comp = get("h2o")(lm.info, Budget.parse("0.25"))
-    knobs = comp.plan(n)
+    knobs = budget_search.planned(comp, n)
     cap, heavy, recent = knobs["capacity"], knobs["heavy"], knobs["recent"]
     per_head = info.n_layers * info.n_kv_heads
     assert cap == int(0.25 * exact_bytes(info, n) / per_head // (info.head_dim * 2 * 2 + 4 + 4))  # 16-bit K and V
@@ -53,7 +53,7 @@ def test_prefill_keeps_heavy_hitters_and_recent_window(prefill_state, eager_acc,
 
 def test_decode_evicts_lowest_score_outside_recent_and_accumulates(prefill_state, lm):
     comp = get("h2o")(lm.info, Budget.parse("64t"))
-    knobs = comp.plan(prefill_state.n_tokens)
+    knobs = budget_search.planned(comp, prefill_state.n_tokens)
     comp.compress(prefill_state)
     n, recent = prefill_state.n_tokens, knobs["recent"]
     g = torch.Generator().manual_seed(1)

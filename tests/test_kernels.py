@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab.compressors import budget_search
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -174,14 +176,14 @@ def _case_qjl_compressor():
     """The QJL compressor's decode attention with its scores forced through the kernel vs the torch path."""
     import kernels
     from kvlab.budgets import Budget
-    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.handover import PrefillState
     from kvlab.compressors.qjl import QJL
     from kvlab.models import ModelInfo
 
     info = ModelInfo("synthetic", 2, 12, 3, 64, "float32", "cpu", 4096)  # GQA group 4
     state = PrefillState(_rand(2, 3, 160, 64, seed=1), _rand(2, 3, 160, 64, seed=2), _rand(2, 12, 4, 64, seed=3), 0.125)
     comp = QJL(info, Budget.parse("0.2"), {}, seed=0)
-    comp.plan(160)
+    budget_search.planned(comp, 160)
     comp.compress(state)
     q = _rand(12, 1, 64, seed=4)
     with kernels.using("triton"):
@@ -196,14 +198,14 @@ def _case_dense_compressor():
     """A dense (eviction-family) compressor's attend forced through the fused kernel vs its torch path."""
     import kernels
     from kvlab.budgets import Budget
-    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.handover import PrefillState
     from kvlab.compressors.registry import get
     from kvlab.models import ModelInfo
 
     info = ModelInfo("synthetic", 2, 9, 3, 64, "float32", "cpu", 4096)  # GQA group 3
     state = PrefillState(_rand(2, 3, 90, 64, seed=5), _rand(2, 3, 90, 64, seed=6), _rand(2, 9, 8, 64, seed=7), 0.125)
     comp = get("streaming")(info, Budget.parse("40t"), {}, seed=0)
-    comp.plan(90)
+    budget_search.planned(comp, 90)
     comp.compress(state)
     comp.append(0, _rand(3, 1, 64, seed=8), _rand(3, 1, 64, seed=9), 90)
     q = _rand(9, 1, 64, seed=10)

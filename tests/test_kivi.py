@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes
-from kvlab.compressors import get
+from kvlab.compressors import budget_search, get
 from kvlab.compressors.kivi import kivi_bytes
 from kvlab.ops import dense_attention
 
 
 def _kivi(lm, state, budget="0.5", **params):
     comp = get("kivi")(lm.info, Budget.parse(budget), params)
-    knobs = comp.plan(state.n_tokens)
+    knobs = budget_search.planned(comp, state.n_tokens)
     comp.compress(state)
     return comp, knobs
 

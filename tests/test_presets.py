@@ -6,8 +6,10 @@ import torch
 
 from kvlab import cli
 from kvlab.budgets import Budget
-from kvlab.compressors import UnknownMethodError, get
+from kvlab.compressors import UnknownMethodError, budget_search, get
+from kvlab.compressors.handover import PrefillNeeds
 from kvlab.compressors.presets import PRESETS
+from kvlab.prefill import prefill
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -39,26 +41,26 @@ def test_methods_lists_the_presets(capsys):
 
 def test_scissorhands_paper_gives_later_layers_more_budget(lm):
     comp = get("scissorhands@paper")(lm.info, Budget(tokens=100))
-    knobs = comp.plan(400)
+    knobs = budget_search.planned(comp, 400)
     caps = knobs["layer_B"]
     assert len(caps) == lm.info.n_layers and sum(caps) == 100 * lm.info.n_layers
     assert caps == sorted(caps) and caps[-1] >= 2.5 * caps[0]  # ramp 0.5: 50 .. 150
     assert comp.planned_tokens(400) == pytest.approx(100)
 
 
-def test_scissorhands_token_prompt_runs_algorithm_1_over_the_prompt(engine, lm, long_text):
+def test_scissorhands_token_prompt_runs_algorithm_1_over_the_prompt(lm, long_text):
     """prompt=token: each layer ends between B - m + 1 and B tokens (the cache was compressed whenever
     it passed B), keeps the last r prompt tokens, and chooses differently from the one-shot ranking."""
     ids = lm.encode(long_text[:1500])
     n = len(ids)
-    state, _ = engine.prefill(ids, window=n)
+    state, _ = prefill(lm, ids, PrefillNeeds(query_window=n))
     b = n // 3
     token = get("scissorhands")(lm.info, Budget(tokens=b), {"prompt": "token"})
-    token.plan(n)
-    assert token.query_window() == n
+    budget_search.planned(token, n)
+    assert token.prefill_needs(n).query_window == n
     token.compress(state)
     window = get("scissorhands")(lm.info, Budget(tokens=b))
-    window.plan(n)
+    budget_search.planned(window, n)
     window.compress(state)
     r, m = token.recent, token.m
     differ = 0
@@ -77,10 +79,10 @@ def test_subgen_with_no_cap_opens_clusters_as_the_keys_need(prefill_state, lm):
     cluster."""
     alone = {"delta": 8.0, "sink": 0, "recent_share": 0.0}  # Algorithm 1 alone: appended keys enter the stream
     capped = get("subgen")(lm.info, Budget(fraction=0.25), alone)
-    capped.plan(prefill_state.n_tokens)
+    budget_search.planned(capped, prefill_state.n_tokens)
     capped.compress(prefill_state)
     free = get("subgen")(lm.info, Budget(fraction=0.25), {**alone, "max_clusters": "none"})
-    free.plan(prefill_state.n_tokens)
+    budget_search.planned(free, prefill_state.n_tokens)
     assert free.budget_ratio(prefill_state.n_tokens) is None  # bytes follow the keys: measured, not planned
     free.compress(prefill_state)
     st = free.state

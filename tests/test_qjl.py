@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
-from kvlab.compressors.base import Compressor, ParamError, PrefillState
+from kvlab.compressors import budget_search
+from kvlab.compressors.base import Compressor
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import ParamError
 from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make_sketch, sketch_keys
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
@@ -75,7 +78,7 @@ def test_orthogonal_sketch_blocks():
 # ----- the compressor on the real model's prefill ----------------------------------------------------
 def _qjl(lm, budget="0.25", n=None, **params) -> QJL:
     c = QJL(lm.info, None if budget is None else Budget.parse(budget), params)
-    c.plan(n)
+    budget_search.planned(c, n)
     return c
 
 
@@ -256,14 +259,14 @@ def test_any_head_dim_and_gqa_group():
     k = torch.randn(2, 2, n, 48, generator=g)
     v = torch.randn(2, 2, n, 48, generator=g)
     q = torch.randn(2, 8, 4, 48, generator=g)
-    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.handover import PrefillState
 
     st = PrefillState(k, v, q, scaling=48**-0.5)
     errs = []
     for m in (32, 512):  # 512 sign bits + 8-bit values fit 0.8 of head_dim 48's 16-bit cache (small outlier sketch)
         params = {"m": m, "value_bits": 8, "residual": 32, "value_group": 16, "initial_factor": 1, "m_out_ratio": 0.125}
         c = QJL(info, Budget.parse("0.8"), params)
-        c.plan(n)
+        budget_search.planned(c, n)
         c.compress(st)
         assert c.layers[1].keys.out_idx.shape[-1] == 3  # head_dim / 16
         out = c.attend(1, q[1])
@@ -286,17 +289,17 @@ def test_planned_bytes_match_budget(lm):
     # 0.1 of the 16-bit cache (25.6 bytes per token) is below QJL's default smallest configuration (m = 8,
     # 1-bit values, one 32-token window): the flush group (the smallest window) shrinks until it fits
     c = QJL(lm.info, Budget.parse("0.1"))
-    knobs = c.plan(n)
+    knobs = budget_search.planned(c, n)
     assert knobs["outlier_group"] < 32 and knobs["fits_budget"]
     assert c.qplan.planned_bytes <= 0.1 * n * per_token_bytes(lm.info)
     # 0.05 is below even that (8 sign bits + 2 norm bytes + 1-bit values ~ 0.08): refused, with the way out
     with pytest.raises(BudgetRefused, match="qjl cannot fit budget 0.05 on a 1000-token prompt") as refused:
-        QJL(lm.info, Budget.parse("0.05")).plan(n)
+        budget_search.planned(QJL(lm.info, Budget.parse("0.05")), n)
     smallest = refused.value.smallest.fraction
-    assert 0.05 < smallest <= 0.1 and QJL(lm.info, Budget(fraction=smallest)).plan(n)["fits_budget"]
+    assert 0.05 < smallest <= 0.1 and budget_search.planned(QJL(lm.info, Budget(fraction=smallest)), n)["fits_budget"]
     for b in ("0.15", "0.25", "0.5"):
         c = QJL(lm.info, Budget.parse(b))
-        knobs = c.plan(n)
+        knobs = budget_search.planned(c, n)
         target = float(b) * n * per_token_bytes(lm.info)
         assert knobs["fits_budget"] and c.qplan.planned_bytes <= target
         assert c.qplan.planned_bytes > 0.85 * target  # the budget is used, not wasted

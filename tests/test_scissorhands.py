@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import PrefillState, get
+from kvlab.compressors import PrefillNeeds, PrefillState, budget_search, get
 from kvlab.compressors.scored import eviction_keep
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
+from kvlab.prefill import prefill, prefill_for
 
 SYN = ModelInfo(
     id="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32", device="cpu", max_positions=4096
@@ -111,9 +112,9 @@ def test_prefill_drops_tokens_with_highest_records(prefill_state, lm, monkeypatc
     if rows:  # blocks of a few query rows, as for long windows
         monkeypatch.setattr("kvlab.compressors.scissorhands._PROBS_CHUNK_BYTES", rows * 3 * n * 4)
     comp = get("scissorhands")(lm.info, None, {"B": 100})
-    knobs = comp.plan(n)
+    knobs = budget_search.planned(comp, n)
     assert knobs == {"B": 100, "m": 50, "w": 50, "r": 25, "w_decode": 50}
-    assert comp.query_window() == 50
+    assert comp.prefill_needs(n).query_window == 50
     comp.compress(state)
     rec = _reference_records(state, 50, state.scaling, 3)
     for layer in range(30):
@@ -130,7 +131,7 @@ def test_prefill_drops_tokens_with_highest_records(prefill_state, lm, monkeypatc
 
 
 @pytest.mark.parametrize("block_rows", [None, 7], ids=["one-block", "7-query-rows-per-block"])
-def test_records_counted_during_the_prefill_equal_the_reference(engine, lm, long_text, monkeypatch, block_rows):
+def test_records_counted_during_the_prefill_equal_the_reference(lm, long_text, monkeypatch, block_rows):
     """The engine's prefill attends the last w queries itself and counts the records as it goes: the
     same records as the reference, and the same prefill (up to float rounding) as plain SDPA."""
     ids = lm.encode(long_text[:3000])
@@ -138,10 +139,10 @@ def test_records_counted_during_the_prefill_equal_the_reference(engine, lm, long
     if block_rows:
         monkeypatch.setattr("kvlab.attention.PrefillCapture.BLOCK_BYTES", block_rows * lm.info.n_heads * n * 4)
     comp = get("scissorhands")(lm.info, None, {"B": 100})
-    comp.plan(n)
-    state, logits, _ = engine._prefill_for(ids, [comp])
+    budget_search.planned(comp, n)
+    state, logits, _ = prefill_for(lm, ids, [comp])
     assert comp.counted is not None and comp.counted.complete(n)
-    plain, plain_logits = engine.prefill(ids, window=50)
+    plain, plain_logits = prefill(lm, ids, PrefillNeeds(query_window=50))
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-4)
     torch.testing.assert_close(state.keys, plain.keys, rtol=0, atol=1e-4)
     rec = _reference_records(plain, 50, plain.scaling, 3)
@@ -170,8 +171,8 @@ def test_persistently_attended_tokens_survive():
     g, u, keys, values = _synthetic(heavy=heavy)
     n = keys.shape[2]
     comp = get("scissorhands")(SYN, None, {"B": 24})
-    knobs = comp.plan(n)
-    state = PrefillState(keys, values, _aligned_queries(g, u, comp.query_window()), SYN.head_dim**-0.5)
+    knobs = budget_search.planned(comp, n)
+    state = PrefillState(keys, values, _aligned_queries(g, u, comp.prefill_needs(n).query_window), SYN.head_dim**-0.5)
     comp.compress(state)
     for step in range(60):
         pos = n + step
@@ -189,8 +190,8 @@ def test_persistently_attended_tokens_survive():
 
 def test_full_budget_keeps_everything(prefill_state, lm):
     comp = get("scissorhands")(lm.info, Budget.parse("1.0"))
-    comp.plan(prefill_state.n_tokens)
-    assert comp.query_window() == 0
+    budget_search.planned(comp, prefill_state.n_tokens)
+    assert comp.prefill_needs(prefill_state.n_tokens) == PrefillNeeds()  # no eviction: nothing to capture
     comp.compress(prefill_state)
     assert comp.nbytes() == exact_bytes(lm.info, prefill_state.n_tokens)
     assert "scores" not in comp.nbytes_by_kind()
@@ -204,7 +205,7 @@ def test_low_attention_threshold_uses_position():
         for form in (None, "position", "cache")
     }
     for c in comps.values():
-        c.plan(8)
+        budget_search.planned(c, 8)
         c.scores = [torch.zeros(SYN.n_kv_heads, 8, dtype=torch.int16) for _ in range(SYN.n_layers)]
         c.position = 99  # the 100th token's query: threshold 1/100, while the cache holds 8 tokens
     attn = torch.full((SYN.n_kv_heads, 8), 0.05)  # above 1/100, below 1/8

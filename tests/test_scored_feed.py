@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlab.budgets import Budget
-from kvlab.compressors import PrefillState, get
+from kvlab.compressors import PrefillState, budget_search, get
 from kvlab.compressors.base import Compressor
 from kvlab.models import ModelInfo
 
@@ -28,8 +28,8 @@ def _state(n: int, w: int, g: torch.Generator) -> PrefillState:
 
 def _compressed(name: str, n: int, budget: Budget | None, params: dict, room: int, g: torch.Generator):
     comp = get(name)(INFO, budget, params)
-    comp.plan(n)
-    comp.compress(_state(n, max(1, comp.query_window()), g))
+    budget_search.planned(comp, n)
+    comp.compress(_state(n, max(1, comp.prefill_needs(n).query_window), g))
     comp.capacity += room  # H2O's prefill always fills its capacity: room for a first block comes from here
     return comp
 

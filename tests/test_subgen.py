@@ -5,6 +5,7 @@ import torch
 
 from kvlab.budgets import Budget
 from kvlab.clustering import cluster_stream, greedy_kcenter
+from kvlab.compressors import budget_search
 from kvlab.compressors.subgen import SubGenState, kcenter_compress
 from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import dense_attention
@@ -159,7 +160,7 @@ def test_algorithm1_delta_fits_m_cap_on_the_prompt(lm, prefill_state):
 
     st = prefill_state
     c = get("subgen")(lm.info, Budget.parse("0.25"), {})
-    knobs = c.plan(st.n_tokens)
+    knobs = budget_search.planned(c, st.n_tokens)
     c.compress(st)
     m_cap = knobs["m_cap"]
     count = c.state.count
@@ -198,7 +199,7 @@ def test_kcenter_duplicate_keys_no_nan(name):
     values = torch.randn(2, 2, 120, 16, generator=g)
     state = PrefillState(keys, values, torch.zeros(2, 4, 0, 16), 16**-0.5)
     c = get(name)(info, Budget(tokens=24), {})
-    c.plan(120)
+    budget_search.planned(c, 120)
     c.compress(state)
     q = torch.randn(4, 1, 16, generator=g)
     for layer in range(2):
@@ -216,7 +217,7 @@ def test_recent_window_slides_into_the_stream(lm, prefill_state):
 
     st = prefill_state
     c = get("subgen")(lm.info, Budget.parse("0.25"), {})
-    knobs = c.plan(st.n_tokens)
+    knobs = budget_search.planned(c, st.n_tokens)
     c.compress(st)
     sink, recent, n = knobs["sink"], knobs["recent"], st.n_tokens
     before = c.state.sizes.sum(-1).clone()
@@ -234,7 +235,7 @@ def test_recent_window_slides_into_the_stream(lm, prefill_state):
     assert not any(torch.equal(window[:, j], oldest) for j in range(recent))
     # the literal Algorithm 1 (no exact tokens) puts every token in the stream
     lit = get("subgen")(lm.info, Budget.parse("0.25"), {"sink": 0, "recent_share": 0.0})
-    assert lit.plan(n)["recent"] == 0
+    assert budget_search.planned(lit, n)["recent"] == 0
     lit.compress(st)
     assert int(lit.state.sizes.sum(-1).max()) == n and lit.exact.keys.shape[2] == 0
 
@@ -249,16 +250,16 @@ def test_local_layers_hold_the_window_and_attend_exactly(lm, long_text, arch):
     from tiny_models import WINDOW, build
 
     from kvlab.compressors import get
-    from kvlab.engine import Engine
     from kvlab.models import from_model
+    from kvlab.prefill import prefill
 
     loaded = from_model(build(arch), lm.tokenizer, arch).with_cache_dtype("float32")
     info, sem = loaded.info, loaded.info.semantics
     ids = lm.encode(long_text)[: 3 * WINDOW]
-    st, _ = Engine(loaded).prefill(ids)
+    st, _ = prefill(loaded, ids)
     n, h, d = st.n_tokens, info.n_kv_heads, info.head_dim
     c = get("subgen")(info, Budget.parse("0.5"), {})
-    knobs = c.plan(n)
+    knobs = budget_search.planned(c, n)
     c.compress(st)
     local = [i for i, s in enumerate(sem.layers) if s.is_local]
     assert local and c.local_layers == local

@@ -1,7 +1,9 @@
 """Compression methods: one file per method, registered by name (see ``registry``)."""
 
-from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
+from kvlab.compressors.base import Compressor
 from kvlab.compressors.dense import DenseCompressor
+from kvlab.compressors.handover import PrefillNeeds, PrefillState
+from kvlab.compressors.params import Param, ParamError
 from kvlab.compressors.registry import UnknownMethodError, get, methods, names, register
 
 __all__ = [
@@ -9,6 +11,7 @@ __all__ = [
     "DenseCompressor",
     "Param",
     "ParamError",
+    "PrefillNeeds",
     "PrefillState",
     "UnknownMethodError",
     "get",

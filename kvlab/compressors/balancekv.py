@@ -40,8 +40,9 @@ import torch
 from torch import Tensor
 
 from kvlab.budgets import exact_bytes
-from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 
 MAX_ROUNDS = 14

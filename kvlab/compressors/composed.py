@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from kvlab.budgets import per_token_bytes
-from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor, _Growable
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import get
 from kvlab.ops import gather_tokens
 from kvlab.quant import QuantizedGroups, packed_bytes, quantize_groups

@@ -18,7 +18,8 @@ from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
 from kvlab import cancel
 from kvlab.budgets import TOLERANCE, per_token_bytes
-from kvlab.compressors.base import Compressor, PrefillState
+from kvlab.compressors.base import Compressor
+from kvlab.compressors.handover import PrefillState
 from kvlab.ops import dense_attention, gather_tokens, weights_on_positions
 
 
@@ -125,6 +126,9 @@ class DenseCompressor(Compressor):
     Eviction while decoding goes in ``after_attend``.
     """
 
+    # set by a subclass's plan: tokens per layer and KV head the prefill compression keeps (None: all)
+    capacity: int | None = None
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.layers: list[DenseLayer] = []
@@ -153,7 +157,7 @@ class DenseCompressor(Compressor):
 
     def planned_tokens(self, n_prompt: int) -> int:
         """After ``plan``: tokens per layer and KV head the prefill compression keeps (the capacity by default)."""
-        return min(n_prompt, getattr(self, "capacity", n_prompt))
+        return n_prompt if self.capacity is None else min(n_prompt, self.capacity)
 
     def planned_logw(self) -> bool:
         """After ``plan``: whether kept tokens carry a log-weight."""

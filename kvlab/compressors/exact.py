@@ -9,8 +9,8 @@ generates the same tokens as ``generate``; with float16 storage its teacher-forc
 
 from __future__ import annotations
 
-from kvlab.compressors.base import PrefillState
 from kvlab.compressors.dense import DenseCompressor
+from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.registry import register
 
 
@@ -24,3 +24,7 @@ class Exact(DenseCompressor):
 
     def select(self, state: PrefillState):
         return [None] * state.keys.shape[0]
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        """Not predicted: the reference keeps every token whatever budget it is given (never refused)."""
+        return None

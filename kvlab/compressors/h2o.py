@@ -16,7 +16,8 @@ towards the bytes and the budget.
 
 from __future__ import annotations
 
-from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.handover import PrefillNeeds, PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 from kvlab.compressors.scored import ScoredEvictionCompressor
 from kvlab.ops import pool_heads
@@ -35,7 +36,6 @@ class H2O(ScoredEvictionCompressor):
         "Keeps the tokens with the most accumulated attention (heavy hitters) plus a recent window; "
         "evicts one per new token."
     )
-    needs_acc_attn = True
     params = (
         Param(
             "heavy_ratio",
@@ -52,6 +52,10 @@ class H2O(ScoredEvictionCompressor):
         heavy = int(round(self.cfg["heavy_ratio"] * self.capacity))
         self.recent = self.capacity - heavy
         return {"capacity": self.capacity, "heavy": heavy, "recent": self.recent}
+
+    def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
+        """The attention each prompt token received, summed over every prompt query (the initial scores)."""
+        return PrefillNeeds(acc_attn=True)
 
     def initial_scores(self, state: PrefillState):
         """Accumulated prompt attention summed over each KV group ([L, Hq, n] -> [L, Hkv, n]), twice:

@@ -26,8 +26,11 @@ import torch
 from torch import Tensor
 
 from kvlab.budgets import exact_bytes
-from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
+from kvlab.compressors import budget_search
+from kvlab.compressors.base import Compressor
 from kvlab.compressors.dense import _Growable
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param, ParamError
 from kvlab.compressors.registry import register
 from kvlab.models import ModelInfo
 from kvlab.ops import group_queries, ungroup
@@ -224,7 +227,7 @@ class KIVI(Compressor):
             "residual": self.residual,
             "quantized_tokens": quantized_len(n_prompt, self.residual, self.group_size),
             "planned_fraction": round(predicted / exact_bytes(info, n_prompt), 4),
-            "fits_budget": self.is_full or self.fits_budget(n_prompt),
+            "fits_budget": self.is_full or budget_search.fits_budget(self, n_prompt),
         }
 
     def _fit(self, n: int, bits: int | None, residual: int | None) -> tuple[int, int, int]:

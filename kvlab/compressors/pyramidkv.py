@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 from kvlab.compressors.snapkv import SnapKV, with_window
 

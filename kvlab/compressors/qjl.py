@@ -48,7 +48,10 @@ from kernels import qjl_estimate_grouped, qjl_estimate_split_pair
 from kernels.qjl import make_sketch, outlier_channels, outlier_mask
 from kvlab import cancel
 from kvlab.budgets import per_token_bytes
-from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
+from kvlab.compressors import budget_search
+from kvlab.compressors.base import Compressor
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param, ParamError
 from kvlab.compressors.registry import register
 from kvlab.ops import group_queries, mask_future, ungroup
 from kvlab.quant import (
@@ -405,6 +408,8 @@ class QJL(Compressor):
         total = r * per_token_bytes(self.info) + (n - r) * (kb + vb) + self._sketch_bytes(ms, m_outs)
         return total, kb, vb, ms, m_outs
 
+    full: bool  # set by plan: no budget, nothing compressed
+
     def plan(self, n_prompt: int) -> dict:
         self.full = self.is_full
         d = self.info.head_dim
@@ -418,7 +423,7 @@ class QJL(Compressor):
         if self.full:  # no budget: every token stays exact, nothing is sketched
             return {"uncompressed": True, "residual": n_prompt}
         knobs = self.qplan.knobs(d)
-        knobs["fits_budget"] = self.fits_budget(n_prompt)
+        knobs["fits_budget"] = budget_search.fits_budget(self, n_prompt)
         if self.cfg["outlier_group"] != self.defaults()["outlier_group"]:
             knobs["outlier_group"] = self.cfg["outlier_group"]
         if self.n_out != self._default_n_out():

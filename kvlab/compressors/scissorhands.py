@@ -39,8 +39,9 @@ import torch
 from torch import Tensor
 
 from kvlab import cancel
-from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.dense import DenseLayer
+from kvlab.compressors.handover import PrefillNeeds, PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.pyramidkv import pyramid_budgets
 from kvlab.compressors.registry import register
 from kvlab.compressors.scored import ScoredEvictionCompressor
@@ -65,7 +66,7 @@ class Scissorhands(ScoredEvictionCompressor):
     score_dtype = torch.int16
     evict_highest = True
     reset_after_eviction = True
-    counted: _PrefillRecords | None = None  # the records the last prefill counted (window_observer)
+    counted: _PrefillRecords | None = None  # the records the last prefill counted (its ``prefill_needs`` observer)
     params = (
         Param("B", None, "token budget per layer and KV head (empty: from the memory budget)", minimum=1, kind=int),
         Param("m_ratio", 0.5, "drop amount m as a fraction of B (paper: 0.5)", minimum=0.0, maximum=1.0),
@@ -140,9 +141,6 @@ class Scissorhands(ScoredEvictionCompressor):
         own = {"m": self.m, "w": self.w}
         return own[key] if self.per_layer is None else self.per_layer[key][layer]
 
-    def query_window(self) -> int:
-        return 0 if self.full else self.prompt_window
-
     def _drop(self, n: int, layer: int = 0) -> int:
         cap = self.layer_capacity(layer)
         return max(self._layer("m", layer), n - cap) if n > cap else 0
@@ -184,19 +182,22 @@ class Scissorhands(ScoredEvictionCompressor):
         visible = torch.arange(n, device=probs.device).unsqueeze(0) <= qpos
         return (pooled < 1.0 / (qpos + 1).to(pooled.dtype)) & visible
 
-    def window_observer(self, n_prompt: int) -> _PrefillRecords | None:
-        """Counts the records while the prefill attends its last ``prompt_window`` queries."""
-        if self.full or not self.prompt_window or self.token_prompt:
-            return None
+    def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
+        """The last ``prompt_window`` prompt queries, and (``prompt="window"``) an observer that counts the
+        records while the prefill attends them (``initial_scores`` then reads them instead of recounting)."""
+        if self.full:
+            return PrefillNeeds()
+        if not self.prompt_window or self.token_prompt:
+            return PrefillNeeds(query_window=self.prompt_window)
         self.counted = _PrefillRecords(self, n_prompt)
-        return self.counted
+        return PrefillNeeds(query_window=self.prompt_window, observer=self.counted)
 
     def initial_scores(self, state: PrefillState) -> tuple[Tensor, Tensor]:
         """Records over the last ``prompt_window`` prompt queries (rank) and over the last
         ``carry_window`` of them (carried into decoding), each [L, Hkv, n] int32.
 
-        Counted during the prefill when it ran with this method's ``window_observer`` (the engine's
-        does). Otherwise computed here, the reference: per (layer, KV head) stream and block of
+        Counted during the prefill when it ran with this method's ``prefill_needs`` observer (the
+        engine's does). Otherwise computed here, the reference: per (layer, KV head) stream and block of
         window queries, a block's [g, rows, n] attention at most ``_PROBS_CHUNK_BYTES`` (small
         enough to stay in cache): several streams per block when the whole window fits, else a few
         query rows of one stream at a time (a window of thousands of queries never makes a [g, w, n]

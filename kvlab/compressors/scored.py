@@ -31,8 +31,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvlab.compressors.base import PrefillState
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
+from kvlab.compressors.handover import PrefillState
 from kvlab.ops import gather_tokens, pool_heads
 
 

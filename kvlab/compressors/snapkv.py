@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor
+from kvlab.compressors.handover import PrefillNeeds, PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 from kvlab.ops import pool_heads
 
@@ -64,8 +65,12 @@ class SnapKV(DenseCompressor):
         Param("pooling", "max", "pooling of the votes", choices=("max", "avg")),
     )
 
-    def query_window(self) -> int:
-        return int(self.cfg["window"])
+    capacity: int  # set by plan: tokens per layer and KV head kept (window included)
+    full: bool  # set by plan: no budget, every token kept
+
+    def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
+        """The observation window: the last ``window`` prompt queries."""
+        return PrefillNeeds(query_window=int(self.cfg["window"]))
 
     def plan(self, n_prompt: int) -> dict:
         self.full = self.is_full

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 
 
@@ -28,6 +29,9 @@ class StreamingLLM(DenseCompressor):
         Param("n_sink", 4, "attention-sink tokens kept from the start", minimum=0),
         Param("window", None, "recent tokens kept (set from the budget when not given)", minimum=0, kind=int),
     )
+
+    capacity: int  # set by plan: tokens per layer and KV head kept
+    full: bool  # set by plan: no budget, nothing compressed
 
     def plan(self, n_prompt: int) -> dict:
         cap = self.tokens_for_budget(n_prompt)

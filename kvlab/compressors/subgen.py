@@ -69,8 +69,10 @@ from torch import Tensor
 from kvlab import semantics as sm
 from kvlab.budgets import per_token_bytes
 from kvlab.clustering import Clustering, cluster_stream, greedy_kcenter, leader_delta, nearest_center, open_or_join
-from kvlab.compressors.base import Compressor, Param, PrefillState
+from kvlab.compressors.base import Compressor
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
 from kvlab.semantics import LayerSemantics, ModelSemantics
@@ -729,6 +731,8 @@ class SubGenKCenter(DenseCompressor):
         ),
         Param("weighted", False, "add log(cluster size) to a center's logit (not in the paper)"),
     )
+
+    full: bool  # set by plan: no budget, nothing compressed
 
     def plan(self, n_prompt: int) -> dict:
         self.full = self.is_full

@@ -24,8 +24,9 @@ import math
 import torch
 from torch import Tensor
 
-from kvlab.compressors.base import Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 
 
@@ -55,6 +56,9 @@ class Uniform(DenseCompressor):
         Param("n_last", 256, "last prompt tokens always kept (capped at a quarter of the budget)", minimum=0),
         Param("reweight", True, "each kept middle token stands for n_middle / kept tokens (log-weight on its logit)"),
     )
+
+    capacity: int  # set by plan: tokens per layer and KV head kept
+    full: bool  # set by plan: no budget, nothing compressed
 
     def plan(self, n_prompt: int) -> dict:
         self.full = self.is_full

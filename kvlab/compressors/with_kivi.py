@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvlab.compressors.base import Param
 from kvlab.compressors.composed import (
     ComposedStore,
     TokenStore,
@@ -27,6 +26,7 @@ from kvlab.compressors.composed import (
     quantized_token_bytes,
 )
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.scissorhands import Scissorhands
 from kvlab.compressors.snapkv import SnapKV

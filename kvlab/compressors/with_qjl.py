@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvlab.compressors.base import Param, ParamError, PrefillState
 from kvlab.compressors.composed import (
     ComposedStore,
     TokenStore,
@@ -38,6 +37,8 @@ from kvlab.compressors.composed import (
 )
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.h2o import H2O
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param, ParamError
 from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, make_sketch, quantize_keys
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.snapkv import SnapKV

@@ -60,6 +60,9 @@ class Context:
         return self.engine.compare(ids, runs, GenerationSettings(max_new_tokens=max_new_tokens), probes=probes or [])
 
     def prefill(self, ids: list[int], window: int):
+        from kvlab.compressors.handover import PrefillNeeds
+        from kvlab.prefill import prefill
+
         with torch.inference_mode():
-            state, _ = self.engine.prefill(ids, window=window)
+            state, _ = prefill(self.loaded, ids, PrefillNeeds(query_window=window))
         return state

@@ -20,12 +20,13 @@ def peak_fraction(info, method: str, params: dict, n_prompt: int, steps: int) ->
     choose given) uses on an ``n_prompt``-token prompt decoded for ``steps`` steps, from its plan; rounded
     up to 4 decimals."""
     from kvlab.budgets import Budget
+    from kvlab.compressors.budget_search import planned
     from kvlab.compressors.registry import get
 
     cap = 0.99  # a budget below 1, so that the method compresses; its knobs are all given
     comp = get(method)(info, Budget(fraction=cap), params)
     comp.decode_steps = steps
-    comp.plan(n_prompt)
+    planned(comp, n_prompt)
     ratio = comp.budget_ratio(n_prompt)
     if ratio is None:
         raise ValueError(f"{method} does not predict its bytes; its peak cannot be matched")
@@ -73,12 +74,13 @@ def simulate_bytes(info, method: str, budget, params: dict, n_prompt: int, steps
     though it flushes in groups and often holds less); this is what a run will hold."""
     import torch
 
-    from kvlab.compressors.base import PrefillState
+    from kvlab.compressors.budget_search import planned
+    from kvlab.compressors.handover import PrefillState
     from kvlab.compressors.registry import get
 
     comp = get(method)(info, budget, params, seed=seed)
     comp.decode_steps = steps
-    comp.plan(n_prompt)
+    planned(comp, n_prompt)
     gen = torch.Generator().manual_seed(seed)
     shape = (info.n_layers, info.n_kv_heads, n_prompt, info.head_dim)
     keys, values = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)

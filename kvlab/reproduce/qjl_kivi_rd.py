@@ -60,6 +60,7 @@ def plan_runs(info, n_prompt: int, steps: int, bits: list[float]) -> list:
     """exact, then for each number of bits QJL at KIVI's predicted peak (b / 16 when KIVI cannot hold it) and
     KIVI at b / 16 (its residual filling it best)."""
     from kvlab.budgets import Budget, BudgetRefused
+    from kvlab.compressors.budget_search import planned
     from kvlab.compressors.kivi import KIVI
     from kvlab.engine import RunSpec
 
@@ -71,7 +72,7 @@ def plan_runs(info, n_prompt: int, steps: int, bits: list[float]) -> list:
         try:
             comp = KIVI(info, budget, {})
             comp.decode_steps = steps
-            width = comp.plan(n_prompt)["bits"]
+            width = planned(comp, n_prompt)["bits"]
             r = fill_kivi(info, budget, n_prompt, steps, width, 32)
             kivi_params = {"bits": width} | ({} if r is None else {"residual": r})
             qjl_budget = _qjl_budget(info, peak_fraction(info, "kivi", kivi_params, n_prompt, steps), n_prompt, steps)

@@ -1,0 +1,190 @@
+"""The prefill hand-over on the real embedded model: each need a method declares is met, from one
+prefill for every method; RoPE read from the model's own rotary embedding; query statistics before
+RoPE; the model's extension of the exact prompt equals a prefill of the concatenation."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import Tensor
+
+from kvlab import prefill as prefill_mod
+from kvlab.budgets import Budget
+from kvlab.compressors import PrefillNeeds, PrefillState, registry
+from kvlab.compressors.exact import Exact
+from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.prefill import MergedNeeds, prefill
+from kvlab.rope import HALF
+
+PROMPT = "The cat sat on the mat because the mat was warm. The dog slept by the door. Where did the cat sit?"
+LAYER = 7  # the layer whose queries are rebuilt from the model's own projection
+
+
+class _Counting:
+    """A window observer that counts the query rows it was shown, per layer."""
+
+    def __init__(self, rows: int, n_layers: int):
+        self.rows, self.seen = rows, [0] * n_layers
+
+    def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
+        self.seen[layer] += probs.shape[-2]
+
+
+class _Needy(Exact):
+    """The exact cache that asks the prefill for ``wants`` and keeps the state it was handed."""
+
+    wants: ClassVar[dict] = {}
+    got: ClassVar[list[PrefillState]] = []
+
+    def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
+        obs = _Counting(self.wants["observer"], self.info.n_layers) if "observer" in self.wants else None
+        self.observer = obs
+        return PrefillNeeds(**{k: v for k, v in self.wants.items() if k != "observer"}, observer=obs)
+
+    def compress(self, state: PrefillState) -> None:
+        type(self).got.append(state)
+        if state.model is not None:  # a forward of its own, inside the comparison
+            seen: list[int] = []
+            state.model.extend(state.model.encode(" The cat"), lambda layer, q, k: seen.append(layer))
+            assert seen == list(range(self.info.n_layers))
+        super().compress(state)
+
+
+def _needy(name: str, **wants: object) -> type[_Needy]:
+    return type(name.replace("-", "_"), (_Needy,), {"name": name, "wants": wants, "got": []})
+
+
+NEEDY = [
+    _needy("needs-window", query_window=5),
+    _needy("needs-acc", acc_attn=True),
+    _needy("needs-observer", query_window=3, observer=3),
+    _needy("needs-stats", query_stats=12),
+    _needy("needs-model", model_access=True),
+    _needy("needs-nothing"),
+]
+
+
+@pytest.fixture(scope="module")
+def needy_methods():
+    for cls in NEEDY:
+        registry.register(cls)
+    yield
+    for cls in NEEDY:
+        registry._REGISTRY.pop(cls.name, None)
+
+
+def test_one_prefill_meets_every_need(engine, lm, needy_methods, monkeypatch):
+    calls = []
+    real = prefill_mod.prefill
+    monkeypatch.setattr(prefill_mod, "prefill", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    ids = lm.encode(PROMPT)
+    n, info = len(ids), lm.info
+    runs = [RunSpec(cls.name, Budget(fraction=1.0)) for cls in NEEDY] + [RunSpec("h2o", Budget(fraction=0.5))]
+    result = engine.compare(ids, runs, GenerationSettings(max_new_tokens=2))
+    assert all(not r.error for r in result.runs), [r.error for r in result.runs]
+    assert len(calls) == 1  # one prefill for the whole mix
+    states = {cls.name: cls.got[-1] for cls in NEEDY}
+    assert len({id(s) for s in states.values()}) == 1  # and every method got that one state
+    state = states["needs-window"]
+    assert state.queries.shape == (info.n_layers, info.n_heads, 5, info.head_dim)  # the largest window asked
+    assert state.acc_attn is not None and state.acc_attn.shape == (info.n_layers, info.n_heads, n)
+    assert state.query_stats is not None and state.query_stats.n == 12 and state.query_stats.first_pos == n - 12
+    assert state.model is not None and state.model.prompt_ids == ids
+
+
+def test_observer_sees_its_rows_and_nothing_asked_costs_nothing(lm):
+    ids = lm.encode(PROMPT)
+    obs = _Counting(4, lm.info.n_layers)
+    state, logits = prefill(lm, ids, PrefillNeeds(observer=obs))
+    assert obs.seen == [4] * lm.info.n_layers
+    bare, bare_logits = prefill(lm, ids, PrefillNeeds())
+    assert bare.queries.shape[-2] == 0 and bare.acc_attn is None
+    assert bare.query_stats is None and bare.model is None
+    torch.testing.assert_close(logits, bare_logits, rtol=0, atol=1e-4)  # observing changes nothing
+
+
+def test_merged_needs():
+    a, b = _Counting(3, 1), _Counting(5, 1)
+    merged = MergedNeeds.of(
+        [
+            PrefillNeeds(query_window=4, observer=a),
+            PrefillNeeds(acc_attn=True, query_stats=9, observer=b),
+            PrefillNeeds(query_window=7, model_access=True),
+        ]
+    )
+    assert merged == MergedNeeds(7, True, (a, b), 9, True)
+    assert MergedNeeds.of([]) == MergedNeeds()
+    with pytest.raises(ValueError, match="must be >= 0"):
+        PrefillNeeds(query_window=-1)
+
+
+def _pre_rope_queries(lm, ids: list[int]) -> Tensor:
+    """Layer ``LAYER``'s queries before RoPE [Hq, n, d], from its own q_proj on the hidden states it gets."""
+    attn_module = lm.model.model.layers[LAYER].self_attn
+    seen: list[Tensor] = []
+    hook = attn_module.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs.get("hidden_states", args[0] if args else None)),
+        with_kwargs=True,
+    )
+    try:
+        with torch.inference_mode():
+            lm.model(input_ids=torch.tensor([ids]))
+    finally:
+        hook.remove()
+    h, info = seen[0][0], lm.info  # [n, hidden]
+    with torch.inference_mode():
+        q = attn_module.q_proj(h)
+    return q.view(h.shape[0], info.n_heads, info.head_dim).transpose(0, 1).float()
+
+
+def test_rope_is_the_models_and_query_stats_are_pre_rope(lm):
+    rope = lm.info.rope
+    assert rope is not None and rope.pairing == HALF
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 6, lm.info.head_dim, generator=g)
+    pos = torch.arange(40, 46)
+    torch.testing.assert_close(rope.rotate(rope.unrotate(x, pos), pos), x, rtol=0, atol=1e-5)
+    assert not torch.allclose(rope.rotate(x, pos), x, atol=1e-2)  # it does turn them
+    ids = lm.encode(PROMPT)
+    n, w = len(ids), 16
+    state, _ = prefill(lm, ids, PrefillNeeds(query_window=w, query_stats=w))
+    pre = _pre_rope_queries(lm, ids)[:, n - w :]  # [Hq, w, d] before RoPE, from the model's own projection
+    # the queries the prefill captured are exactly these, rotated (the model's convention)
+    torch.testing.assert_close(
+        state.queries[LAYER].float(), rope.rotate(pre, torch.arange(n - w, n)), rtol=0, atol=1e-4
+    )
+    stats = state.query_stats
+    assert stats is not None and stats.mean.dtype == torch.float32 and stats.cov.shape[-2:] == (64, 64)
+    centred = pre - pre.mean(-2, keepdim=True)
+    torch.testing.assert_close(stats.mean[LAYER], pre.mean(-2), rtol=0, atol=1e-4)
+    torch.testing.assert_close(stats.cov[LAYER], centred.transpose(-1, -2) @ centred / w, rtol=1e-4, atol=1e-3)
+
+
+def test_extend_equals_a_prefill_of_the_concatenation(lm):
+    ids = lm.encode(PROMPT)
+    more = lm.encode("It sat on the mat.", chat=False)
+    n, c = len(ids), len(more)
+    state, _ = prefill(lm, ids, PrefillNeeds(model_access=True))
+    assert state.model is not None
+    keys_before = state.keys.clone()
+    seen: dict[int, tuple[Tensor, Tensor]] = {}
+    state.model.extend(more, lambda layer, q, k: seen.__setitem__(layer, (q.clone(), k.clone())))
+    assert torch.equal(state.keys, keys_before)  # the exact prefill cache is left as it was
+    ref, _ = prefill(lm, ids + more, PrefillNeeds(query_window=c))
+    assert sorted(seen) == list(range(lm.info.n_layers))
+    for layer, (q, k) in seen.items():
+        assert q.shape == (lm.info.n_heads, c, lm.info.head_dim) and k.shape[-2] == n + c
+        torch.testing.assert_close(q, ref.queries[layer], rtol=0, atol=1e-4)
+        torch.testing.assert_close(k, ref.keys[layer], rtol=0, atol=1e-4)
+
+
+def test_chat_wrap_and_encode_rebuild_the_models_prompt(lm):
+    state, _ = prefill(lm, lm.encode("Hi"), PrefillNeeds(model_access=True))
+    access = state.model
+    assert access is not None
+    text = "Tell me about the cat."
+    before, after = access.chat_wrap(text)
+    assert before and after
+    assert before + access.encode(text) + after == lm.encode(text)
