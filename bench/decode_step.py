@@ -26,7 +26,7 @@ from bench.compare_lockstep import add_setup_args, emit, setup, warm_up
 from bench.linear_rows import forward_ms
 from kvlab import attention
 from kvlab.batched_attention import attend_rows
-from kvlab.engine import GenerationSettings
+from kvlab.specs import GenerationSettings
 
 
 def step_ms(engine, ids, specs, new: int, batched: bool) -> float:

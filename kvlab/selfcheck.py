@@ -48,6 +48,7 @@ def divergence(lm: LoadedModel) -> tuple[list[float], int]:
     then after each decode step; and the prefill length."""
     from kvlab.compressors.registry import get
     from kvlab.engine import Engine
+    from kvlab.lockstep import feed_stepwise
 
     window = probe_window(lm)
     prefix = window + 8 if window else PLAIN_PREFIX
@@ -60,7 +61,7 @@ def divergence(lm: LoadedModel) -> tuple[list[float], int]:
     exact.compress(state)
     ours = [last]
     for i, t in enumerate(ids[prefix:-1]):
-        ours.append(engine.feed_stepwise([exact], prefix + i, [t])[0])
+        ours.append(feed_stepwise(lm32, [exact], prefix + i, [t])[0])
     dev = lm.device
     theirs = lm.model(input_ids=torch.tensor([ids], device=dev)).logits[0, prefix - 1 : -1].float()
     ours_t = torch.stack(ours).float()

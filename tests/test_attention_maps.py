@@ -10,17 +10,20 @@ from kvlab import plots
 from kvlab.budgets import Budget
 from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import get, names
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.metrics import answer_positions
 from kvlab.ops import attention_logits, group_queries, ungroup
+from kvlab.probe import Probe
 from kvlab.quant import dequantize_groups
 from kvlab.results import CompareResult, RunResult
+from kvlab.specs import GenerationSettings, RunSpec
 
 LAYER = 15
 
 
-class WeightsProbe:
+class WeightsProbe(Probe):
     """Calls every run's ``estimated_weights`` at one layer on each decode step, with the real query."""
+
+    sees_layers = True
 
     def on_prefill(self, state, logits, compressors) -> None:
         self.comps, self.seen = compressors, {}

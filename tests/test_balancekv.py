@@ -17,8 +17,8 @@ from kvlab.compressors.balancekv import (
     fit_layout,
     halve,
 )
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import attention_logits, gather_tokens, group_queries, ungroup
+from kvlab.specs import GenerationSettings, RunSpec
 
 LAYERS = [1, 2, 5]  # the layers of the paper's Fig. 2
 SINK = 32

@@ -17,8 +17,9 @@ from kvlab.compressors.composed import ComposedStore
 from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.scored import ScoredEvictionCompressor
 from kvlab.compressors.subgen import SubGen
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import dense_attention
+from kvlab.probe import Probe
+from kvlab.specs import GenerationSettings, RunSpec
 
 # every method at 0.25 (its own default for exact), plus rows of other cache lengths
 SPECS = [RunSpec(m, None if m == "exact" else Budget.parse("0.25")) for m in names()] + [
@@ -84,8 +85,10 @@ def test_one_layer_equals_per_row(compressed, lm):
             torch.testing.assert_close(sa, sb, atol=1e-5, rtol=1e-5)
 
 
-class Recorder:
+class Recorder(Probe):
     """Records every row's attention output (through the observers) and every cache's kept positions."""
+
+    attends = True
 
     def __init__(self):
         self.outs, self.kept = [], []

@@ -11,10 +11,10 @@ import torch
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
 from kvlab.compressors.base import Compressor, ParamError, PrefillState
 from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make_sketch, sketch_keys
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
 from kvlab.ops import dense_attention
 from kvlab.quant import dequantize_groups, group_error_bound
+from kvlab.specs import GenerationSettings, RunSpec
 
 
 def _pair(d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

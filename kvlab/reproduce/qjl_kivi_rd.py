@@ -61,7 +61,7 @@ def plan_runs(info, n_prompt: int, steps: int, bits: list[float]) -> list:
     KIVI at b / 16 (its residual filling it best)."""
     from kvlab.budgets import Budget, BudgetRefused
     from kvlab.compressors.kivi import KIVI
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
 
     runs = [RunSpec("exact")]
     for b in bits:
