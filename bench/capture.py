@@ -28,6 +28,7 @@ import time
 import torch
 
 from bench.scaling import default_setup, machine
+from kvlab.planning import make_compressors
 
 METHODS = "exact,qjl,subgen-kcenter,balancekv,scissorhands"
 
@@ -51,7 +52,7 @@ def main() -> None:
 
     start = machine()
     engine, specs, ids = default_setup(args, args.tokens)
-    fresh = lambda: engine._make_compressors(specs, len(ids), 0, args.new)[0]  # noqa: E731
+    fresh = lambda: make_compressors(engine.info, specs, len(ids), 0, args.new)[0]  # noqa: E731
     comps = fresh()
     window = max((c.query_window() for c in comps), default=0)
     observers = [o for c in comps if (o := c.window_observer(len(ids))) is not None]

@@ -291,19 +291,6 @@ class Compressor:
 
     wants_probs: bool = False  # hand this step's attention to ``after_attend`` (dense caches)
 
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """This layer's cache as dense tokens, when it is one: (k, v [Hkv, n, d], logw [Hkv, n] or None).
-
-        Then ``attend`` is softmax attention over them (``ops.dense_attention``, followed by
-        ``after_attend`` when ``wants_probs``), and a lockstep step may attend for it together with
-        other rows (``kvlab.batched_attention``). None (the default): only ``attend`` knows how.
-
-        A class whose cache is not dense may instead define a static ``attend_many(comps, layer, q)``
-        (q [R, Hq, 1, d] -> R outputs [Hq, 1, d], ``attend``'s maths row by row): a lockstep step then
-        attends all its rows in one call (QJL).
-        """
-        return None
-
     def after_attend(self, layer: int, probs: Tensor) -> None:
         """Hook for streaming eviction: ``probs`` [Hq, 1, n] is this step's attention over the cache."""
 

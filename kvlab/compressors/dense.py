@@ -235,10 +235,6 @@ class DenseCompressor(Compressor):
             return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
         return dense_attention(q, k, v, sem, lw)
 
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        k, v, _, lw = self.visible(layer)
-        return k, v, lw
-
     def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
         """Vectorized when nothing evicts or scores per step: append all c tokens, one causal attention."""
         cache = self.layers[layer]

@@ -315,11 +315,6 @@ class KIVI(Compressor):
                 outs[i] = ungroup(out, hq).to(q.dtype)
         return outs
 
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
-        """Dense while nothing is quantized yet (the residual only)."""
-        st = self.layers[layer]
-        return (st.rk.view(), st.rv.view(), None) if st.kq is None else None
-
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:
             yield from layer.tensors()

@@ -649,11 +649,6 @@ class QJL(Compressor):
             logits = torch.cat([*(self._segment_scores(st, seg, qg) for seg in st.segments), logits], -1)
         return logits
 
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
-        """Dense while nothing is sketched yet (the full-precision window only)."""
-        st = self.layers[layer]
-        return None if st.segments else (st.res_k, st.res_v, None)
-
     def _segment_scores(self, st: QJLLayer, seg: QJLSegment, qg: Tensor) -> Tensor:
         """Estimated scores of a segment's keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, seg.n].
 

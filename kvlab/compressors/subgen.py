@@ -1002,10 +1002,6 @@ class SubGen(Compressor):
         j = self.slot[layer]
         return self.state.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
 
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
-        dense = self._dense(layer)
-        return None if dense is None else dense.views()[:2] + (None,)
-
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         stores = list(self.local.values()) + (list(self.dense.values()) if self.full else [])
         for store in stores:  # positions are implicit (the latest tokens)
