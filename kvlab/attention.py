@@ -34,7 +34,7 @@ from kvlab import faults
 from kvlab import semantics as sm
 from kvlab.batched_attention import attend_rows
 from kvlab.few_rows import torch_functions_plain
-from kvlab.ops import attention_logits, pool_heads
+from kvlab.ops import attention_logits
 from kvlab.semantics import LayerSemantics, attend, window_bias
 
 NAME = "kvlab"
@@ -302,5 +302,4 @@ __all__ = [
     "WindowObserver",
     "accumulated_attention",
     "active",
-    "pool_heads",
 ]

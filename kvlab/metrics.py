@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.tensor_ops import group_queries, ungroup
 from kvlab import semantics as sm
 from kvlab.compressors.dense import DenseCompressor
-from kvlab.ops import attention_logits, group_queries, mask_future, ungroup
+from kvlab.ops import attention_logits, mask_future
 from kvlab.probe import Probe
 from kvlab.semantics import LayerSemantics, window_bias
 

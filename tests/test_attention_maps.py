@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.quant import dequantize_groups
+from kernels.tensor_ops import group_queries, ungroup
 from kvlab import plots
 from kvlab.budgets import Budget
 from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import get, names
 from kvlab.metrics import answer_positions
-from kvlab.ops import attention_logits, group_queries, ungroup
+from kvlab.ops import attention_logits
 from kvlab.probe import Probe
-from kvlab.quant import dequantize_groups
 from kvlab.results import CompareResult, RunResult
 from kvlab.specs import GenerationSettings, RunSpec
 

@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
+from kernels.qjl import make_sketch
+from kernels.quant import dequantize_groups, group_error_bound
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
 from kvlab.compressors.base import Compressor, ParamError, PrefillState
-from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make_sketch, sketch_keys
+from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, sketch_keys
 from kvlab.models import ModelInfo
 from kvlab.ops import dense_attention
-from kvlab.quant import dequantize_groups, group_error_bound
 from kvlab.specs import GenerationSettings, RunSpec
 
 
@@ -303,7 +304,8 @@ def test_planned_bytes_match_budget(lm):
 
 
 def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_state):
-    from kvlab.compressors.qjl import estimate_scores_split, outlier_mask
+    from kernels.qjl import outlier_mask
+    from kvlab.compressors.qjl import estimate_scores_split
 
     st = prefill_state
     n, errs = st.n_tokens, []

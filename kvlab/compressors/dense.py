@@ -16,10 +16,11 @@ from torch import Tensor
 
 from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
+from kernels.tensor_ops import gather_tokens
 from kvlab import cancel
 from kvlab.budgets import TOLERANCE, per_token_bytes
 from kvlab.compressors.base import Compressor, PrefillState
-from kvlab.ops import dense_attention, gather_tokens, weights_on_positions
+from kvlab.ops import dense_attention, weights_on_positions
 
 
 class _Growable:

@@ -9,7 +9,7 @@ residual) and are quantized ``group`` tokens at a time as decoding pushes them o
 
 Here the residual holds between ``residual`` and ``residual + group - 1`` tokens (keys and values
 alike): when it reaches ``residual + group`` tokens, its oldest ``group`` are quantized. Storage is
-packed codes (``kvlab.quant``; 3-bit codes packed 8 in 3 bytes), float16 scales and minimums, and the
+packed codes (``kernels.quant``; 3-bit codes packed 8 in 3 bytes), float16 scales and minimums, and the
 full-precision residual; positions are implicit (every token is kept). The budget picks the
 highest bit-width whose quantized cache fits, then the longest residual that still fits, both
 held at every decode step (the residual grows by up to ``group - 1`` full-precision tokens between
@@ -25,13 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvlab.budgets import exact_bytes
-from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
-from kvlab.compressors.dense import _Growable
-from kvlab.compressors.registry import register
-from kvlab.models import ModelInfo
-from kvlab.ops import group_queries, ungroup
-from kvlab.quant import (
+from kernels.quant import (
     QuantizedGroups,
     cat_groups,
     dequantize_groups,
@@ -39,6 +33,12 @@ from kvlab.quant import (
     quantize_groups,
     weighted_token_sum,
 )
+from kernels.tensor_ops import group_queries, ungroup
+from kvlab.budgets import exact_bytes
+from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
+from kvlab.compressors.dense import _Growable
+from kvlab.compressors.registry import register
+from kvlab.models import ModelInfo
 from kvlab.semantics import grouped_softmax
 
 KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order

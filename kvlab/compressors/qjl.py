@@ -46,12 +46,7 @@ from torch import Tensor
 
 from kernels import qjl_estimate_grouped, qjl_estimate_split_pair
 from kernels.qjl import make_sketch, outlier_channels, outlier_mask
-from kvlab import cancel
-from kvlab.budgets import per_token_bytes
-from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
-from kvlab.compressors.registry import register
-from kvlab.ops import group_queries, mask_future, ungroup
-from kvlab.quant import (
+from kernels.quant import (
     QuantizedGroups,
     cat_groups,
     pack_signs,
@@ -60,6 +55,12 @@ from kvlab.quant import (
     unpack_signs,
     weighted_token_sum,
 )
+from kernels.tensor_ops import group_queries, ungroup
+from kvlab import cancel
+from kvlab.budgets import per_token_bytes
+from kvlab.compressors.base import Compressor, Param, ParamError, PrefillState
+from kvlab.compressors.registry import register
+from kvlab.ops import mask_future
 from kvlab.semantics import grouped_softmax
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)
@@ -745,9 +746,6 @@ __all__ = [
     "dense_key_estimate",
     "estimate_scores",
     "estimate_scores_split",
-    "make_sketch",
-    "outlier_channels",
-    "outlier_mask",
     "quantize_keys",
     "sketch_keys",
 ]

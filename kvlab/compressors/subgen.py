@@ -66,12 +66,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.tensor_ops import gather_tokens, group_queries, ungroup
 from kvlab import semantics as sm
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.base import Compressor, Param, PrefillState
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.registry import register
-from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
+from kvlab.ops import dense_attention, weights_on_positions
 from kvlab.semantics import LayerSemantics
 
 PAPER = (
