@@ -98,8 +98,9 @@ def _kinds(compressors: list[Compressor], outs: list[Tensor | None], guard: Call
 def _attend_many(compressors: list[Compressor], rows: list[int], layer: int, query: Tensor) -> list[Tensor] | None:
     """One ``attend_many`` call for ``rows``; None when it raised: each row then attends alone, so that an
     error lands on the row it belongs to (``attend``'s guard)."""
+    cls: Any = type(compressors[rows[0]])  # a class with ``attend_many`` (``stands_for_attend``)
     try:
-        return type(compressors[rows[0]]).attend_many([compressors[r] for r in rows], layer, query[rows])
+        return cls.attend_many([compressors[r] for r in rows], layer, query[rows])
     except Exception:
         return None
 
