@@ -70,10 +70,10 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=12)
     args = ap.parse_args()
     from kvlab.compressors import names
-    from kvlab.engine import GenerationSettings
     from kvlab.metrics import ProbeSettings
     from kvlab.models import load_model
     from kvlab.run import Comparison, compare
+    from kvlab.specs import GenerationSettings
 
     lm = load_model()
     methods = [m for m in names() if m != "exact"] + PRESETS

@@ -29,6 +29,7 @@ import time
 import torch
 
 from bench.scaling import default_setup, machine
+from kvlab.planning import make_compressors
 
 METHODS = "exact,qjl,subgen-kcenter,balancekv,scissorhands"
 
@@ -54,7 +55,7 @@ def main() -> None:
 
     start = machine()
     engine, specs, ids = default_setup(args, args.tokens)
-    fresh = lambda: engine._make_compressors(specs, len(ids), 0, args.new)[0]  # noqa: E731
+    fresh = lambda: make_compressors(engine.info, specs, len(ids), 0, args.new)[0]  # noqa: E731
     comps = fresh()
     needs = [c.prefill_needs(len(ids)) for c in comps]
     merged = MergedNeeds.of(needs)

@@ -20,8 +20,9 @@ import torch
 
 from kvlab.budgets import Budget
 from kvlab.compressors import names
-from kvlab.engine import Engine, GenerationSettings, RunSpec
+from kvlab.engine import Engine
 from kvlab.models import load_model
+from kvlab.specs import GenerationSettings, RunSpec
 
 DEFAULT = "exact,qjl,subgen,balancekv,scissorhands"
 

@@ -59,10 +59,10 @@ RENDER_METHODS = (
 
 def render_result(lm, tokens: int, path: str | None):
     """The long, wide result the render timing draws: loaded from ``path`` when it exists, else run and saved."""
-    from kvlab.engine import GenerationSettings
     from kvlab.metrics import ProbeSettings
     from kvlab.results import CompareResult
     from kvlab.run import Comparison, compare
+    from kvlab.specs import GenerationSettings
     from kvlab.tasks import make_task
 
     if path and os.path.exists(path):

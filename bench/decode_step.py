@@ -2,9 +2,10 @@
 
 Runs the lockstep setup of ``compare_lockstep`` (exact + 4 methods at budget 0.25 on a ~1.9k-token
 prompt) and times, alternating ``--repeats`` times in one process: the 5-row forward alone
-(``linear_rows.forward_ms``, rerouted linears, no cache), the decode step with one batched attention
-call per layer (``kvlab/batched_attention.py``), and the decode step with the per-row attention
-(``comp.attend`` per row and layer). A step is ``decode_s / steps`` of a run that decoded every step
+(``linear_rows.forward_ms``, rerouted linears, no cache), the decode step with the dense rows'
+attention in one padded call per layer (``bench/padded_dense.py``; the rows of a class with
+``attend_many`` in one call each), and the decode step with the per-row attention (``comp.attend``
+per row and layer). A step is ``decode_s / steps`` of a run that decoded every step
 (forward, appends, attention, the token pick and the byte count). Reported: medians and best times
 in ms and the steps' ratios to the forward measured in the same run, with the load average before
 and after; then one step's attention alone (all layers and rows, random queries on the compressed
@@ -24,19 +25,16 @@ import torch
 
 from bench.compare_lockstep import add_setup_args, emit, setup, warm_up
 from bench.linear_rows import forward_ms
-from kvlab import attention
-from kvlab.batched_attention import attend_rows
-from kvlab.engine import GenerationSettings
+from bench.padded_dense import attend_padded, schedule
+from kvlab.planning import make_compressors
 from kvlab.prefill import prefill_for
+from kvlab.specs import GenerationSettings
 
 
 def step_ms(engine, ids, specs, new: int, batched: bool) -> float:
     """Mean ms of one lockstep decode step (up to ``new`` - 1 steps after the prefill's first token)."""
-    attention.LockstepDecode.batched = attention.LockstepDecode.dense_together = batched
-    try:
+    with schedule("padded" if batched else "per_row"):
         res = engine.compare(ids, specs, GenerationSettings(max_new_tokens=new))
-    finally:
-        attention.LockstepDecode.batched, attention.LockstepDecode.dense_together = True, False
     longest = max(res.runs, key=lambda r: len(r.token_ids))  # decoded every step (others may stop at EOS)
     return longest.timings.decode_s / max(1, len(longest.token_ids) - 1) * 1e3
 
@@ -45,7 +43,7 @@ def attention_ms(engine, ids, specs, repeats: int) -> dict[str, float]:
     """One decode step's attention alone (every layer, every row), batched and per row, best of ``repeats``
     (alternating): the methods compressed from the prompt's prefill, random queries at the model's shapes."""
     info = engine.info
-    comps, _ = engine._make_compressors(specs, len(ids), 0, 1)
+    comps, _ = make_compressors(engine.info, specs, len(ids), 0, 1)
     state, _, _ = prefill_for(engine.lm, ids, comps)
     for c in comps:
         c.compress(state)
@@ -66,7 +64,7 @@ def attention_ms(engine, ids, specs, repeats: int) -> dict[str, float]:
     batched, per_row = [], []
     with torch.inference_mode():
         for _ in range(repeats):
-            batched.append(timed(lambda layer: attend_rows(comps, layer, q)))
+            batched.append(timed(lambda layer: attend_padded(comps, layer, q)))
             per_row.append(timed(lambda layer: [c.attend(layer, q[i]) for i, c in enumerate(comps)]))
     return {"batched": min(batched), "per_row": min(per_row)}
 

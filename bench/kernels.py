@@ -82,7 +82,7 @@ def _cases(n: int, device, dtype):
 
     from kernels import make_sketch, outlier_channels, qjl_quantize
     from kernels.formats import Segment
-    from kvlab.quant import quantize_groups
+    from kernels.quant import quantize_groups
 
     k = torch.randn(HKV, n, D, device=device, dtype=dtype)
     v = torch.randn(HKV, n, D, device=device, dtype=dtype)

@@ -47,9 +47,9 @@ def main() -> None:
     ap.add_argument("--only", default="")
     args = ap.parse_args()
     from kvlab.budgets import Budget
-    from kvlab.engine import RunSpec
     from kvlab.metrics import MetricsProbe, ProbeSettings
     from kvlab.reproduce.context import Context
+    from kvlab.specs import RunSpec
 
     ctx = Context(quick=False)
     ids = ctx.prose(args.length)

@@ -20,9 +20,10 @@ import time
 import torch
 
 from bench.compare_lockstep import emit
-from kvlab.engine import Engine, GenerationSettings
+from kvlab.engine import Engine
 from kvlab.models import load_model
 from kvlab.run import Comparison, compare_all
+from kvlab.specs import GenerationSettings
 
 METHODS = "exact,qjl,subgen-kcenter,balancekv,scissorhands"
 QUESTIONS = (

@@ -24,10 +24,12 @@ import time
 import torch
 
 from kvlab.budgets import Budget
-from kvlab.engine import Engine, GenerationSettings, RunSpec
+from kvlab.engine import Engine
 from kvlab.metrics import ProbeSettings
 from kvlab.models import load_model
+from kvlab.probe import Probe
 from kvlab.run import Comparison, compare
+from kvlab.specs import GenerationSettings, RunSpec
 from kvlab.tasks import make_task, parse_length
 
 # method studied -> {label -> (method, budget, params)}; "exact" runs with every study
@@ -103,10 +105,12 @@ def kept_positions(comp) -> list[torch.Tensor] | None:
     return [la.views()[2].clone() for la in comp.layers] if hasattr(comp, "layers") else None
 
 
-class KeptProbe:
+class KeptProbe(Probe):
     """Records which positions each run's (layer, KV head) streams hold after the prefill's compression
     (``kept``) and right after the first decode step that drops a token (``evicted``; None if none did).
     Each decode step appends one token, so a step drops tokens when the cache does not grow."""
+
+    attends = True
 
     def __init__(self) -> None:
         self.kept: list[list[torch.Tensor] | None] = []

@@ -121,8 +121,9 @@ def default_setup(args, tokens: int):
 
     from bench.compare_lockstep import long_prompt
     from kvlab.budgets import Budget
-    from kvlab.engine import Engine, RunSpec
+    from kvlab.engine import Engine
     from kvlab.models import load_model
+    from kvlab.specs import RunSpec
 
     torch.set_num_threads(args.threads)
     engine = Engine(load_model("embedded"))
@@ -133,8 +134,8 @@ def default_setup(args, tokens: int):
 
 # ----- one point, in its own process ----------------------------------------------------------------
 def child(args) -> None:
-    from kvlab.engine import GenerationSettings
     from kvlab.metrics import MetricsProbe, add_text_metrics
+    from kvlab.specs import GenerationSettings
 
     engine, specs, ids = default_setup(args, args.child)
     gen = GenerationSettings(max_new_tokens=args.new)

@@ -1,7 +1,7 @@
 """Quantized storage formats and their torch reference maths: bit packing and group quantization.
 
 The layouts the Triton kernels read, used by QJL (sign bits of the sketched keys, 2-bit values)
-and KIVI (per-channel keys, per-token values); ``kvlab.quant`` re-exports them:
+and KIVI (per-channel keys, per-token values):
 
 * ``pack_signs``: signs packed 8 per byte along the last dim, LSB first — byte ``b`` holds the
   sign of element ``8b + j`` in bit ``j``; bit 1 means the element is ``>= 0``.

@@ -1,7 +1,6 @@
 """Head grouping and token selection shared by the kernels and their torch references.
 
 Shapes use: Hq query heads, Hkv KV heads, g = Hq / Hkv, t queries, n keys, d head_dim.
-``kvlab.ops`` re-exports these.
 """
 
 from __future__ import annotations

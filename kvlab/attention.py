@@ -6,7 +6,8 @@ The model's code is not patched. While the engine runs, ``config._attn_implement
 * ``PrefillCapture``: exact causal attention (SDPA), recording the last prompt queries and, when
   asked, the attention each key receives summed over all queries;
 * ``LockstepDecode``: row i of the batch attends through compressor i's cache (with one query per
-  row, the rows whose caches read as dense tokens attend in one call: ``kvlab.batched_attention``).
+  row, the rows of a class that attends several rows at once do so in one call:
+  ``kvlab.batched_attention``).
 * ``LockstepChunk``: row i feeds a chunk of new tokens (a question asked after compression)
   through compressor i's ``feed``, causally inside the chunk.
 
@@ -33,7 +34,7 @@ from kvlab import semantics as sm
 from kvlab.batched_attention import attend_rows
 from kvlab.compressors.handover import WindowObserver
 from kvlab.few_rows import torch_functions_plain
-from kvlab.ops import attention_logits, pool_heads
+from kvlab.ops import attention_logits
 from kvlab.semantics import LayerSemantics, attend, window_bias
 
 NAME = "kvlab"
@@ -137,12 +138,6 @@ class LockstepDecode:
     [B, Hkv, 1, d] the new token's key/value, out [B, Hq, 1, d]).
     """
 
-    batched: bool = True  # one attention call per layer for the rows that allow it (False: per row)
-    # dense rows in padded calls; off: each alone, without the padded copy. Measured on a 2-core CPU, the
-    # padded copy costs more than the per-row calls it saves (decode step 134-139 vs 143-156 ms for five
-    # dense rows, bench/README.md), so rows attend alone unless this is set.
-    dense_together: bool = False
-
     def __init__(
         self,
         compressors: list,
@@ -162,14 +157,16 @@ class LockstepDecode:
                     faults.append(row, comp, module.layer_idx, key[row], value[row], self.positions[row])
             return self._attend(module.layer_idx, query, key, value)
 
+    def row_outputs(self, layer: int, query: Tensor) -> list[Tensor]:
+        """Each row's attention output [Hq, t, d] for ``query`` [B, Hq, t, d]: with one query per row,
+        the rows of a class with ``attend_many`` in one call (``batched_attention.attend_rows``), the
+        others row by row. A row that raises gets zeros (``faults.attend``); the engine then ends its run."""
+        if query.shape[-2] == 1:
+            return attend_rows(self.compressors, layer, query, faults.guard, faults.attend)
+        return [faults.attend(row, comp, layer, query[row]) for row, comp in enumerate(self.compressors)]
+
     def _attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
-        # a row that raises gets zeros (faults.attend); the engine then ends its run
-        if self.batched and query.shape[-2] == 1:  # one query per row: dense rows in one call
-            outs = attend_rows(
-                self.compressors, layer, query, faults.guard, faults.attend, dense_together=self.dense_together
-            )
-        else:  # the per-row reference path (also any query length other than 1)
-            outs = [faults.attend(row, comp, layer, query[row]) for row, comp in enumerate(self.compressors)]
+        outs = self.row_outputs(layer, query)
         for row, out in enumerate(outs):
             for obs in self.observers:
                 obs(layer, row, query[row], out)
@@ -297,5 +294,4 @@ __all__ = [
     "PrefillCapture",
     "accumulated_attention",
     "active",
-    "pool_heads",
 ]

@@ -267,10 +267,10 @@ def cmd_methods() -> int:
 
 
 def cmd_compare(args) -> int:
-    from kvlab.engine import GenerationSettings, InputError
     from kvlab.metrics import ProbeSettings
     from kvlab.models import ModelLoadError, load_model
     from kvlab.run import Comparison, stream
+    from kvlab.specs import GenerationSettings, InputError
 
     _check_questions(args)
     text = "" if args.task else _read_prompt(args)
@@ -370,7 +370,8 @@ def _shown(ev) -> bool:
 
 
 def cmd_sweep(args) -> int:
-    from kvlab.engine import Engine, InputError, expand_runs
+    from kvlab.engine import Engine
+    from kvlab.specs import InputError, expand_runs
     from kvlab.sweep import SweepConfig, budget_labels, run_sweep
     from kvlab.tasks import OWN_TASKS, SUITES, TASKS, TaskError, parse_length
 

@@ -19,19 +19,21 @@ import torch
 from torch import Tensor
 
 from kvlab.budgets import TOLERANCE, Budget
+from kvlab.probe import Probe
 
 
 def _flag(name: str, detail: str) -> dict:
     return {"flag": name, "detail": detail}
 
 
-class HealthProbe:
+class HealthProbe(Probe):
     """Engine probe: watches every step's logits, then checks bytes and eviction per run.
 
     ``forkable``: stateless until ``on_prefill`` and only ``on_prefill`` / ``on_chunk`` / ``on_step`` /
     ``finish`` hooks, so a copy can follow each question when several decode as one batch."""
 
     forkable = True
+    sees_chunks = True
 
     def on_prefill(self, state, logits: Tensor, compressors) -> None:
         self.comps = compressors

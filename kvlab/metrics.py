@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.tensor_ops import group_queries, ungroup
 from kvlab import semantics as sm
 from kvlab.compressors.dense import DenseCompressor
-from kvlab.ops import attention_logits, group_queries, mask_future, ungroup
+from kvlab.ops import attention_logits, mask_future
+from kvlab.probe import Probe
 from kvlab.semantics import LayerSemantics, window_bias
 
 
@@ -183,8 +185,14 @@ class ProbeSettings:
     map_queries: int = 8  # last decode queries kept for the maps
 
 
-class MetricsProbe:
-    """The costly measurements as an engine probe; ``finish`` writes them into each run's metrics/extras."""
+class MetricsProbe(Probe):
+    """The costly measurements as an engine probe; ``finish`` writes them into each run's metrics/extras.
+
+    It reads every decode layer (``on_layer``) and question chunk (``on_chunk``); with ``fidelity`` it
+    is teacher-forced (``on_forced``)."""
+
+    sees_layers = True
+    sees_chunks = True
 
     def __init__(self, settings: ProbeSettings | None = None):
         self.cfg = settings or ProbeSettings()

@@ -1,7 +1,7 @@
 """Shared tensor math: grouped-query attention over dense or weighted caches, head pooling.
 
 Shapes use: Hq query heads, Hkv KV heads, g = Hq / Hkv, t queries, n keys, d head_dim.
-``group_queries``, ``ungroup`` and ``gather_tokens`` live in ``kernels.tensor_ops`` (re-exported here).
+Head grouping and token selection (``group_queries``, ``ungroup``, ``gather_tokens``) are ``kernels.tensor_ops``'.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.tensor_ops import gather_tokens, group_queries, ungroup
+from kernels.tensor_ops import group_queries, ungroup
 from kvlab import semantics as sm
 from kvlab.semantics import LayerSemantics
 
@@ -118,11 +118,8 @@ __all__ = [
     "attention_logits",
     "causal_window_probs",
     "dense_attention",
-    "gather_tokens",
-    "group_queries",
     "on_positions",
     "pool_heads",
     "tensor_bytes",
-    "ungroup",
     "weights_on_positions",
 ]

@@ -25,11 +25,14 @@ from dataclasses import dataclass, field
 
 from kvlab import faults
 from kvlab.budgets import Budget
-from kvlab.engine import Engine, Event, GenerationSettings, InputError, Probe, Question, RunSpec, expand_runs
+from kvlab.engine import Engine
 from kvlab.health import HealthProbe
 from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
 from kvlab.models import LoadedModel
+from kvlab.probe import Probe
+from kvlab.questions import each_in_own_prompt
 from kvlab.results import PROTOCOLS, QUERY_AGNOSTIC, QUERY_AWARE, CompareResult
+from kvlab.specs import Event, GenerationSettings, InputError, Question, RunSpec, expand_runs
 from kvlab.tasks import Task, join_question, prompt_ids, prompt_text, score_result, split_ids
 
 
@@ -146,7 +149,8 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
         ctx, questions = comparison.split(engine.lm)
         events = engine.stream(ctx, runs, settings, probes=probes, questions=questions)
     else:
-        events = _each_question(engine, comparison, runs, probes)
+        ctx, questions = comparison.split(engine.lm)
+        events = each_in_own_prompt(engine, ctx, questions, runs, settings, probes)
     oom = None
     try:
         for ev in events:
@@ -166,24 +170,6 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
         measure = probes = events = None
         faults.release()
         raise oom
-
-
-def _each_question(engine: Engine, comparison: Comparison, runs: list[RunSpec], probes: list) -> Iterator[Event]:
-    """Query-aware with several questions: each question's whole prompt prefilled and compressed on its own."""
-    ctx, questions = comparison.split(engine.lm)
-    results: list[CompareResult] = []
-    span = 1.0 / len(questions)
-    for j, q in enumerate(questions):
-        for ev in engine.stream(ctx + q.ids, runs, comparison.settings, q.prompt_text, probes):
-            if ev.kind == "done":
-                ev.result.question, ev.result.context_tokens = q.text, len(ctx)
-                results.append(ev.result)
-                yield Event("question", f"question {j + 1} of {len(questions)} done", span * (j + 1))
-            else:
-                if ev.progress >= 0:
-                    ev.progress = span * (j + ev.progress)
-                yield ev
-    yield Event("done", f"{len(runs)} runs x {len(questions)} questions done", 1.0, result=results[0], results=results)
 
 
 def compare(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence[Probe] = ()) -> CompareResult:

@@ -47,21 +47,20 @@ def divergence(lm: LoadedModel) -> tuple[list[float], int]:
     """The relative logit difference (largest |difference| / largest |logit|) at the prefill's last token,
     then after each decode step; and the prefill length."""
     from kvlab.compressors.registry import get
-    from kvlab.engine import Engine
+    from kvlab.lockstep import feed_stepwise
     from kvlab.prefill import prefill
 
     window = probe_window(lm)
     prefix = window + 8 if window else PLAIN_PREFIX
     ids = probe_ids(lm, prefix + DECODE_STEPS)
     lm32 = lm.with_cache_dtype("float32")
-    engine = Engine(lm32, time_limit_s=None)
     state, last = prefill(lm32, ids[:prefix])
     exact = get("exact")(lm32.info)
     exact.plan(prefix)
     exact.compress(state)
     ours = [last]
     for i, t in enumerate(ids[prefix:-1]):
-        ours.append(engine.feed_stepwise([exact], prefix + i, [t])[0])
+        ours.append(feed_stepwise(lm32, [exact], prefix + i, [t])[0])
     dev = lm.device
     theirs = lm.model(input_ids=torch.tensor([ids], device=dev)).logits[0, prefix - 1 : -1].float()
     ours_t = torch.stack(ours).float()

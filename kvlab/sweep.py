@@ -123,9 +123,9 @@ def distributed() -> tuple[int, int, Callable[[], None]]:
 
 def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     """One comparison on the cell's prompt; returns the compact record written to its file."""
-    from kvlab.engine import GenerationSettings
     from kvlab.metrics import ProbeSettings
     from kvlab.run import Comparison, compare
+    from kvlab.specs import GenerationSettings
     from kvlab.tasks import make_task
 
     task = make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cell.depth)

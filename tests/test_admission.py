@@ -45,7 +45,7 @@ def test_estimate_grows_with_the_request(lm):
 
 
 def test_planned_caches_bound_the_bytes_really_held(engine, lm, long_text):
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
 
     ids = lm.encode(long_text[:1200])
     specs = [
@@ -54,7 +54,7 @@ def test_planned_caches_bound_the_bytes_really_held(engine, lm, long_text):
         RunSpec("qjl", Budget(fraction=0.25)),
         RunSpec("balancekv", Budget(fraction=0.25)),
     ]
-    from kvlab.engine import GenerationSettings
+    from kvlab.specs import GenerationSettings
 
     result = engine.compare(ids, specs, GenerationSettings(max_new_tokens=6))
     est = estimate(lm.info, len(ids), [s.budget for s in specs], 6)

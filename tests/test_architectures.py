@@ -18,8 +18,9 @@ from kvlab import attention as attn
 from kvlab import semantics as sm
 from kvlab.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.compressors import names
-from kvlab.engine import Engine, GenerationSettings, RunSpec
+from kvlab.engine import Engine
 from kvlab.models import ModelLoadError, from_model, load_model, refuse_unsupported
+from kvlab.specs import GenerationSettings, RunSpec
 
 PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6

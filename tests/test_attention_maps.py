@@ -6,22 +6,26 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.quant import dequantize_groups
+from kernels.tensor_ops import group_queries, ungroup
 from kvlab import plots
 from kvlab.budgets import Budget
 from kvlab.compressors import budget_search
 from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.registry import get, names
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.metrics import answer_positions
-from kvlab.ops import attention_logits, group_queries, ungroup
-from kvlab.quant import dequantize_groups
+from kvlab.ops import attention_logits
+from kvlab.probe import Probe
 from kvlab.results import CompareResult, RunResult
+from kvlab.specs import GenerationSettings, RunSpec
 
 LAYER = 15
 
 
-class WeightsProbe:
+class WeightsProbe(Probe):
     """Calls every run's ``estimated_weights`` at one layer on each decode step, with the real query."""
+
+    sees_layers = True
 
     def on_prefill(self, state, logits, compressors) -> None:
         self.comps, self.seen = compressors, {}

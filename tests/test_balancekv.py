@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from kernels.tensor_ops import gather_tokens, group_queries, ungroup
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import budget_search
 from kvlab.compressors.balancekv import (
@@ -18,8 +19,8 @@ from kvlab.compressors.balancekv import (
     fit_layout,
     halve,
 )
-from kvlab.engine import GenerationSettings, RunSpec
-from kvlab.ops import attention_logits, gather_tokens, group_queries, ungroup
+from kvlab.ops import attention_logits
+from kvlab.specs import GenerationSettings, RunSpec
 
 LAYERS = [1, 2, 5]  # the layers of the paper's Fig. 2
 SINK = 32

@@ -16,8 +16,8 @@ import pytest
 
 from kvlab.budgets import TOLERANCE, Budget
 from kvlab.compressors import budget_search, get, names
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.health import HealthProbe
+from kvlab.specs import GenerationSettings, RunSpec
 
 BUDGETS = [Budget.parse(b) for b in ("0.5", "0.25", "0.125")]
 METHODS = [m for m in names() if m != "exact"]

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from kvlab import cancel
-from kvlab.engine import Engine, GenerationSettings, Question, RunSpec
+from kvlab.engine import Engine
 from kvlab.metrics import ProbeSettings
 from kvlab.run import Comparison, compare
+from kvlab.specs import GenerationSettings, Question, RunSpec
 
 PROMPT = "The cat sat on the mat because the mat was warm. Tell me about the cat in one sentence. " * 4
 

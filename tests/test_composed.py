@@ -8,6 +8,8 @@ import pytest
 import torch
 from kv_samples import compressed, new_token
 
+from kernels.quant import dequantize_groups
+from kernels.tensor_ops import group_queries
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import get, names
 from kvlab.compressors.dense import DenseLayer
@@ -17,8 +19,7 @@ from kvlab.compressors.qjl import dense_key_estimate, estimate_scores, estimate_
 from kvlab.compressors.registry import UnknownMethodError
 from kvlab.compressors.streaming import StreamingLLM
 from kvlab.compressors.with_qjl import QJLDenseLayer, QJLStore
-from kvlab.ops import dense_attention, group_queries, tensor_bytes
-from kvlab.quant import dequantize_groups
+from kvlab.ops import dense_attention, tensor_bytes
 
 
 def test_qjl_compositions_resolve_on_demand_and_are_listed():

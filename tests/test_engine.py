@@ -5,8 +5,9 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.budgets import Budget, exact_bytes
-from kvlab.engine import GenerationSettings, InputError, RunSpec, expand_runs
 from kvlab.prefill import prefill
+from kvlab.probe import Probe
+from kvlab.specs import GenerationSettings, InputError, RunSpec, expand_runs
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -14,7 +15,9 @@ PROMPTS = [
 ]
 
 
-class LogitsProbe:
+class LogitsProbe(Probe):
+    attends = True
+
     def __init__(self):
         self.logits = {}
 

@@ -15,9 +15,10 @@ import pytest
 from kvlab import faults
 from kvlab.compressors import registry
 from kvlab.compressors.streaming import StreamingLLM
-from kvlab.engine import Engine, GenerationSettings
+from kvlab.engine import Engine
 from kvlab.metrics import ProbeSettings
 from kvlab.run import Comparison, compare
+from kvlab.specs import GenerationSettings
 
 PROMPT = "The cat sat on the mat because the mat was warm. Tell me about the cat in one sentence."
 FAIL_STEP = 3  # the decode step at which the attend / append failures raise

@@ -5,7 +5,7 @@ import torch
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import budget_search, get
-from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.specs import GenerationSettings, RunSpec
 
 
 @pytest.fixture(scope="module")

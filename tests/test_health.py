@@ -8,8 +8,8 @@ import torch
 from kvlab.budgets import Budget
 from kvlab.compressors import registry
 from kvlab.compressors.exact import Exact
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.health import HealthProbe
+from kvlab.specs import GenerationSettings, RunSpec
 
 
 class _KeepsEverything(Exact):

@@ -75,7 +75,7 @@ def _sketch(m, d, seed):
 
 def _case_quant(hkv, n, d, m, m_out=None, n_out=None):
     from kernels import qjl as K
-    from kvlab.quant import unpack_signs
+    from kernels.quant import unpack_signs
 
     keys = _rand(hkv, n, d, seed=n) * 2
     s, so = _sketch(m, d, 1), (_sketch(m_out, d, 2) if m_out else None)
@@ -118,7 +118,7 @@ def _case_scores(g, d, n, outliers, t, hkv=2):
 
 def _segments(kind, hkv, d, n, bits, seed, value_group=32):
     from kernels.formats import Segment
-    from kvlab.quant import quantize_groups
+    from kernels.quant import quantize_groups
 
     keys, values = _rand(hkv, n, d, seed=seed), _rand(hkv, n, d, seed=seed + 1)
     if kind == "dense":
@@ -411,8 +411,8 @@ def test_compressed_reference_tracks_exact_attention():
     from kernels import qjl as K
     from kernels.decode_attention import decode_attention_torch
     from kernels.formats import Segment
+    from kernels.quant import quantize_groups
     from kvlab.ops import dense_attention
-    from kvlab.quant import quantize_groups
 
     d = 64
     k, v, q = _rand(2, 300, d, seed=4), _rand(2, 300, d, seed=5), _rand(6, 1, d, seed=6)

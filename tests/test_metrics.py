@@ -7,9 +7,9 @@ import torch
 
 from kvlab.budgets import Budget
 from kvlab.compressors import names
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics, relative_error, shadow_attention, token_diff
 from kvlab.ops import dense_attention
+from kvlab.specs import GenerationSettings, RunSpec
 
 PROMPT = "Explain in two sentences why the sky is blue, and then say what colour grass is."
 

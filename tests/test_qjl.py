@@ -8,16 +8,17 @@ import math
 import pytest
 import torch
 
+from kernels.qjl import make_sketch
+from kernels.quant import dequantize_groups, group_error_bound
 from kvlab.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
 from kvlab.compressors import budget_search
 from kvlab.compressors.base import Compressor
 from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import ParamError
-from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, make_sketch, sketch_keys
-from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, sketch_keys
 from kvlab.models import ModelInfo
 from kvlab.ops import dense_attention
-from kvlab.quant import dequantize_groups, group_error_bound
+from kvlab.specs import GenerationSettings, RunSpec
 
 
 def _pair(d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +307,8 @@ def test_planned_bytes_match_budget(lm):
 
 
 def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_state):
-    from kvlab.compressors.qjl import estimate_scores_split, outlier_mask
+    from kernels.qjl import outlier_mask
+    from kvlab.compressors.qjl import estimate_scores_split
 
     st = prefill_state
     n, errs = st.n_tokens, []

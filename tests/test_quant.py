@@ -1,11 +1,11 @@
-"""Bit packing and group quantization (kvlab/quant.py) on real random tensors."""
+"""Bit packing and group quantization (kernels/quant.py) on real random tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlab.quant import (
+from kernels.quant import (
     cat_groups,
     dequantize_groups,
     group_error_bound,

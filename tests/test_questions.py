@@ -5,14 +5,17 @@ import json
 
 import pytest
 import torch
+from reference_paths import stepwise_questions
 
 from kvlab import cli
 from kvlab.budgets import Budget
 from kvlab.compressors import get
-from kvlab.engine import Engine, GenerationSettings, Question, RunSpec
+from kvlab.engine import Engine
 from kvlab.metrics import ProbeSettings
+from kvlab.probe import Probe
 from kvlab.run import Comparison, compare_all
 from kvlab.schema import load_result_text
+from kvlab.specs import GenerationSettings, Question, RunSpec
 from kvlab.tasks import make_task, prompt_ids, split_ids
 
 QUESTIONS = [
@@ -65,7 +68,8 @@ def test_one_compression_per_method_and_the_chunk_equals_feeding_token_by_token(
     gen = GenerationSettings(max_new_tokens=6)
     chunked = Engine(lm).compare_all(ctx, _specs(), gen, questions=questions)
     assert sorted(calls) == sorted(METHODS)  # one compression per method for all three questions
-    stepwise = Engine(lm, stepwise_questions=True).compare_all(ctx, _specs(), gen, questions=questions)
+    with stepwise_questions():
+        stepwise = Engine(lm).compare_all(ctx, _specs(), gen, questions=questions)
     assert len(chunked) == len(stepwise) == 3
     for q, a, b in zip(QUESTIONS, chunked, stepwise):
         assert a.protocol == "query-agnostic" and a.question == q and a.context_tokens == len(ctx)
@@ -94,7 +98,7 @@ def test_exact_query_agnostic_equals_generate(engine32, lm, context):
         assert aware.runs[0].token_ids == res.runs[0].token_ids
 
 
-class _Keep:
+class _Keep(Probe):
     """Keeps the compressors a probe sees (each question's fork) to read their positions afterwards."""
 
     def on_prefill(self, state, logits, comps):
@@ -242,7 +246,7 @@ def test_dashboard_question_box_makes_the_comparison_query_agnostic(lm, context)
     assert lm.decode(rests[0].ids).strip().startswith(QUESTIONS[0])
 
 
-class _Sequential:
+class _Sequential(Probe):
     """A probe that is not ``forkable``: it makes every question decode on its own."""
 
     def on_prefill(self, state, logits, comps):

@@ -40,7 +40,7 @@ def page(**kw) -> Callable:
     """The page's answer to a setup: refused with its message, or accepted with the plan line."""
 
     def call(dash):
-        from kvlab.engine import InputError
+        from kvlab.specs import InputError
         from kvlab.ui import PageInputs
 
         inputs = {"prompt": "hello there", "papers": [], "baselines": ["streaming"], "budgets": "0.5", "max_new": 2}
@@ -60,7 +60,7 @@ def settings(**kw) -> Callable:
     """The engine's answer to generation settings the page does not expose (CLI ``--sample`` flags, the API)."""
 
     def call(dash):
-        from kvlab.engine import GenerationSettings, InputError
+        from kvlab.specs import GenerationSettings, InputError
 
         try:
             GenerationSettings(do_sample=True, **kw).validate()

@@ -94,7 +94,7 @@ def test_not_json_and_too_big():
 
 def test_a_real_export_validates(engine, lm):
     from kvlab.budgets import Budget
-    from kvlab.engine import GenerationSettings, RunSpec
+    from kvlab.specs import GenerationSettings, RunSpec
 
     ids = lm.encode("Name three colours.")
     result = engine.compare(ids, [RunSpec("exact"), RunSpec("h2o", Budget(fraction=0.5))], GenerationSettings(3))

@@ -6,17 +6,20 @@ import torch
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import PrefillNeeds, PrefillState, budget_search, get
 from kvlab.compressors.scored import eviction_keep
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.models import ModelInfo
 from kvlab.prefill import prefill, prefill_for
+from kvlab.probe import Probe
+from kvlab.specs import GenerationSettings, RunSpec
 
 SYN = ModelInfo(
     id="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32", device="cpu", max_positions=4096
 )
 
 
-class CacheWatch:
+class CacheWatch(Probe):
     """Probe recording, at every decode attention, each scissorhands run's cache size and kept positions."""
+
+    attends = True
 
     def __init__(self, n_prompt):
         self.n_prompt, self.step, self.seen = n_prompt, 1, []

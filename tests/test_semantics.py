@@ -2,8 +2,8 @@
 
 import torch
 
+from kernels.tensor_ops import group_queries
 from kvlab import semantics as sm
-from kvlab.ops import group_queries
 
 HQ, HKV, D = 4, 2, 8
 

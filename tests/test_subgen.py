@@ -7,8 +7,8 @@ from kvlab.budgets import Budget
 from kvlab.clustering import cluster_stream, greedy_kcenter
 from kvlab.compressors import budget_search
 from kvlab.compressors.subgen import SubGenState, kcenter_compress
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.ops import dense_attention
+from kvlab.specs import GenerationSettings, RunSpec
 
 # chi-square critical values at p = 0.001
 CHI2_CRIT = {5: 20.52, 7: 24.32}

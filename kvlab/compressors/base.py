@@ -171,15 +171,6 @@ class Compressor(ABC):
         """Every tensor this cache holds, as (kind, tensor); bytes are counted from these."""
 
     # ----- optional hooks ------------------------------------------------------------------
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """This layer's cache as dense tokens, when it is one: (k, v [Hkv, n, d], logw [Hkv, n] or None).
-
-        Then ``attend`` is softmax attention over them (``ops.dense_attention``, followed by
-        ``after_attend`` when ``wants_probs``), and a lockstep step may attend for it together with
-        other rows (``kvlab.batched_attention``). None (the default): only ``attend`` knows how.
-        """
-        return None
-
     def after_attend(self, layer: int, probs: Tensor) -> None:  # noqa: B027 - an optional hook: nothing by default
         """Hook for streaming eviction: ``probs`` [Hq, 1, n] is this step's attention over the cache."""
 

@@ -25,13 +25,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kernels.quant import QuantizedGroups, packed_bytes, quantize_groups
+from kernels.tensor_ops import gather_tokens
 from kvlab.budgets import per_token_bytes
 from kvlab.compressors.dense import DenseCompressor, _Growable
 from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import Param
 from kvlab.compressors.registry import get
-from kvlab.ops import gather_tokens
-from kvlab.quant import QuantizedGroups, packed_bytes, quantize_groups
 
 
 # ----- per-token quantized codes (KIVI's keys and values, QJL's values) --------------------------

@@ -16,11 +16,12 @@ from torch import Tensor
 
 from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
+from kernels.tensor_ops import gather_tokens
 from kvlab import cancel
 from kvlab.budgets import TOLERANCE, per_token_bytes
 from kvlab.compressors.base import Compressor
 from kvlab.compressors.handover import PrefillState
-from kvlab.ops import dense_attention, gather_tokens, weights_on_positions
+from kvlab.ops import dense_attention, weights_on_positions
 
 
 class _Growable:
@@ -238,10 +239,6 @@ class DenseCompressor(Compressor):
         if use_triton(q.device) and sem.plain and sem.v_dim == sem.k_dim:  # fused Triton decode attention on CUDA
             return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
         return dense_attention(q, k, v, sem, lw)
-
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        k, v, _, lw = self.visible(layer)
-        return k, v, lw
 
     def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
         """Vectorized when nothing evicts or scores per step: append all c tokens, one causal attention."""

@@ -9,7 +9,7 @@ residual) and are quantized ``group`` tokens at a time as decoding pushes them o
 
 Here the residual holds between ``residual`` and ``residual + group - 1`` tokens (keys and values
 alike): when it reaches ``residual + group`` tokens, its oldest ``group`` are quantized. Storage is
-packed codes (``kvlab.quant``; 3-bit codes packed 8 in 3 bytes), float16 scales and minimums, and the
+packed codes (``kernels.quant``; 3-bit codes packed 8 in 3 bytes), float16 scales and minimums, and the
 full-precision residual; positions are implicit (every token is kept). The budget picks the
 highest bit-width whose quantized cache fits, then the longest residual that still fits, both
 held at every decode step (the residual grows by up to ``group - 1`` full-precision tokens between
@@ -25,6 +25,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.quant import (
+    QuantizedGroups,
+    cat_groups,
+    dequantize_groups,
+    packed_bytes,
+    quantize_groups,
+    weighted_token_sum,
+)
+from kernels.tensor_ops import group_queries, ungroup
 from kvlab.budgets import exact_bytes
 from kvlab.compressors import budget_search
 from kvlab.compressors.base import Compressor
@@ -33,15 +42,6 @@ from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import Param, ParamError
 from kvlab.compressors.registry import register
 from kvlab.models import ModelInfo
-from kvlab.ops import group_queries, ungroup
-from kvlab.quant import (
-    QuantizedGroups,
-    cat_groups,
-    dequantize_groups,
-    packed_bytes,
-    quantize_groups,
-    weighted_token_sum,
-)
 from kvlab.semantics import grouped_softmax
 
 KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
@@ -317,11 +317,6 @@ class KIVI(Compressor):
                 out = s + torch.matmul(p[..., nq:], layers[i].rv.view().float())
                 outs[i] = ungroup(out, hq).to(q.dtype)
         return outs
-
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
-        """Dense while nothing is quantized yet (the residual only)."""
-        st = self.layers[layer]
-        return (st.rk.view(), st.rv.view(), None) if st.kq is None else None
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:

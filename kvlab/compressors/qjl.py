@@ -46,15 +46,7 @@ from torch import Tensor
 
 from kernels import qjl_estimate_grouped, qjl_estimate_split_pair
 from kernels.qjl import make_sketch, outlier_channels, outlier_mask
-from kvlab import cancel
-from kvlab.budgets import per_token_bytes
-from kvlab.compressors import budget_search
-from kvlab.compressors.base import Compressor
-from kvlab.compressors.handover import PrefillState
-from kvlab.compressors.params import Param, ParamError
-from kvlab.compressors.registry import register
-from kvlab.ops import group_queries, mask_future, ungroup
-from kvlab.quant import (
+from kernels.quant import (
     QuantizedGroups,
     cat_groups,
     pack_signs,
@@ -63,6 +55,15 @@ from kvlab.quant import (
     unpack_signs,
     weighted_token_sum,
 )
+from kernels.tensor_ops import group_queries, ungroup
+from kvlab import cancel
+from kvlab.budgets import per_token_bytes
+from kvlab.compressors import budget_search
+from kvlab.compressors.base import Compressor
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param, ParamError
+from kvlab.compressors.registry import register
+from kvlab.ops import mask_future
 from kvlab.semantics import grouped_softmax
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)
@@ -654,11 +655,6 @@ class QJL(Compressor):
             logits = torch.cat([*(self._segment_scores(st, seg, qg) for seg in st.segments), logits], -1)
         return logits
 
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
-        """Dense while nothing is sketched yet (the full-precision window only)."""
-        st = self.layers[layer]
-        return None if st.segments else (st.res_k, st.res_v, None)
-
     def _segment_scores(self, st: QJLLayer, seg: QJLSegment, qg: Tensor) -> Tensor:
         """Estimated scores of a segment's keys, inliers plus outliers: qg [Hkv, R, d] -> [Hkv, R, seg.n].
 
@@ -755,9 +751,6 @@ __all__ = [
     "dense_key_estimate",
     "estimate_scores",
     "estimate_scores_split",
-    "make_sketch",
-    "outlier_channels",
-    "outlier_mask",
     "quantize_keys",
     "sketch_keys",
 ]

@@ -31,9 +31,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kernels.tensor_ops import gather_tokens
 from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.handover import PrefillState
-from kvlab.ops import gather_tokens, pool_heads
+from kvlab.ops import pool_heads
 
 
 def eviction_keep(key: Tensor, n_drop: int, recent: int) -> Tensor:

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kernels.tensor_ops import gather_tokens, group_queries, ungroup
 from kvlab import semantics as sm
 from kvlab.budgets import per_token_bytes
 from kvlab.clustering import Clustering, cluster_stream, greedy_kcenter, leader_delta, nearest_center, open_or_join
@@ -74,7 +75,7 @@ from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
-from kvlab.ops import dense_attention, gather_tokens, group_queries, ungroup, weights_on_positions
+from kvlab.ops import dense_attention, weights_on_positions
 from kvlab.semantics import LayerSemantics, ModelSemantics
 
 PAPER = (
@@ -674,10 +675,6 @@ class SubGen(Compressor):
             return dense_attention(q, k, v, self.sem[layer])
         j = self.slot[layer]
         return self._stream.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
-
-    def dense_segments(self, layer: int) -> tuple[Tensor, Tensor, None] | None:
-        dense = self._dense(layer)
-        return None if dense is None else dense.views()[:2] + (None,)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         stores = list(self.local.values()) + (list(self.dense.values()) if self.full else [])

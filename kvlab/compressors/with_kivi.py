@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from kernels.quant import QuantizedGroups, cat_groups, dequantize_groups
 from kvlab.compressors.composed import (
     ComposedStore,
     TokenStore,
@@ -30,7 +31,6 @@ from kvlab.compressors.params import Param
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.scissorhands import Scissorhands
 from kvlab.compressors.snapkv import SnapKV
-from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups
 
 SUFFIX = "+kivi"
 BITS = (2, 3, 4)

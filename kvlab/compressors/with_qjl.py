@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.qjl import make_sketch
+from kernels.quant import QuantizedGroups, cat_groups, dequantize_groups
+from kernels.tensor_ops import gather_tokens
 from kvlab.compressors.composed import (
     ComposedStore,
     TokenStore,
@@ -39,11 +42,9 @@ from kvlab.compressors.dense import DenseCompressor, DenseLayer
 from kvlab.compressors.h2o import H2O
 from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import Param, ParamError
-from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, make_sketch, quantize_keys
+from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, quantize_keys
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.snapkv import SnapKV
-from kvlab.ops import gather_tokens
-from kvlab.quant import QuantizedGroups, cat_groups, dequantize_groups
 
 QJL_SUFFIX = "+qjl"
 SKETCH_STREAM = 0x514A4C  # "QJL": the sketch's seed is the method's seed plus this

@@ -56,7 +56,8 @@ QUICK = {"n": 512, "sink": 64, "recent": 64, "queries": 32, "rounds": [1, 2, 3],
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, lw: Tensor | None, q_first: int, scaling: float):
     """Attention of q [Hq, w, d] (positions q_first ..) over keys/values [Hkv, K, d] at positions
     ``pos`` [Hkv, K] with log-weights ``lw`` [Hkv, K], each query seeing positions up to its own."""
-    from kvlab.ops import attention_logits, group_queries, ungroup
+    from kernels.tensor_ops import group_queries, ungroup
+    from kvlab.ops import attention_logits
 
     hq, w, hkv = q.shape[0], q.shape[1], k.shape[0]
     qpos = torch.arange(q_first, q_first + w)
@@ -82,7 +83,7 @@ def attention_error(
 
     q: [Hq, w, d] at positions q_first .. q_first + w - 1; keys/values: [Hkv, n, d]. Returns [Hq, w].
     """
-    from kvlab.ops import gather_tokens
+    from kernels.tensor_ops import gather_tokens
 
     hkv, n = keys.shape[0], keys.shape[1]
     if exact is None:

@@ -52,7 +52,7 @@ QUICK = {"tasks": ["passkey", "needle"], "length": 512, "seeds": 1, "budget": "0
 
 def run(ctx: Context) -> Report:
     from kvlab.budgets import Budget
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
     from kvlab.tasks import make_task, prompt_ids, score_result
 
     t0 = time.perf_counter()

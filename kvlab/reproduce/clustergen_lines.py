@@ -57,7 +57,7 @@ EXACT_MIN = 0.8  # the direction is checked only where exact answers this share 
 
 def run(ctx: Context) -> Report:
     from kvlab.budgets import Budget
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
     from kvlab.tasks import make_task, prompt_ids, score_result
 
     t0 = time.perf_counter()

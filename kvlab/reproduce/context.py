@@ -55,7 +55,7 @@ class Context:
 
     def compare(self, ids: list[int], runs: list, max_new_tokens: int, probes: list | None = None):
         """One engine comparison (greedy decoding), the way ``kvlab compare`` runs it."""
-        from kvlab.engine import GenerationSettings
+        from kvlab.specs import GenerationSettings
 
         return self.engine.compare(ids, runs, GenerationSettings(max_new_tokens=max_new_tokens), probes=probes or [])
 

@@ -113,7 +113,7 @@ def matched_runs(info, n_prompt: int, steps: int) -> tuple[list, float]:
     to the paper's QJL's *planned* fraction (``matched.peak_fraction``): both plans then leave the same
     slack, and the two QJL runs run at that budget (their plans must fit it)."""
     from kvlab.budgets import Budget
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
 
     params = paper_params(info.head_dim)
     planned = Budget(fraction=peak_fraction(info, "qjl", params["qjl"], n_prompt, steps))

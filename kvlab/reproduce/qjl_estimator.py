@@ -57,7 +57,8 @@ def measure(q: torch.Tensor, k: torch.Tensor, m: int, sketches: int, orthogonali
 
     q: [Hq, t, d] queries; k: [Hkv, p, d] keys (GQA: each query head against its group's keys).
     """
-    from kvlab.compressors.qjl import dense_key_estimate, make_sketch, sketch_keys
+    from kernels.qjl import make_sketch
+    from kvlab.compressors.qjl import dense_key_estimate, sketch_keys
     from kvlab.ops import attention_logits
 
     d = q.shape[-1]

@@ -62,7 +62,7 @@ def plan_runs(info, n_prompt: int, steps: int, bits: list[float]) -> list:
     from kvlab.budgets import Budget, BudgetRefused
     from kvlab.compressors.budget_search import planned
     from kvlab.compressors.kivi import KIVI
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
 
     runs = [RunSpec("exact")]
     for b in bits:

@@ -47,8 +47,8 @@ def held(result) -> tuple[float, float]:
 
 def perplexities(ctx: Context, ids: list[int], specs: list, max_new_tokens: int) -> list:
     """One teacher-forced comparison: exact first, then ``specs``; returns the engine's run results."""
-    from kvlab.engine import RunSpec
     from kvlab.metrics import MetricsProbe, ProbeSettings
+    from kvlab.specs import RunSpec
 
     probe = MetricsProbe(ProbeSettings(attn_error=False, fidelity=True, maps=False))
     return ctx.compare(ids, [RunSpec("exact"), *specs], max_new_tokens, [probe]).runs
@@ -56,7 +56,7 @@ def perplexities(ctx: Context, ids: list[int], specs: list, max_new_tokens: int)
 
 def run(ctx: Context) -> Report:
     from kvlab.budgets import Budget
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -37,8 +37,8 @@ QUICK = {"length": 192, "ratios": [2, 5], "max_new_tokens": 8}
 
 def run(ctx: Context) -> Report:
     from kvlab.budgets import Budget
-    from kvlab.engine import RunSpec
     from kvlab.metrics import MetricsProbe, ProbeSettings
+    from kvlab.specs import RunSpec
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -37,7 +37,7 @@ SAME = 1.02  # "no compounded error": within 2% of Scissorhands' perplexity
 
 def run(ctx: Context) -> Report:
     from kvlab.budgets import Budget
-    from kvlab.engine import RunSpec
+    from kvlab.specs import RunSpec
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -40,7 +40,8 @@ def theorem_errors(state, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     """(eps, relative error) per layer, averaged over query heads and queries.
 
     q [L, Hq, w, d]; keys/values [L, Hkv, n, d]: what ``state`` (Algorithm 1) was built on."""
-    from kvlab.ops import attention_logits, group_queries, ungroup
+    from kernels.tensor_ops import group_queries, ungroup
+    from kvlab.ops import attention_logits
 
     eps, rel = [], []
     for layer in range(keys.shape[0]):

@@ -20,13 +20,15 @@ import torch
 from kvlab import cancel, faults, plots
 from kvlab.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
 from kvlab.budgets import BudgetError, exact_bytes, parse_budgets
-from kvlab.engine import Engine, GenerationSettings, InputError, RunSpec
+from kvlab.engine import Engine
 from kvlab.gpu import WorkSize
 from kvlab.metrics import ProbeSettings
 from kvlab.models import EMBEDDED, LoadedModel, ModelLoadError, load_model
+from kvlab.probe import Probe
 from kvlab.results import QUERY_AGNOSTIC, CompareResult, RunResult
 from kvlab.run import Comparison, stream
 from kvlab.schema import ResultFileError, load_result_text
+from kvlab.specs import GenerationSettings, InputError, RunSpec
 from kvlab.tasks import Task, join_question
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import Limits
@@ -79,10 +81,10 @@ def _session(request: gr.Request | None) -> str:
 
 
 @dataclass
-class LiveProbe:
+class LiveProbe(Probe):
     """Reads each cache's bytes right after compression and, when greedy, the tokens as they come.
 
-    It defines no ``on_attend``: the engine then skips the per-row attention hook for it.
+    It wants no per-row attention hook (``attends`` is False): the engine skips it.
     """
 
     n_runs: int
