@@ -11,7 +11,6 @@ schedule for the A/B of ``bench/decode_step.py``). On CUDA every row attends thr
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,6 @@ def _attend(row: int, comp: Compressor, layer: int, q: Tensor) -> Tensor:
     return comp.attend(layer, q)
 
 
-@functools.cache
 def attend_rows(
     compressors: list[Compressor],
     layer: int,

@@ -29,10 +29,12 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def matrix_state(lm, long_text):
-    """The same ~600-token real prefill as ``prefill_state``, with every prompt query captured so that
-    methods with long query windows (Scissorhands: w = B/2) are covered too."""
+    """The same ~600-token real prefill as ``prefill_state``, with everything a method may ask of the
+    prefill handed over: every prompt query (methods with long query windows, Scissorhands: w = B/2),
+    accumulated attention, pre-RoPE query statistics over the whole prompt, and the model itself."""
     ids = lm.encode(long_text[:3000])
-    state, _ = prefill(lm, ids, PrefillNeeds(query_window=len(ids), acc_attn=True))
+    needs = PrefillNeeds(query_window=len(ids), acc_attn=True, query_stats=len(ids), model_access=True)
+    state, _ = prefill(lm, ids, needs)
     return state
 
 
