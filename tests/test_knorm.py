@@ -5,7 +5,7 @@ from kv_samples import compressed
 
 from kvlab.budgets import Budget, exact_bytes
 from kvlab.compressors import PrefillState
-from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.specs import GenerationSettings, RunSpec
 
 
 def _state(keys: torch.Tensor, info) -> PrefillState:

@@ -4,7 +4,7 @@ import torch
 from kv_samples import planned
 
 from kvlab.budgets import Budget, exact_bytes
-from kvlab.engine import GenerationSettings, RunSpec
+from kvlab.specs import GenerationSettings, RunSpec
 
 
 def _head_mean_attention(q, keys, info, scaling):

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 from kvlab.compressors.scored import PromptScored
 

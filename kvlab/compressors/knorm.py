@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kvlab.compressors.base import Param, PrefillState
+from kvlab.compressors.handover import PrefillState
+from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
 from kvlab.compressors.scored import PromptScored
 

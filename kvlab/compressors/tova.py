@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kvlab.compressors.base import PrefillState
+from kvlab.compressors.handover import PrefillNeeds, PrefillState
 from kvlab.compressors.registry import register
 from kvlab.compressors.scored import ScoredEvictionCompressor
 
@@ -41,8 +41,8 @@ class TOVA(ScoredEvictionCompressor):
         "drops the least attended one at every step."
     )
 
-    def query_window(self) -> int:
-        return 1  # the last prompt query ranks the prompt
+    def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
+        return PrefillNeeds(query_window=1)  # the last prompt query ranks the prompt
 
     def plan(self, n_prompt: int) -> dict:
         self.set_full(self.is_full)
