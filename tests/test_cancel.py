@@ -228,8 +228,8 @@ def test_the_page_inputs_are_named_in_the_callbacks_order():
 
 def test_the_gpu_lease_is_sized_from_record_maps(dash, lm):
     """``work`` reads "record maps", not the map layer next to it; Gradio's extra arguments are ignored."""
-    off = dash.work(*_page(PROMPT, maps=False)[:9], 15, 0, "", gr.Progress(), None)
-    on = dash.work(*_page(PROMPT, maps=True)[:9], None, 0, "", gr.Progress(), None)
+    off = dash.work(*_page(PROMPT, maps=False)[:9], 15, 0, "", [], gr.Progress(), None)
+    on = dash.work(*_page(PROMPT, maps=True)[:9], None, 0, "", [], gr.Progress(), None)
     assert (off.probes, on.probes) == (False, True)
     assert off.prompt_tokens == len(lm.encode(PROMPT)) and off.runs == 2 and off.new_tokens == 2
     asked = dash.work(*_page(PROMPT, question="Which animal sat on the mat?"))

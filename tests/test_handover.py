@@ -14,9 +14,9 @@ from kvlab import prefill as prefill_mod
 from kvlab.budgets import Budget
 from kvlab.compressors import PrefillNeeds, PrefillState, registry
 from kvlab.compressors.exact import Exact
-from kvlab.engine import GenerationSettings, RunSpec
 from kvlab.prefill import MergedNeeds, prefill
 from kvlab.rope import HALF
+from kvlab.specs import GenerationSettings, RunSpec
 
 PROMPT = "The cat sat on the mat because the mat was warm. The dog slept by the door. Where did the cat sit?"
 LAYER = 7  # the layer whose queries are rebuilt from the model's own projection

@@ -60,7 +60,7 @@ class Compressor(ABC):
 
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""
-    group: ClassVar[str] = "baseline"  # "paper" for the four papers' methods, "reference" for exact
+    group: ClassVar[str] = "baseline"  # "paper": the four papers' methods; "recent": newer methods; "reference": exact
     paper: ClassVar[str] = ""  # citation with link
     summary: ClassVar[str] = ""
     params: ClassVar[tuple[Param, ...]] = ()

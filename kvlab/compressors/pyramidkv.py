@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
-from kvlab.compressors.snapkv import SnapKV, with_window
+from kvlab.compressors.snapkv import SnapKV
 
 
 def pyramid_budgets(total: int, n_layers: int, beta: float, cap: int) -> list[int]:
@@ -61,10 +60,3 @@ class PyramidKV(SnapKV):
             n_layers * knobs["prefix_kept"], n_layers, float(self.cfg["beta"]), n_prompt - self.window
         )
         return {**knobs, "layer_capacity": [k + self.window for k in self.layer_keep]}
-
-    def select(self, state: PrefillState):
-        n, n_layers = state.n_tokens, state.keys.shape[0]
-        if self.full or self.capacity >= n:
-            return [None] * n_layers
-        ranked = torch.topk(self.scores(state), max(self.layer_keep), dim=-1).indices  # [L, Hkv, kmax], best first
-        return [with_window(ranked[layer, :, :k], n, self.window) for layer, k in enumerate(self.layer_keep)]

@@ -43,7 +43,7 @@ def _load_all() -> None:
     _LOADED = True
 
 
-_ORDER = {"reference": 0, "paper": 1, "baseline": 2}
+_ORDER = {"reference": 0, "paper": 1, "baseline": 2, "recent": 3}
 
 
 def names() -> list[str]:

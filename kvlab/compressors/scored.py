@@ -1,4 +1,10 @@
-"""Shared machinery of score-based eviction caches (Scissorhands, H2O).
+"""Score-based token selection: streaming eviction by running scores, and prompt-time scorers.
+
+``PromptScored`` (at the end of this file) is the prompt-time kind: a subclass returns one score
+per prompt token, layer and KV head, and the base keeps the best ones the budget allows plus the
+prompt's last tokens (SnapKV, KNorm, KeyDiff).
+
+``ScoredEvictionCompressor`` is the streaming kind (Scissorhands, H2O).
 
 Both keep, per layer and KV head, full-precision tokens plus one score per kept token, protect the
 most recent tokens, and evict the tokens whose score marks them least useful when the cache grows
@@ -249,3 +255,58 @@ class ScoredEvictionCompressor(DenseCompressor):
         yield from super().tensors()
         for s in self.scores:
             yield "scores", s
+
+
+def with_window(top: Tensor, n: int, window: int) -> Tensor:
+    """Chosen prefix indices [..., Hkv, k] (any order) -> sorted, followed by the window: [..., Hkv, k + window]."""
+    win = torch.arange(n - window, n, device=top.device).expand(*top.shape[:-1], window)
+    return torch.cat([top.sort(-1).values, win], -1)
+
+
+def top_prefix_plus_window(scores: Tensor, keep: int, n: int, window: int) -> Tensor:
+    """Indices [..., Hkv, keep + window]: the ``keep`` best prefix tokens (sorted) then the window."""
+    return with_window(torch.topk(scores, keep, dim=-1).indices, n, window)
+
+
+class PromptScored(DenseCompressor):
+    """A prompt-time scorer: one score per prompt token, layer and KV head picks what is kept.
+
+    A subclass implements ``scores(state)`` -> [L, Hkv, n] (or [L, Hkv, n - window]: the window's
+    columns are never read), higher = keep. ``plan`` turns the budget into ``capacity`` tokens per
+    layer and KV head (``tokens_for_budget``); ``select`` keeps, per layer and KV head, the last
+    ``window`` prompt tokens (``recent_window()``, the ``window`` parameter by default, shrunk to the
+    capacity) and the ``capacity - window`` best-scored tokens before them, in position order. A
+    subclass may set ``layer_keep`` in ``plan`` (tokens kept besides the window, per layer) to spread
+    the same total unevenly over the layers. Prefill-only: generated tokens are all kept.
+    """
+
+    # set by plan(): capacity (tokens per layer and KV head), window (last prompt tokens always kept),
+    # full (nothing dropped)
+    capacity: int
+    window: int
+    full: bool
+    layer_keep: list[int] | None = None  # per layer: tokens kept besides the window (None: capacity - window)
+
+    def scores(self, state: PrefillState) -> Tensor:
+        """[L, Hkv, n] (or [L, Hkv, n - window]) scores of the prompt tokens; higher = keep."""
+        raise NotImplementedError
+
+    def recent_window(self) -> int:
+        """Last prompt tokens kept whatever their score (0: none); the ``window`` parameter if there is one."""
+        return int(self.cfg.get("window", 0))
+
+    def plan(self, n_prompt: int) -> dict:
+        self.full = self.is_full
+        self.capacity = self.tokens_for_budget(n_prompt)
+        self.window = min(self.recent_window(), self.capacity, n_prompt)
+        return {"capacity": self.capacity, "window": self.window, "prefix_kept": self.capacity - self.window}
+
+    def select(self, state: PrefillState):
+        n, n_layers = state.n_tokens, state.keys.shape[0]
+        if self.full or self.capacity >= n:
+            return [None] * n_layers
+        prefix = self.scores(state)[..., : n - self.window]  # [L, Hkv, n - window]
+        if self.layer_keep is None:
+            return top_prefix_plus_window(prefix, self.capacity - self.window, n, self.window)
+        ranked = torch.topk(prefix, max(self.layer_keep), dim=-1).indices  # [L, Hkv, kmax], best first
+        return [with_window(ranked[layer, :, :k], n, self.window) for layer, k in enumerate(self.layer_keep)]

@@ -12,14 +12,13 @@ a KV group are summed (the cache is per KV head). Prefill-only: generated tokens
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.compressors.dense import DenseCompressor
 from kvlab.compressors.handover import PrefillNeeds, PrefillState
 from kvlab.compressors.params import Param
 from kvlab.compressors.registry import register
+from kvlab.compressors.scored import PromptScored
 from kvlab.ops import pool_heads
 
 
@@ -41,19 +40,8 @@ def snap_scores(state: PrefillState, window: int, kernel: int, pooling: str, n_k
     return pool_heads(votes, n_kv_heads, head_dim=-2)
 
 
-def with_window(top: Tensor, n: int, window: int) -> Tensor:
-    """Chosen prefix indices [..., Hkv, k] (any order) -> sorted, followed by the window: [..., Hkv, k + window]."""
-    win = torch.arange(n - window, n, device=top.device).expand(*top.shape[:-1], window)
-    return torch.cat([top.sort(-1).values, win], -1)
-
-
-def top_prefix_plus_window(scores: Tensor, keep: int, n: int, window: int) -> Tensor:
-    """Indices [..., Hkv, keep + window]: the ``keep`` best prefix tokens (sorted) then the window."""
-    return with_window(torch.topk(scores, keep, dim=-1).indices, n, window)
-
-
 @register
-class SnapKV(DenseCompressor):
+class SnapKV(PromptScored):
     name = "snapkv"
     title = "SnapKV"
     group = "baseline"
@@ -72,19 +60,7 @@ class SnapKV(DenseCompressor):
         """The observation window: the last ``window`` prompt queries."""
         return PrefillNeeds(query_window=int(self.cfg["window"]))
 
-    def plan(self, n_prompt: int) -> dict:
-        self.full = self.is_full
-        self.capacity = self.tokens_for_budget(n_prompt)
-        self.window = min(int(self.cfg["window"]), self.capacity, n_prompt)
-        return {"capacity": self.capacity, "window": self.window, "prefix_kept": self.capacity - self.window}
-
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n - window] votes of the observation window for the prefix tokens."""
         c = self.cfg
         return snap_scores(state, self.window, int(c["kernel"]), c["pooling"], self.info.n_kv_heads)
-
-    def select(self, state: PrefillState):
-        n, n_layers = state.n_tokens, state.keys.shape[0]
-        if self.full or self.capacity >= n:
-            return [None] * n_layers
-        return top_prefix_plus_window(self.scores(state), self.capacity - self.window, n, self.window)

@@ -18,7 +18,7 @@ def doc_link(path: str) -> str:
 
 def about_markdown() -> str:
     lines = ["## The methods", ""]
-    for group in ("reference", "paper", "baseline"):
+    for group in ("reference", "paper", "baseline", "recent"):
         members = [(n, c) for n, c in methods().items() if c.group == group]
         if not members:
             continue

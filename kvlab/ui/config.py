@@ -8,7 +8,12 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 CSS = (ASSETS / "style.css").read_text() if (ASSETS / "style.css").is_file() else ""
-GROUP_TITLES = {"paper": "Papers' methods", "baseline": "Baselines", "reference": "Reference"}
+GROUP_TITLES = {
+    "paper": "Papers' methods",
+    "baseline": "Baselines",
+    "recent": "Recent methods",
+    "reference": "Reference",
+}
 
 
 @dataclass

@@ -68,6 +68,7 @@ class PageInputs:
     map_layer: int | None = None
     map_head: int = 0
     question: str = ""
+    recent: list | None = None  # the recent methods' group (after ``question``: older clients leave it out)
 
     @classmethod
     def of(cls, values) -> PageInputs:
@@ -226,9 +227,9 @@ class Dashboard:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 raise InputError(f"the {what} holds characters that are not valid Unicode (lone surrogates)") from None
-        chosen = ["exact"] + list(inputs.papers or []) + list(inputs.baselines or [])
+        chosen = ["exact"] + list(inputs.papers or []) + list(inputs.baselines or []) + list(inputs.recent or [])
         if len(chosen) == 1:
-            raise InputError("no method selected; tick at least one of the papers' methods or baselines")
+            raise InputError("no method selected; tick at least one of the papers' methods, baselines or recent ones")
         try:
             bl = parse_budgets(inputs.budgets)
         except BudgetError as exc:
@@ -291,7 +292,7 @@ class Dashboard:
         what Gradio adds: progress, the request)."""
         inputs = PageInputs.of(values)
         engine = self.engine_for(inputs.model)
-        methods = 1 + len(inputs.papers or []) + len(inputs.baselines or [])
+        methods = 1 + len(inputs.papers or []) + len(inputs.baselines or []) + len(inputs.recent or [])
         runs = methods * max(1, len(set(parse_budgets(inputs.budgets))))
         text = inputs.prompt if isinstance(inputs.prompt, str) else ""
         if isinstance(inputs.question, str) and inputs.question.strip():
@@ -312,6 +313,7 @@ class Dashboard:
         map_layer=None,
         map_head=0,
         question="",
+        recent=None,
         progress=gr.Progress(),  # noqa: B008 (gradio injects progress through this default)
         request: gr.Request | None = None,
     ):
@@ -323,7 +325,7 @@ class Dashboard:
         token = self._start(request)
         inputs = PageInputs(
             model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer,
-            map_head, question,
+            map_head, question, recent,
         )  # fmt: skip
         try:
             yield from self._compare(inputs, progress, token)

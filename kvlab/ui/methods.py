@@ -8,8 +8,8 @@ from kvlab.compressors import methods
 
 
 def method_groups() -> dict[str, list[tuple[str, str]]]:
-    """Registry methods by group: {"paper": [(label, name)], "baseline": [...], "reference": [...]}."""
-    out: dict[str, list[tuple[str, str]]] = {"reference": [], "paper": [], "baseline": []}
+    """Registry methods by group: {"paper": [(label, name)], "baseline": [...], "recent": [...], "reference": [...]}."""
+    out: dict[str, list[tuple[str, str]]] = {"reference": [], "paper": [], "baseline": [], "recent": []}
     for name, cls in methods().items():
         out.setdefault(cls.group, []).append((f"{cls.title or name} ({name})" if cls.title else name, name))
     return out

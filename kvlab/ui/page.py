@@ -42,6 +42,7 @@ class Setup:
     plan: gr.Markdown  # the run count and memory estimate, before Run
     cancel_btn: gr.Button  # stops the running comparison
     question: gr.Textbox  # asked after compressing the prompt (query-agnostic); empty: query-aware
+    recent: gr.CheckboxGroup  # the recent methods' group
 
     def inputs(self) -> list:
         """The inputs of a comparison, named and ordered by ``PageInputs`` (``Dashboard.compare``'s order)."""
@@ -142,6 +143,13 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                 label=GROUP_TITLES["baseline"] + " (exact always runs)",
                 elem_id="kv-baselines",
             )
+            recent = gr.CheckboxGroup(
+                groups.get("recent", []),
+                value=[],
+                label=GROUP_TITLES["recent"],
+                elem_id="kv-recent",
+                visible=bool(groups.get("recent")),
+            )
             with gr.Row():
                 budgets = gr.Textbox(
                     value="0.25",
@@ -193,7 +201,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
         )
     return Setup(
         model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
-        run_btn, plan, cancel_btn, question,
+        run_btn, plan, cancel_btn, question, recent,
     )  # fmt: skip
 
 
@@ -248,8 +256,8 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     setup.preset.change(lambda name: preset_texts.get(name, ""), setup.preset, setup.prompt, api_name="preset")
     s = setup
     gr.on(
-        [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.budgets.change, s.max_new.change,
-         s.record_maps.change, s.model.change, s.question.change],
+        [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.recent.change, s.budgets.change,
+         s.max_new.change, s.record_maps.change, s.model.change, s.question.change],
         dash.plan,
         s.inputs(),
         s.plan,
