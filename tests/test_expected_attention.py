@@ -1,22 +1,31 @@
-"""Expected Attention's maths against a Monte-Carlo reference, on a real prefill of the embedded model.
+"""Expected Attention on the embedded model: its maths against a Monte-Carlo reference, its selection,
+and its budget in bytes in both question protocols.
 
 The closed form (the Gaussian's moment generating function) must equal the average of
 exp(s q.k) over queries sampled from the prompt queries' pre-RoPE Gaussian and rotated the way
 the method says future queries are: by RoPE at the next position (T = 1, exactly the attention
 logit of a query there) and by RoPE averaged over the next T positions. RoPE is rebuilt here from
 the model's config (rope_theta, head_dim; Llama's half-split convention), independently of the
-method's code, and checked against the model's own rotary module.
+method's code, and checked against the model's own rotary module; the query statistics the
+prefill hands the method are checked against ones computed here from the captured queries.
 """
 
 import pytest
 import torch
+from kv_samples import compressed
 
+from kvlab.budgets import TOLERANCE, Budget
 from kvlab.compressors.expected_attention import (
     expected_attention_scores,
     expected_logits,
     future_query_stats,
     mean_rotation,
 )
+from kvlab.compressors.handover import PrefillNeeds
+from kvlab.engine import GenerationSettings, Question, RunSpec
+from kvlab.health import budget_limits
+from kvlab.prefill import prefill
+from kvlab.tasks import split_ids
 
 N_SINK = 4
 SAMPLES = 60_000
@@ -48,12 +57,13 @@ class ConfigRope:
 
 
 @pytest.fixture(scope="module")
-def real(lm, engine, long_text):
+def real(lm, long_text):
     """A ~300-token real prefill: post-RoPE keys/values, and the pre-RoPE Gaussian of the prompt's
-    queries after the sinks (every query captured, un-rotated with the config's RoPE)."""
+    queries after the sinks (every query captured, un-rotated with the config's RoPE); the prefill's
+    own statistics (what the method reads) equal it."""
     ids = lm.encode(long_text[:1200])
     n = len(ids)
-    state, _ = engine.prefill(ids, window=n)
+    state, _ = prefill(lm, ids, PrefillNeeds(query_window=n, query_stats=n - N_SINK))
     rope = ConfigRope(lm.model.config.rope_parameters["rope_theta"], lm.info.head_dim)
     pos = torch.arange(n)
     cos, sin = lm.model.model.rotary_emb(torch.zeros(1), pos[None])  # the model's own, to check ours
@@ -64,6 +74,10 @@ def real(lm, engine, long_text):
     mean = q.mean(-2)
     centred = q - mean.unsqueeze(-2)
     cov = centred.transpose(-1, -2) @ centred / q.shape[-2]
+    handed = state.query_stats
+    assert (handed.n, handed.first_pos) == (n - N_SINK, N_SINK)
+    torch.testing.assert_close(handed.mean, mean.float(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(handed.cov, cov.float(), atol=1e-3 * float(cov.abs().max()), rtol=1e-3)
     return state, rope, mean, cov
 
 
@@ -146,3 +160,42 @@ def test_scores_match_a_loop_over_heads(real):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
     mean_only = expected_attention_scores(keys, values, mu, None, s, use_vnorm=False)
     assert torch.allclose(mean_only.sum(-1), torch.ones(hkv))  # expected attention sums to 1 per KV head
+
+
+def test_keeps_the_sinks_and_the_top_scores(lm, real):
+    """At 0.25: per layer and KV head, the first n_sink tokens, then the best-scored others in position
+    order; every kept token outscores every dropped one."""
+    state = real[0]
+    comp, knobs = compressed(lm, state, "expected-attention", "0.25")
+    scores = comp.scores(state)  # [L, Hkv, n - n_sink]
+    assert scores.shape[-1] == state.n_tokens - N_SINK and knobs["sinks"] == N_SINK
+    for layer in range(lm.info.n_layers):
+        pos = comp.kept_positions(layer).long()  # [Hkv, capacity]
+        assert pos.shape[-1] == knobs["capacity"] < state.n_tokens // 3
+        assert (pos[:, :N_SINK] == torch.arange(N_SINK)).all() and (pos.diff(dim=-1) > 0).all()
+        kept = torch.zeros_like(scores[layer], dtype=torch.bool).scatter_(1, pos[:, N_SINK:] - N_SINK, True)
+        s = scores[layer]
+        worst_kept = s.masked_fill(~kept, float("inf")).amin(-1)
+        best_dropped = s.masked_fill(kept, float("-inf")).amax(-1)
+        assert (worst_kept >= best_dropped).all(), layer
+
+
+def test_holds_its_budget_in_bytes_in_both_protocols(engine, lm, long_text):
+    """Through the engine at 0.25, with the question inside the compressed prompt and asked after it:
+    the bytes held after prefill (or the question) and at every step stay within the budget
+    (prefill-only: its share of the prompt, generated tokens on top) and fill at least 90% of it."""
+    question = "What does the assert statement do?"
+    ctx, rests = split_ids(lm, long_text[:1200], [question])
+    runs = [RunSpec("expected-attention", Budget.parse("0.25"))]
+    gen = GenerationSettings(max_new_tokens=3)
+    aware = engine.compare(ctx + rests[0], runs, gen)
+    agnostic = engine.compare(ctx, runs, gen, questions=[Question(rests[0], question)])
+    assert aware.protocol != agnostic.protocol
+    for result, n, asked in ((aware, len(ctx) + len(rests[0]), 0), (agnostic, len(ctx), len(rests[0]))):
+        for run in result.runs:
+            assert run.finish_reason in ("eos", "length") and not run.error, run.error
+            limits = budget_limits(run, n, False, asked)
+            assert len(limits) == len(run.kv_bytes_per_step) >= 2
+            for k, (held, limit) in enumerate(zip(run.kv_bytes_per_step, limits)):
+                assert held <= (1 + TOLERANCE) * limit, f"{run.budget} {result.protocol}: {held / limit:.3f} at {k}"
+            assert run.kv_bytes_per_step[0] >= 0.9 * limits[0], (run.budget, result.protocol)
