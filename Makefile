@@ -40,6 +40,7 @@ run: install
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test: lint browser
 	$(PY) -m pytest -q -rs -m "not acceptance"

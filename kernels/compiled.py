@@ -179,7 +179,7 @@ class Fused:
 
     def __call__(self, *args):
         fn = self.compiled
-        if self.ready and all(_unspecialized(a) for a in args):
+        if fn is not None and self.ready and all(_unspecialized(a) for a in args):
             with torch.no_grad():  # as compiled: a change of grad mode would recompile
                 return fn(*args)
         return self.eager(*args)

@@ -45,7 +45,7 @@ BLOCK_M = 64
 
 # ----- torch reference ------------------------------------------------------------------------
 def _n_kv(seg: Segment) -> int:
-    return (seg.keys if seg.keys is not None else seg.qjl.bits).shape[0]
+    return seg.key_rows.shape[0]
 
 
 def _rows(x: Tensor, index: Tensor | None) -> Tensor:
@@ -58,7 +58,12 @@ def _select_qjl(keys: QJLKeys, index: Tensor | None) -> QJLKeys:
         return keys
     pick = lambda t: None if t is None else _rows(t, index)  # noqa: E731
     return QJLKeys(
-        keys.sketch, pick(keys.bits), pick(keys.norms), keys.out_sketch, pick(keys.out_bits), pick(keys.out_norms)
+        keys.sketch,
+        _rows(keys.bits, index),
+        _rows(keys.norms, index),
+        keys.out_sketch,
+        pick(keys.out_bits),
+        pick(keys.out_norms),
     )
 
 
@@ -68,7 +73,7 @@ def segment_logits_torch(q: Tensor, seg: Segment, scaling: float) -> Tensor:
     if seg.qjl is not None:
         s = qjl_scores_torch(q, _select_qjl(seg.qjl, seg.index))
     else:
-        k = _rows(seg.keys, seg.index).float()
+        k = _rows(seg.key_rows, seg.index).float()
         s = ungroup(group_queries(q.float(), hkv) @ k.transpose(-1, -2), hq)
     s = s * scaling
     if seg.log_weights is not None:
@@ -79,7 +84,11 @@ def segment_logits_torch(q: Tensor, seg: Segment, scaling: float) -> Tensor:
 
 def segment_values_torch(seg: Segment) -> Tensor:
     """A segment's attended values, float32 [Hkv, n, d]."""
-    v = seg.values.float() if seg.qvalues is None else dequantize_groups(seg.qvalues)
+    if seg.qvalues is not None:
+        v = dequantize_groups(seg.qvalues)
+    else:
+        assert seg.values is not None  # Segment.__post_init__: one of the two
+        v = seg.values.float()
     return _rows(v, seg.index)
 
 
@@ -251,13 +260,18 @@ def _segment_partials_triton(q: Tensor, seg: Segment, scaling: float, splits: in
     qk = seg.qjl
     if qk is not None:
         qq, kk, kn = sketch_queries(q, qk.sketch, hkv), qk.bits.contiguous(), qk.norms.contiguous()
-        has_out = qk.has_outliers
-        qo = sketch_queries(q, qk.out_sketch, hkv) if has_out else qq
-        kob, kon = (qk.out_bits.contiguous(), qk.out_norms.contiguous()) if has_out else (kk, kn)
-        m, m_o = qk.m, qk.out_sketch.shape[0] if has_out else 8
+        outliers = qk.outliers
+        has_out = outliers is not None
+        if outliers is not None:
+            out_sketch, out_bits, out_norms = outliers
+            qo, kob, kon = sketch_queries(q, out_sketch, hkv), out_bits.contiguous(), out_norms.contiguous()
+            m_o = out_sketch.shape[0]
+        else:
+            qo, kob, kon, m_o = qq, kk, kn, 8
+        m = qk.m
     else:
         qq = group_queries(q, hkv).contiguous()
-        kk = seg.keys.contiguous()
+        kk = seg.key_rows.contiguous()
         kn = qo = kob = kon = kk
         has_out, m, m_o = False, 8, 8
     qv = seg.qvalues
@@ -266,6 +280,7 @@ def _segment_partials_triton(q: Tensor, seg: Segment, scaling: float, splits: in
         vv, vs, vm = qv.codes.contiguous(), qv.scale.contiguous(), qv.minimum.contiguous()
         ng, vg, vbpg = qv.n_groups, qv.group, qv.codes.shape[-1]
     else:
+        assert seg.values is not None  # Segment.__post_init__: one of the two
         vv = seg.values.contiguous()
         vs = vm = vv
         ng, vg, sb, vbpg = 1, 16, 8, 1

@@ -26,6 +26,10 @@ class QJLKeys:
     out_idx: Tensor | None = None  # uint8 [Hkv, n_groups, n_outliers]
     group: int = 32  # tokens per outlier group
 
+    def __post_init__(self) -> None:
+        if len({x is None for x in (self.out_sketch, self.out_bits, self.out_norms)}) > 1:
+            raise ValueError("QJL outliers need out_sketch, out_bits and out_norms together (or none of them)")
+
     @property
     def m(self) -> int:
         return self.sketch.shape[0]
@@ -37,6 +41,13 @@ class QJLKeys:
     @property
     def has_outliers(self) -> bool:
         return self.out_bits is not None
+
+    @property
+    def outliers(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(out_sketch [m_out, d], out_bits [Hkv, n, m_out/8], out_norms [Hkv, n]), None without outliers."""
+        if self.out_sketch is None or self.out_bits is None or self.out_norms is None:
+            return None
+        return self.out_sketch, self.out_bits, self.out_norms
 
 
 @dataclass
@@ -57,7 +68,7 @@ class Segment:
     index: Tensor | None = None
     log_weights: Tensor | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if (self.keys is None) == (self.qjl is None):
             raise ValueError("a segment has either dense keys or QJL keys")
         if (self.values is None) == (self.qvalues is None):
@@ -66,8 +77,16 @@ class Segment:
             raise ValueError("quantized values must be grouped along head_dim (dim -1 of [Hkv, N, d])")
 
     @property
+    def key_rows(self) -> Tensor:
+        """The tensor holding one row per key token: dense ``keys`` [Hkv, N, d] or QJL bits [Hkv, N, m/8]."""
+        if self.keys is not None:
+            return self.keys
+        assert self.qjl is not None  # __post_init__: one of the two
+        return self.qjl.bits
+
+    @property
     def n_rows(self) -> int:
-        return self.keys.shape[1] if self.keys is not None else self.qjl.n
+        return self.key_rows.shape[1]
 
     @property
     def n(self) -> int:

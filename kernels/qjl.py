@@ -88,6 +88,9 @@ def sketch_queries(q: Tensor, sketch: Tensor, n_kv_heads: int) -> Tensor:
     return group_queries(q.float() @ sketch.T, n_kv_heads).contiguous()
 
 
+_NEED_OUT_SKETCH = "outlier indices (out_idx) need the outlier sketch (out_sketch [m_out, d])"
+
+
 def _estimate_coef(m: int) -> float:
     return math.sqrt(math.pi / 2) / m
 
@@ -100,6 +103,8 @@ def qjl_quantize_torch(
     k = keys.float()
     if out_idx is None:
         return QJLKeys(sketch, pack_signs(k @ sketch.T), k.norm(dim=-1).half(), group=group)
+    if out_sketch is None:
+        raise ValueError(_NEED_OUT_SKETCH)
     mask = outlier_mask(out_idx, k.shape[2], group, k.shape[1])
     inl, out = k.masked_fill(mask, 0.0), k.masked_fill(~mask, 0.0)
     return QJLKeys(
@@ -145,9 +150,11 @@ def qjl_scores_torch(q: Tensor, keys: QJLKeys) -> Tensor:
     """Reference of ``qjl_scores``: estimates of <q_h, k_i>, q [Hq, t, d] -> float32 [Hq, t, n]."""
     hkv = keys.bits.shape[0]
     est = _estimate_torch(sketch_queries(q, keys.sketch, hkv), keys.bits, keys.norms, keys.m)
-    if keys.has_outliers:
-        sqo = sketch_queries(q, keys.out_sketch, hkv)
-        est = est + _estimate_torch(sqo, keys.out_bits, keys.out_norms, keys.out_sketch.shape[0])
+    outliers = keys.outliers
+    if outliers is not None:
+        out_sketch, out_bits, out_norms = outliers
+        sqo = sketch_queries(q, out_sketch, hkv)
+        est = est + _estimate_torch(sqo, out_bits, out_norms, out_sketch.shape[0])
     return ungroup(est, q.shape[0])
 
 
@@ -296,12 +303,20 @@ def _check_dims(d: int, m: int) -> None:
         raise ValueError(f"sketch size {m} must be a multiple of 8")
 
 
-def _qjl_quantize_triton(keys: Tensor, sketch: Tensor, out_sketch, out_idx, group: int) -> QJLKeys:
+def _qjl_quantize_triton(
+    keys: Tensor, sketch: Tensor, out_sketch: Tensor | None, out_idx: Tensor | None, group: int
+) -> QJLKeys:
     hkv, n, d = keys.shape
     m = sketch.shape[0]
     _check_dims(d, m)
     has_out = out_idx is not None
-    m_out = out_sketch.shape[0] if has_out else 8
+    if out_idx is None:  # the kernel's outlier arguments are placeholders it never reads
+        so, m_out, n_groups, n_out = sketch, 8, 1, 1
+    elif out_sketch is None:
+        raise ValueError(_NEED_OUT_SKETCH)
+    else:
+        so, m_out = out_sketch.float().contiguous(), out_sketch.shape[0]
+        n_groups, n_out = out_idx.shape[1], out_idx.shape[2]
     dev = keys.device
     bits = torch.empty(hkv, n, m // 8, dtype=torch.uint8, device=dev)
     norms = torch.empty(hkv, n, dtype=torch.float16, device=dev)
@@ -311,10 +326,10 @@ def _qjl_quantize_triton(keys: Tensor, sketch: Tensor, out_sketch, out_idx, grou
         grid = (hkv, triton.cdiv(n, BLOCK_N))
         _qjl_quantize_kernel[grid](
             keys.contiguous(), sketch.float().contiguous(), bits, norms,
-            out_sketch.float().contiguous() if has_out else sketch, obits, onorms,
-            out_idx.contiguous() if has_out else bits,
-            n, out_idx.shape[1] if has_out else 1, d,
-            M=m, M_OUT=m_out, GROUP=group, N_OUT=out_idx.shape[2] if has_out else 1, HAS_OUT=has_out,
+            so, obits, onorms,
+            out_idx.contiguous() if out_idx is not None else bits,
+            n, n_groups, d,
+            M=m, M_OUT=m_out, GROUP=group, N_OUT=n_out, HAS_OUT=has_out,
             D_PAD=_runtime.next_pow2(d), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,
         )  # fmt: skip
     if not has_out:
@@ -328,15 +343,19 @@ def _qjl_scores_triton(q: Tensor, keys: QJLKeys) -> Tensor:
     sq = sketch_queries(q, keys.sketch, hkv)
     r = sq.shape[1]
     out = torch.empty(hkv, r, n, dtype=torch.float32, device=q.device)
-    has_out = keys.has_outliers
-    m_out = keys.out_sketch.shape[0] if has_out else 8
-    sqo = sketch_queries(q, keys.out_sketch, hkv) if has_out else sq
+    outliers = keys.outliers
+    has_out = outliers is not None
+    if outliers is not None:
+        out_sketch, out_bits, out_norms = outliers
+        m_out, sqo = out_sketch.shape[0], sketch_queries(q, out_sketch, hkv)
+        obits, onorms = out_bits.contiguous(), out_norms.contiguous()
+    else:  # placeholders the kernel never reads
+        m_out, sqo, obits, onorms = 8, sq, keys.bits, keys.norms
     if n:
         grid = (hkv, triton.cdiv(n, BLOCK_N))
         _qjl_scores_kernel[grid](
             sq, keys.bits.contiguous(), keys.norms.contiguous(),
-            sqo, keys.out_bits.contiguous() if has_out else keys.bits,
-            keys.out_norms.contiguous() if has_out else keys.norms, out,
+            sqo, obits, onorms, out,
             n, r, _estimate_coef(keys.m), _estimate_coef(m_out), 1,
             M=keys.m, M_OUT=m_out, HAS_OUT=has_out, SPLIT=False,
             R_PAD=_runtime.next_pow2(r), BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M,

@@ -76,7 +76,7 @@ class Budget:
         """The budget as a fraction of the exact cache of ``n_tokens`` tokens (capped at 1)."""
         if self.tokens is not None:
             return min(1.0, self.tokens / max(1, n_tokens))
-        return float(self.fraction)
+        return float(self.as_fraction)
 
     def target_bytes(self, info: ModelInfo, n_tokens: int) -> int:
         return int(self.fraction_of(n_tokens) * exact_bytes(info, n_tokens))
@@ -97,7 +97,14 @@ class Budget:
         """Tokens per layer and KV head a full-precision eviction cache may keep (before overheads)."""
         if self.tokens is not None:
             return min(self.tokens, n_tokens)
-        return max(1, min(n_tokens, int(self.fraction * n_tokens)))
+        return max(1, min(n_tokens, int(self.as_fraction * n_tokens)))
+
+    @property
+    def as_fraction(self) -> float:
+        """``fraction``, of a budget that is not a token count (``fraction_of``: either kind)."""
+        if self.fraction is None:
+            raise BudgetError(f"{self!r} is not a fraction of the exact cache")
+        return self.fraction
 
 
 def round_up_fraction(f: float) -> float:

@@ -13,6 +13,7 @@ caches the latent and expands it after the cache) is thereby routed like any oth
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -49,7 +50,7 @@ class PrefillCache(Cache):
         super().__init__(layers=[_RoutedLayer() for _ in range(n_layers)])
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        self.layers[layer_idx].seen = key_states.shape[-2]
+        cast(_RoutedLayer, self.layers[layer_idx]).seen = key_states.shape[-2]  # the layers __init__ made
         return key_states, value_states
 
 

@@ -170,7 +170,7 @@ def install(model: torch.nn.Module, n_layers: int) -> None:
     for layer in decoder_layers(model, n_layers):
         for module in layer.modules():
             module.register_forward_pre_hook(_check_before)
-    model._kvlab_checkpoints = True
+    model._kvlab_checkpoints = True  # type: ignore[assignment]  # torch types Module attributes as tensors
 
 
 __all__ = ["Cancelled", "TimeLimit", "Token", "checkpoint", "current", "install", "scope", "scoped"]

@@ -10,10 +10,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlab.budgets import BudgetError, parse_budgets
 from kvlab.cancel import TimeLimit
 from kvlab.reproduce.registry import REPRODUCTIONS
+
+if TYPE_CHECKING:
+    from kvlab.results import CompareResult
 
 
 class CliError(Exception):
@@ -173,9 +177,8 @@ def _read_prompt(args) -> str:
         try:
             text = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(
-                f"cannot read {flag} {path!r}: {exc.strerror or exc}; give a readable UTF-8 text file"
-            ) from None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise CliError(f"cannot read {flag} {path!r}: {reason}; give a readable UTF-8 text file") from None
     else:
         text = args.prompt if args.prompt is not None else ""
     if not text.strip():
@@ -319,13 +322,13 @@ def cmd_compare(args) -> int:
             comparison.check()
         except InputError as exc:
             raise CliError(str(exc)) from None
-    results = []
+    results: list[CompareResult] = []
     try:
         for ev in stream(lm, comparison):
             if not args.quiet and _shown(ev):
                 print(f"[kvlab] {ev.message}", file=sys.stderr)
             if ev.kind == "done":
-                results = ev.results
+                results = ev.results or []
     except InputError as exc:
         raise CliError(str(exc)) from None
     paths = json_paths(args.json, len(results)) if args.json else []

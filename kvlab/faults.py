@@ -23,7 +23,7 @@ import contextlib
 import ctypes
 import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,14 +155,14 @@ def out_of_memory(exc: BaseException) -> OutOfMemory:
     )
 
 
-def time_limit_s(env: dict[str, str] | None = None) -> float | None:
+def time_limit_s(env: Mapping[str, str] | None = None) -> float | None:
     """The per-request time limit in seconds, or None (see the module's docstring)."""
-    env = os.environ if env is None else env
-    raw = env.get("KVLAB_TIME_LIMIT_S", "").strip()
+    names: Mapping[str, str] = os.environ if env is None else env
+    raw = names.get("KVLAB_TIME_LIMIT_S", "").strip()
     if raw:
         value = float(raw)
         return value if value > 0 else None
-    return SPACE_TIME_LIMIT_S if env.get("SPACE_ID") else None
+    return SPACE_TIME_LIMIT_S if names.get("SPACE_ID") else None
 
 
 class FailedCompressor(Compressor):
@@ -170,7 +170,9 @@ class FailedCompressor(Compressor):
 
     def __init__(self, failed: Compressor):  # noqa: D107 - no parameters to resolve: nothing runs
         self.info, self.budget, self.cfg, self.seed = failed.info, failed.budget, dict(failed.cfg), failed.seed
-        self.name, self.streaming, self.scaling = failed.name, failed.streaming, failed.scaling
+        # the stand-in reports as the method it replaces: its class attributes, on this instance
+        self.name, self.streaming = failed.name, failed.streaming  # type: ignore[misc]
+        self.scaling = failed.scaling
         self.cache_dtype = failed.cache_dtype
 
     def compress(self, state) -> None:

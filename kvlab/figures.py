@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import plotly.graph_objects as go
 
@@ -53,7 +54,7 @@ def no_data(title: str, why: str, height: int = 320) -> go.Figure:
     return layout(fig, height, title)
 
 
-def finite(x) -> bool:
+def finite(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -112,23 +113,24 @@ def quality_figure(items: list[RunSummary], title: str) -> go.Figure:
     q = quality_measure(items)
     if q is None:
         return no_data(title, "no quality measurements in this result")
-    by_method: dict[str, list[RunSummary]] = {}
+    by_method: dict[str, list[tuple[float, RunSummary]]] = {}  # (peak, run) per method
     for it in items:
-        if finite(q.read(it.metrics)):
-            by_method.setdefault(it.method, []).append(it)
+        peak = _peak(it)
+        if peak is not None and finite(q.read(it.metrics)):
+            by_method.setdefault(it.method, []).append((peak, it))
     fig = go.Figure()
     for method, pts in by_method.items():
-        pts.sort(key=lambda it: (_peak(it), q.read(it.metrics)))
+        pts.sort(key=lambda p: (p[0], q.read(p[1].metrics)))
         fig.add_trace(
             go.Scatter(
-                x=[100 * _peak(it) for it in pts],
-                y=[q.read(it.metrics) for it in pts],
-                text=[it.label for it in pts],
-                customdata=[100 * (it.mean_fraction if finite(it.mean_fraction) else _peak(it)) for it in pts],
+                x=[100 * peak for peak, _ in pts],
+                y=[q.read(it.metrics) for _, it in pts],
+                text=[it.label for _, it in pts],
+                customdata=[100 * (it.mean_fraction if finite(it.mean_fraction) else peak) for peak, it in pts],
                 name=method,
                 mode="lines+markers",
                 marker=dict(size=9),
-                line=dict(color=pts[0].color),
+                line=dict(color=pts[0][1].color),
                 hovertemplate="%{text}<br>peak %{x:.1f}% · mean %{customdata:.1f}% of exact bytes<br>%{y:.3f}"
                 "<extra></extra>",
             )
@@ -160,7 +162,7 @@ def error_per_layer_figure(items: list[RunSummary], title: str, lines: bool = Fa
     items = [it for it in items if it.method != "exact" and it.error_per_layer]
     if not items:
         return no_data(title, "no attention-error measurements in this result")
-    layers = list(range(len(items[0].error_per_layer)))
+    layers = list(range(len(items[0].error_per_layer or ())))
     if lines:
         fig = go.Figure()
         for it in items:

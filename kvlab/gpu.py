@@ -21,7 +21,7 @@ import functools
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +67,8 @@ def lease_seconds(work: WorkSize) -> int:
 def zero_gpu() -> bool:
     """True on a ZeroGPU Space (the ``spaces`` package is there and says so)."""
     try:
-        import spaces  # type: ignore
-        import spaces.config  # type: ignore
+        import spaces
+        import spaces.config
     except ImportError:
         return False
     return bool(getattr(spaces.config.Config, "zero_gpu", False))
@@ -83,7 +83,7 @@ def gpu(fn: Callable, work: Callable[..., WorkSize]) -> Callable:
     """
     if not zero_gpu():
         return fn
-    import spaces  # type: ignore
+    import spaces
 
     def duration(*args, **kwargs) -> int:
         try:
@@ -134,6 +134,7 @@ def tensor_paths(obj: Any, _seen: set[int] | None = None) -> list[str]:
     if id(obj) in seen:  # a container met twice (or a cycle)
         return []
     seen.add(id(obj))
+    items: Iterable[tuple[object, Any]]  # (key, value) pairs
     if isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, (list, tuple)):

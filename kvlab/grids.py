@@ -77,7 +77,9 @@ def grids_from_results(data: dict) -> tuple[str, list[Grid]]:
     """(protocol, grids) from a sweep's ``results.json``; raises ``GridError`` when nothing can be drawn."""
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
         raise GridError("not a kvlab sweep results.json: it has no 'cells' list")
-    config = data.get("config") if isinstance(data.get("config"), dict) else {}
+    config = data.get("config")
+    if not isinstance(config, dict):
+        config = {}
     protocol = str(data.get("protocol") or config.get("protocol") or "query-aware")
     try:
         out = grids(data["cells"], float(config.get("depth", 0.5)))

@@ -219,7 +219,10 @@ class MetricsProbe(Probe):
         self.agree: list[list[bool]] = [[] for _ in range(runs)]
         self.nll: list[list[float]] = [[] for _ in range(runs)]
         self.layer = self.n_layers // 2 if self.cfg.map_layer is None else self.cfg.map_layer
-        self.maps = [deque(maxlen=self.cfg.map_queries) for _ in range(runs)]
+        # per run: (decode step, exact's weights [n], the method's [n] or None) of the last queries
+        self.maps: list[deque[tuple[int, Tensor, Tensor | None]]] = [
+            deque(maxlen=self.cfg.map_queries) for _ in range(runs)
+        ]
         self.question_errors: list[list[float]] = [[] for _ in range(runs)]  # [run][layer] (query-agnostic)
         self.first_logp: dict[int, Tensor] = {}  # query-agnostic: each run's first-token log-probs
         self.question_tokens = 0  # query-agnostic: tokens fed after the context, before decoding
@@ -330,7 +333,8 @@ class MetricsProbe(Probe):
     def _maps(self, i: int) -> dict:
         comp, h = self.comps[i], self.cfg.map_head
         entries = list(self.maps[i])
-        has_method = bool(entries) and all(m is not None for _, _, m in entries)
+        methods = [m for _, _, m in entries if m is not None]
+        has_method = bool(entries) and len(methods) == len(entries)
         kept = comp.kept_positions(self.layer) if evicts(comp) else None  # else: every position held, compressed
         if kept is not None:
             kv = h * kept.shape[0] // comp.info.n_heads
@@ -342,7 +346,7 @@ class MetricsProbe(Probe):
                 "head": h,
                 "steps": [s for s, _, _ in entries],
                 "exact": [_round(e.tolist()) for _, e, _ in entries],
-                "method": [_round(m.tolist()) for _, _, m in entries] if has_method else None,
+                "method": [_round(m.tolist()) for m in methods] if has_method else None,
             },
             "kept_positions": kept,
             "kept_density": None if density is None else _round(density.tolist(), 3),

@@ -10,13 +10,18 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from kvlab.rope import Rotary, model_rotary
 from kvlab.semantics import ModelSemantics, plain_semantics
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
@@ -43,15 +48,16 @@ class ModelInfo:
     device: str
     max_positions: int
     cache_dtype: str = ""  # the dtype caches store K/V in ("": the compute dtype; see ``default_cache_dtype``)
-    # per layer: scaling, sliding window, soft-cap, sinks, key/value head sizes (default: plain attention)
-    semantics: ModelSemantics | None = field(default=None, compare=False, repr=False)
+    # per layer: scaling, sliding window, soft-cap, sinks, key/value head sizes (default, or empty:
+    # plain attention in every layer)
+    semantics: ModelSemantics = field(default=ModelSemantics(()), compare=False, repr=False)
     # the model's rotary position embedding (``kvlab.rope``); None: none that every layer shares
     rope: Rotary | None = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.cache_dtype:
             object.__setattr__(self, "cache_dtype", self.dtype)
-        if self.semantics is None:
+        if not self.semantics:
             object.__setattr__(self, "semantics", plain_semantics(self.n_layers, self.head_dim))
         if self.cache_dtype not in CACHE_DTYPES:
             raise ModelLoadError(f"unknown cache dtype {self.cache_dtype!r}; allowed: {', '.join(CACHE_DTYPES)}")
@@ -72,7 +78,7 @@ class ModelInfo:
 
     def with_cache_dtype(self, cache_dtype: str | None) -> ModelInfo:
         """The same model with caches stored in ``cache_dtype`` (None or "auto": the default for its device)."""
-        chosen = default_cache_dtype(self.dtype, self.device) if cache_dtype in (None, "", "auto") else cache_dtype
+        chosen = cache_dtype if cache_dtype and cache_dtype != "auto" else default_cache_dtype(self.dtype, self.device)
         return replace(self, cache_dtype=chosen)
 
     @property
@@ -104,8 +110,8 @@ def default_cache_dtype(dtype: str, device: str) -> str:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
 
     @property
@@ -120,16 +126,15 @@ class LoadedModel:
         """Token ids exactly as the model is fed: the chat template when the model has one."""
         tok = self.tokenizer
         if chat and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(
+            out = tok.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
             )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            ids = out["input_ids"] if isinstance(out, Mapping) else out  # a BatchEncoding or the ids themselves
+            return [int(i) for i in cast("list[int]", ids)]  # one conversation, tokenized: one list of ids
         return [int(i) for i in tok(text)["input_ids"]]
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
 
     @property
     def eos_ids(self) -> set[int]:
@@ -168,7 +173,7 @@ def _convert_embedded(target: Path) -> None:
     log.info("converting the embedded GGUF once (about 20 s); cached in %s", target)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # set in transformers' __init__, not declared there
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = "SmolLM2-135M-Instruct"
@@ -270,7 +275,7 @@ def load_model(
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(_explain(spec, exc)) from exc
     if not spread:
-        model.to(dev)
+        model.to(dev)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
     loaded = from_model(model, tokenizer, display, check=check)
     _LOADED[key] = loaded
     return _cached(key, cache_dtype)
@@ -299,7 +304,9 @@ def refuse_unsupported(config, spec: str) -> None:
         raise ModelLoadError(f"kvlab cannot run {spec!r}: {why}; supported families are listed in {MODELS_DOC}")
 
 
-def from_model(model: torch.nn.Module, tokenizer, name: str, check: bool = True) -> LoadedModel:
+def from_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, check: bool = True
+) -> LoadedModel:
     """A ``LoadedModel`` for an in-memory causal LM (eval mode): its attention semantics read from one
     forward (``semantics.Recorder``) and, when ``check``, kvlab's exact path checked against the model's
     own forward (``self_check``). Raises ModelLoadError with one line when either fails."""
@@ -345,7 +352,7 @@ def _device_name(dev: torch.device) -> str:
 def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSemantics, tuple[int, int]]:
     """Each layer's attention semantics and the (query, KV) head counts, from one short forward."""
     from kvlab import attention as attn
-    from kvlab.semantics import Recorder
+    from kvlab.semantics import Recorder, UnsupportedAttention
 
     dev = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4]], device=dev)
@@ -356,13 +363,16 @@ def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSeman
     except TypeError:  # attention written by hand around transformers' interface (Falcon's eager path)
         rec.layers.clear()
     if not rec.layers:  # the attention modules call torch's SDPA themselves: route those calls
-        model._kvlab_route = attn.SDPA_ROUTE
+        model._kvlab_route = attn.SDPA_ROUTE  # type: ignore[assignment]  # torch types Module attributes as tensors
         rec = Recorder()
         with torch.inference_mode(), attn.active(model, rec):
             model(input_ids=ids, use_cache=False)
         if not rec.layers:
             del model._kvlab_route
-    return rec.semantics(n_layers), rec.heads
+    sem = rec.semantics(n_layers)
+    if rec.heads is None:
+        raise UnsupportedAttention("no layer called transformers' attention interface")
+    return sem, rec.heads
 
 
 def _explain(spec: str, exc: Exception) -> str:

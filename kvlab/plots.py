@@ -325,8 +325,12 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
     title = "Attention over the prompt" + (f" · layer {site[0]}, head {site[1]}" if site else "")
     runs = [r for r in compressed_runs(result) if labels is None or r.label in labels]
     n = result.prompt_tokens
-    maps = [(r, _rows(attn_map(r)["exact"], n)) for r in runs if attn_map(r) is not None]
-    maps = [(r, exact) for r, exact in maps if exact is not None]
+    maps: list[tuple[RunResult, np.ndarray]] = []  # (run, exact's rows [Q, n]) of the runs with a map
+    for r in runs:
+        m = attn_map(r)
+        exact = None if m is None else _rows(m["exact"], n)
+        if exact is not None:
+            maps.append((r, exact))
     runs = [r for r, _ in maps]
     if not runs or not n:
         why = "no attention maps in this result (turn the measurements on and run again)"
@@ -335,7 +339,8 @@ def attention_heatmaps(result: CompareResult, labels: list[str] | None = None) -
     height = 110 + PANEL_PX * len(runs)
     gap = min(0.06, 24 / height)
     span = (1 - gap * (len(runs) - 1)) / len(runs)
-    data, layout = [], {}
+    data: list[dict] = []
+    layout: dict[str, Any] = {}  # plotly's layout, as JSON
     for i, (r, exact) in enumerate(maps):
         top = 1 - i * (span + gap)
         data += _panel(r, exact, pooling, i + 1, colorbar_len=min(1.0, 300 / height))
@@ -371,7 +376,7 @@ ANSWER_LINE = dict(color="#1f5fbf", width=1.5, dash="dot")
 
 def _panel(run: RunResult, exact: np.ndarray, pooling: Pooling, k: int, colorbar_len: float) -> list[dict]:
     """One run's two traces (axes x{k}, y{k}): weights (exact's rows [Q, n], a gap, the method's) and the kept row."""
-    m = attn_map(run)
+    m = attn_map(run) or {}
     method = _rows(m.get("method"), pooling.n)
     q = exact.shape[0]
     weights = np.full((2 * q + 1, pooling.columns), np.nan, dtype=np.float32)
@@ -427,7 +432,7 @@ def _panel(run: RunResult, exact: np.ndarray, pooling: Pooling, k: int, colorbar
 def _panel_axis(run: RunResult, weight_trace: dict) -> dict:
     """A panel's y axis: its rows top to bottom (exact's queries, the kept row, the method's), labelled."""
     q = len(weight_trace["y"]) // 2
-    label = run.label if attn_map(run).get("method") else f"{run.label} (no per-token weights)"
+    label = run.label if (attn_map(run) or {}).get("method") else f"{run.label} (no per-token weights)"
     kept = "kept" if kept_of(run) is not None else "all held"
     return dict(
         tickvals=[(q - 1) / 2, q, q + 1 + (q - 1) / 2],

@@ -175,9 +175,9 @@ def _task(name: str, head: str, body: Callable[[int], str], query: str, prefix: 
 
     extra = len(encode(prefix)) - len(encode(""))
     k = _fit(lambda k: len(encode(build(k))) + extra, lambda k: k, n_tokens)
-    refs = refs(k) if callable(refs) else refs
-    meta = {"target_tokens": n_tokens, "references": refs, "suite": "ruler"} | meta
-    return Task(name, build(k), ", ".join(refs), meta, query, prefix, references=refs, metric="all",
+    answers = refs(k) if callable(refs) else refs
+    meta = {"target_tokens": n_tokens, "references": answers, "suite": "ruler"} | meta
+    return Task(name, build(k), ", ".join(answers), meta, query, prefix, references=answers, metric="all",
                 max_new_tokens=MAX_NEW_TOKENS[name])  # fmt: skip
 
 
@@ -219,7 +219,8 @@ def _variable_tracking(n_tokens: int, seed: int, encode, depth: float, chains: i
         if v not in names:
             names.append(v)
     values = _numbers(rng, chains, digits=5)
-    statements, refs = [], []
+    statements: list[str] = []
+    refs: list[str] = []
     for c in range(chains):
         chain = names[c * (hops + 1) : (c + 1) * (hops + 1)]
         statements += [f"VAR {chain[0]} = {values[c]}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]

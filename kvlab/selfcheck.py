@@ -11,6 +11,8 @@ then cannot give silently wrong results.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kvlab.models import MODELS_DOC, LoadedModel, ModelLoadError
@@ -30,7 +32,8 @@ def probe_ids(lm: LoadedModel, n: int) -> list[int]:
     ids: list[int] = []
     while len(ids) < n:
         ids += [int(i) for i in lm.tokenizer(text)["input_ids"]]
-    vocab = lm.model.get_input_embeddings().weight.shape[0]
+    weight = cast(torch.Tensor, lm.model.get_input_embeddings().weight)  # torch types it Tensor | Module
+    vocab = weight.shape[0]
     return [i % vocab for i in ids[:n]]
 
 

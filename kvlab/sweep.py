@@ -143,8 +143,8 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     return {
         "cell": asdict(cell),
         "protocol": result.protocol,
-        "answer": comparison.task.answer,
-        "meta": comparison.task.meta,
+        "answer": task.answer,
+        "meta": task.meta,
         "prompt_tokens": result.prompt_tokens,
         "timings": result.timings,
         "runs": [_compact(r) for r in result.runs if r.exact_kv_bytes_per_step],

@@ -46,6 +46,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 OWN_TASKS = ("passkey", "needle", "multikey", "lines", "document")
 # RULER's synthetic tasks (kvlab.ruler.SUITE is this tuple; kept here so that importing this module stays light)
@@ -204,7 +205,10 @@ def parse_length(text: str | int) -> int:
         raise TaskError(f"length {text!r} is not valid; use token counts such as 1500 or 2k") from None
 
 
-def _fit(count: Callable[[int], int], build: Callable[[int], str], target: int) -> str:
+T = TypeVar("T")
+
+
+def _fit(count: Callable[[int], int], build: Callable[[int], T], target: int) -> T:
     """The largest ``k`` (units of filler) whose prompt ``build(k)`` has at most ``target`` tokens."""
     lo, hi = 0, 1
     while count(hi) <= target:
@@ -298,8 +302,11 @@ def _needles(
         return "".join(out) + text[last:] + question
 
     prompt = _fit_prompt(encode, build, n_tokens, prefix)
-    meta = {"seed": seed, "target_tokens": n_tokens, "word": word}
-    meta.update({"depth": depths[ask]} if not several else {"depths": depths, "words": words, "asked": ask})
+    meta: dict[str, object] = {"seed": seed, "target_tokens": n_tokens, "word": word}
+    if several:
+        meta.update({"depths": depths, "words": words, "asked": ask})
+    else:
+        meta["depth"] = depths[ask]
     return Task(name, prompt, keys[ask], meta, question, prefix)
 
 

@@ -213,8 +213,10 @@ def _requirements(name: str) -> dict:
 
 def test_ci_versions_lie_in_the_supported_ranges():
     """constraints.txt (what `make test` installs) pins versions requirements.txt (what a Space
-    installs) allows, and the torch range starts where ZeroGPU's list does (docs/torch-versions.md)."""
-    ranges, pins = _requirements("requirements.txt"), _requirements("constraints.txt")
+    installs; the type checker's range in requirements-dev.txt) allows, and the torch range starts
+    where ZeroGPU's list does (docs/torch-versions.md)."""
+    ranges = {**_requirements("requirements.txt"), **_requirements("requirements-dev.txt")}
+    pins = _requirements("constraints.txt")
     assert {"torch", "triton"} <= set(pins)
     for name, pin in pins.items():
         (version,) = [s.version for s in pin.specifier]

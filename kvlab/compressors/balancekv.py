@@ -97,6 +97,8 @@ def walk_step(kern: Tensor | None, log_scale: Tensor, cfg: WalkConfig) -> Tensor
         if cfg.gamma <= 0:  # no feedback: independent fair signs
             return torch.zeros_like(log_scale)
         return torch.exp((math.log(cfg.gamma) + log_scale).clamp(max=80.0))
+    if kern is None:
+        raise ValueError("the paper form of the walk's step (c > 0) needs the block's kernel")
     r2 = torch.diagonal(kern, dim1=-2, dim2=-1).amax(-1, keepdim=True)
     return 1.0 / (2.0 * cfg.c * r2.clamp_min(1e-30))
 
@@ -454,7 +456,7 @@ class BalanceKVStream(BalanceKV):
     def planned_logw(self) -> bool:
         return True  # compress gives every token a log-weight (decoding halves generated tokens)
 
-    def budget_ratio(self, n_prompt: int) -> float | None:
+    def budget_ratio(self, n_prompt: int) -> float:
         """The prompt's kept tokens plus the generated ones still held after j steps (each level holds
         under ``batch``; level l has halved floor(j / (batch 2^l)) times), over the allowance, j <= horizon."""
         j = torch.arange(self.horizon(n_prompt) + 1, dtype=torch.float64)
@@ -463,7 +465,10 @@ class BalanceKVStream(BalanceKV):
             held -= self.batch // 2 * torch.floor(j / (self.batch * 2**level))
         per_token = self.info.n_layers * self.info.n_kv_heads * self.per_token_bytes(True)
         seen, b = n_prompt + j, self.budget  # streaming: the budget's share of every token seen
-        allowed = exact_bytes(self.info, 1) * (seen.clamp(max=b.tokens) if b.tokens is not None else b.fraction * seen)
+        assert b is not None  # a compressing plan's
+        allowed = exact_bytes(self.info, 1) * (
+            seen.clamp(max=b.tokens) if b.tokens is not None else b.as_fraction * seen
+        )
         return float(((self.layout.kept + held) * per_token / allowed.clamp_min(1.0)).max())
 
     def compress(self, state: PrefillState) -> None:

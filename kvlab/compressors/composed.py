@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from torch import Tensor
 from kernels.quant import QuantizedGroups, packed_bytes, quantize_groups
 from kernels.tensor_ops import gather_tokens
 from kvlab.budgets import per_token_bytes
-from kvlab.compressors.dense import DenseCompressor, _Growable
+from kvlab.compressors.dense import DenseCompressor, DenseLayer, _Growable
 from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import Param
 from kvlab.compressors.registry import get
@@ -95,16 +95,23 @@ class TokenStore:
     def keep(self, idx: Tensor) -> None:
         self._keep_kv(idx)
         self.pos = _Growable(gather_tokens(self.positions(), idx).unsqueeze(-1))
-        if self.logw is not None:
-            self.logw = _Growable(gather_tokens(self.log_weights(), idx).unsqueeze(-1))
+        lw = self.log_weights()
+        if lw is not None:
+            self.logw = _Growable(gather_tokens(lw, idx).unsqueeze(-1))
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         yield from self._kv_tensors()
         yield "positions", self.positions()
-        if self.logw is not None:
-            yield "log_weights", self.log_weights()
+        lw = self.log_weights()
+        if lw is not None:
+            yield "log_weights", lw
 
     # what a store provides
+    @classmethod
+    def from_dense(cls, layer: DenseLayer, *args: Any, **kwargs: Any) -> TokenStore:
+        """The store of a dense layer's kept tokens (keyword arguments: ``ComposedStore.store_args``)."""
+        raise NotImplementedError
+
     def dense_kv(self) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
@@ -118,7 +125,14 @@ class TokenStore:
         raise NotImplementedError
 
 
-class ComposedStore:
+# The mixin is combined with a DenseCompressor at run time (``compose``); the type checker reads it as one.
+if TYPE_CHECKING:
+    _MixedInto = DenseCompressor
+else:
+    _MixedInto = object
+
+
+class ComposedStore(_MixedInto):
     """Mixin over a ``DenseCompressor``: same selection and eviction, kept tokens held in ``store``.
 
     A subclass sets ``store`` (a ``TokenStore`` class) and implements ``kv_bytes`` (one token's K and
@@ -156,7 +170,8 @@ class ComposedStore:
         super().compress(state)
         if self.composing():
             self.prepare_store(state)
-            self.layers = [self.store.from_dense(layer, **self.store_args(i)) for i, layer in enumerate(self.layers)]
+            stores = [self.store.from_dense(layer, **self.store_args(i)) for i, layer in enumerate(self.layers)]
+            self.layers = cast("list[DenseLayer]", stores)  # look-alikes: the layer methods DenseCompressor calls
 
     def prepare_store(self, state: PrefillState) -> None:
         """Hook run once before the dense layers are converted (e.g. to draw sketches)."""

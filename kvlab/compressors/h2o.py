@@ -60,6 +60,8 @@ class H2O(ScoredEvictionCompressor):
     def initial_scores(self, state: PrefillState):
         """Accumulated prompt attention summed over each KV group ([L, Hq, n] -> [L, Hkv, n]), twice:
         it both ranks the prompt tokens and is what the survivors keep accumulating onto."""
+        if state.acc_attn is None:
+            raise ValueError(f"{self.name} needs the prefill's accumulated attention (needs_acc_attn)")
         acc = pool_heads(state.acc_attn.float(), self.info.n_kv_heads, head_dim=-2, reduce="sum")
         return acc, acc
 

@@ -158,14 +158,22 @@ class KiviLayer:
         memo[id(self)] = twin
         return twin
 
+    def quantized(self) -> tuple[QuantizedGroups, QuantizedGroups] | None:
+        """The quantized (keys, values), None while nothing is quantized (a flush makes both)."""
+        if self.kq is None or self.vq is None:
+            return None
+        return self.kq, self.vq
+
     def dequantized(self) -> tuple[Tensor, Tensor]:
         """Keys and values of every token held, float32 [Hkv, n, d] (quantized part first). The codes are
         dequantized in float32, not in the residual's 16-bit cache dtype (that would round them a second
         time); the residual is widened, which is lossless."""
         k, v = self.rk.view().float(), self.rv.view().float()
-        if self.kq is None:
+        quantized = self.quantized()
+        if quantized is None:
             return k, v
-        return torch.cat([dequantize_groups(self.kq), k], -2), torch.cat([dequantize_groups(self.vq), v], -2)
+        kq, vq = quantized
+        return torch.cat([dequantize_groups(kq), k], -2), torch.cat([dequantize_groups(vq), v], -2)
 
     def flush(self, bits: int, group: int) -> None:
         """Quantize the residual's oldest ``group`` tokens."""
@@ -251,9 +259,11 @@ class KIVI(Compressor):
         n, g = state.n_tokens, self.group_size
         nq = quantized_len(n, self.residual, g)
         keys, values = state.keys, state.values
+        kqs: list[QuantizedGroups | None]
+        vqs: list[QuantizedGroups | None]
         if nq:
             kq, vq = quantize_kv(keys[..., :nq, :], values[..., :nq, :], self.bits, g)
-            kqs, vqs = split_layers(kq), split_layers(vq)
+            kqs, vqs = [*split_layers(kq)], [*split_layers(vq)]
         else:
             kqs = vqs = [None] * keys.shape[0]
         self.layers = [
@@ -275,14 +285,17 @@ class KIVI(Compressor):
         sum is read from their codes (``weighted_token_sum``), never dequantized whole. q [Hq, t, d]."""
         st = self.layers[layer]
         rk, rv = st.rk.view(), st.rv.view()
-        k = rk.float() if st.kq is None else torch.cat([dequantize_groups(st.kq), rk.float()], -2)  # float32
+        quantized = st.quantized()
+        k = rk.float()  # float32
+        if quantized is not None:
+            k = torch.cat([dequantize_groups(quantized[0]), k], -2)
         hkv, sem = rk.shape[0], self.sem[layer]
         # every token is held in order: the layer's soft-cap, window and sinks (``semantics.grouped_softmax``)
         pg = grouped_softmax(group_queries(q.float() * sem.scaling, hkv) @ k.transpose(-1, -2), sem, q.shape[0])
-        if st.kq is None:
+        if quantized is None:
             return ungroup(torch.matmul(pg, rv.float()), q.shape[0]).to(q.dtype)
         nq = k.shape[-2] - rk.shape[-2]
-        out = weighted_token_sum(pg[..., :nq], st.vq) + torch.matmul(pg[..., nq:], rv.float())
+        out = weighted_token_sum(pg[..., :nq], quantized[1]) + torch.matmul(pg[..., nq:], rv.float())
         return ungroup(out, q.shape[0]).to(q.dtype)
 
     @staticmethod
@@ -295,16 +308,17 @@ class KIVI(Compressor):
         ``attend``'s, row by row (the quantized and residual keys scored apart, not concatenated).
         """
         layers, hq = [c.layers[layer] for c in comps], q.shape[1]
-        outs: list[Tensor | None] = [None] * len(comps)
-        sharing: dict[int, list[int]] = {}
+        outs: dict[int, Tensor] = {}  # row -> its output
+        # id of the quantized keys -> (the first row's quantized keys and values, the rows holding them)
+        sharing: dict[int, tuple[tuple[QuantizedGroups, QuantizedGroups], list[int]]] = {}
         for i, st in enumerate(layers):
-            if st.kq is None:
+            held = st.quantized()
+            if held is None:
                 outs[i] = comps[i].attend(layer, q[i])
             else:
-                sharing.setdefault(id(st.kq), []).append(i)
-        for rows in sharing.values():
-            first = layers[rows[0]]
-            keys = dequantize_groups(first.kq)  # [Hkv, nq, d] float32
+                sharing.setdefault(id(held[0]), (held, []))[1].append(i)
+        for (kq, vq), rows in sharing.values():
+            keys = dequantize_groups(kq)  # [Hkv, nq, d] float32
             hkv, nq = keys.shape[0], keys.shape[-2]
             qg = [group_queries(q[i].float() * comps[i].sem[layer].scaling, hkv) for i in rows]  # [Hkv, g, d] each
             quantized = torch.matmul(torch.cat(qg, 1), keys.transpose(-1, -2)).chunk(len(rows), dim=1)
@@ -312,11 +326,11 @@ class KIVI(Compressor):
             for i, qi, lq in zip(rows, qg, quantized):
                 recent = torch.matmul(qi, layers[i].rk.view().float().transpose(-1, -2))
                 probs.append(grouped_softmax(torch.cat([lq, recent], -1), comps[i].sem[layer], hq))  # [Hkv, g, n]
-            summed = weighted_token_sum(torch.cat([p[..., :nq] for p in probs], 1), first.vq).chunk(len(rows), dim=1)
+            summed = weighted_token_sum(torch.cat([p[..., :nq] for p in probs], 1), vq).chunk(len(rows), dim=1)
             for i, p, s in zip(rows, probs, summed):
                 out = s + torch.matmul(p[..., nq:], layers[i].rv.view().float())
                 outs[i] = ungroup(out, hq).to(q.dtype)
-        return outs
+        return [outs[i] for i in range(len(comps))]
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvlab.compressors.base import Compressor
 from kvlab.compressors.registry import add_resolver, get
+from kvlab.models import ModelInfo
 
 SEP = "@"
 
@@ -129,25 +130,32 @@ def preset_class(name: str) -> type[Compressor]:
         if missing:
             raise TypeError(f"{name}: {preset.method} has no parameters {missing}")
 
-        class Made(base):  # noqa: D401 - made on demand
-            def __init__(self, info, *args, **kwargs):
-                super().__init__(info, *args, **kwargs)
-                for s in preset.settings:  # model-relative values ("2d") once the model is known
-                    if s.param not in self.params_given and isinstance(s.value, str) and s.value in ("2d", "d/16"):
-                        self.cfg[s.param] = _value(s.value, info.head_dim)
+        def __init__(self: Compressor, info: ModelInfo, *args, **kwargs) -> None:
+            base.__init__(self, info, *args, **kwargs)
+            for s in preset.settings:  # model-relative values ("2d") once the model is known
+                if s.param not in self.params_given and isinstance(s.value, str) and s.value in ("2d", "d/16"):
+                    self.cfg[s.param] = _value(s.value, info.head_dim)
 
-        Made.__name__ = Made.__qualname__ = f"{base.__name__}At{preset.tag.title()}"
-        Made.name = name
-        Made.title = f"{base.title} @ {preset.tag}"
-        Made.summary = preset.summary
-        Made.preset = preset
-        Made.params = tuple(
-            dataclasses.replace(p, default=given[p.name])
-            if p.name in given and not (isinstance(given[p.name], str) and given[p.name] in ("2d", "d/16"))
-            else p
-            for p in base.params
+        made_name = f"{base.__name__}At{preset.tag.title()}"
+        _MADE[name] = type(
+            made_name,
+            (base,),
+            {
+                "__init__": __init__,
+                "__module__": __name__,
+                "__qualname__": made_name,
+                "name": name,
+                "title": f"{base.title} @ {preset.tag}",
+                "summary": preset.summary,
+                "preset": preset,
+                "params": tuple(
+                    dataclasses.replace(p, default=given[p.name])
+                    if p.name in given and not (isinstance(given[p.name], str) and given[p.name] in ("2d", "d/16"))
+                    else p
+                    for p in base.params
+                ),
+            },
         )
-        _MADE[name] = Made
     return _MADE[name]
 
 

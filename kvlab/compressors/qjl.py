@@ -414,7 +414,7 @@ class QJL(Compressor):
     def plan(self, n_prompt: int) -> dict:
         self.full = self.is_full
         d = self.info.head_dim
-        if self.full:
+        if self.full or self.budget is None:  # (no budget: full)
             m, bits, residual, target = self.cfg["m"] or 2 * d, self.cfg["value_bits"] or 2, None, None
         else:
             target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
@@ -454,6 +454,7 @@ class QJL(Compressor):
         by one quantized token a step, so the ratio is largest at one end."""
         streams = self.info.n_layers * self.info.n_kv_heads
         h = self.horizon(n)
+        assert self.budget is not None  # a compressing plan's
         allowed = [max(1.0, self.budget.allowed_bytes(self.info, n, j, True)) for j in (0, h)]
         return max(streams * self._bytes(n + j, m, bits, residual)[0] / a for j, a in zip((0, h), allowed))
 

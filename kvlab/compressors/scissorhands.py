@@ -204,8 +204,9 @@ class Scissorhands(ScoredEvictionCompressor):
         temporary).
         """
         counted, self.counted = self.counted, None
-        if counted is not None and counted.complete(state.n_tokens):
-            return counted.rank, counted.kept
+        records = None if counted is None else counted.records(state.n_tokens)
+        if records is not None:
+            return records
         w, n, carry = self.prompt_window, state.n_tokens, self.carry_window
         n_layers, hkv, _, d = state.keys.shape
         g = self.info.n_heads // hkv
@@ -254,19 +255,27 @@ class _PrefillRecords:
     def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
         """probs [Hq, r, e] of the queries at first_pos.. over keys 0..e-1."""
         try:
-            if self.rank is None:
+            rank, kept = self.rank, self.kept
+            if rank is None or kept is None:
                 info = self.comp.info
-                self.rank = torch.zeros(info.n_layers, info.n_kv_heads, self.n, dtype=torch.int32, device=probs.device)
-                self.kept = self.rank if self.comp.carry_window == self.rows else torch.zeros_like(self.rank)
+                rank = torch.zeros(info.n_layers, info.n_kv_heads, self.n, dtype=torch.int32, device=probs.device)
+                kept = rank if self.comp.carry_window == self.rows else torch.zeros_like(rank)
+                self.rank, self.kept = rank, kept
             flags = self.comp.low_score_flags(probs, first_pos)  # [Hkv, r, e]
             e = flags.shape[-1]
-            self.rank[layer, :, :e] += flags.sum(-2, dtype=torch.int32)
+            rank[layer, :, :e] += flags.sum(-2, dtype=torch.int32)
             lo = max(0, self.n - self.comp.carry_window - first_pos)  # the rows inside the carried window
-            if self.kept is not self.rank and lo < flags.shape[-2]:
-                self.kept[layer, :, :e] += flags[:, lo:].sum(-2, dtype=torch.int32)
+            if kept is not rank and lo < flags.shape[-2]:
+                kept[layer, :, :e] += flags[:, lo:].sum(-2, dtype=torch.int32)
             self.seen[layer] += flags.shape[-2]
         except Exception:  # the reference path in initial_scores recounts (and raises there, isolated)
             self.failed = True
 
     def complete(self, n: int) -> bool:
         return not self.failed and n == self.n and all(r == self.rows for r in self.seen)
+
+    def records(self, n: int) -> tuple[Tensor, Tensor] | None:
+        """(rank, kept) when every row of the ``n``-token prefill was counted, else None."""
+        if self.rank is None or self.kept is None or not self.complete(n):
+            return None
+        return self.rank, self.kept

@@ -12,6 +12,8 @@ a KV group are summed (the cache is per KV head). Prefill-only: generated tokens
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -47,7 +49,7 @@ class SnapKV(PromptScored):
     group = "baseline"
     paper = "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 (arXiv:2404.14469)"
     summary = "Keeps the prompt tokens the last window of prompt queries attends to most (pooled), plus that window."
-    params = (
+    params: ClassVar[tuple[Param, ...]] = (
         Param("window", 32, "observation window: the last prompt queries that vote (kept as well)", minimum=1),
         Param("kernel", 7, "1-D pooling kernel over the votes (1: no pooling)", minimum=1),
         Param("pooling", "max", "pooling of the votes", choices=("max", "avg")),

@@ -66,7 +66,12 @@ class Uniform(DenseCompressor):
         self.first = min(int(self.cfg["n_first"]), self.capacity // 4)
         self.last = min(int(self.cfg["n_last"]), self.capacity // 4)
         self.sampled = self.capacity - self.first - self.last
-        knobs = {"capacity": self.capacity, "first": self.first, "last": self.last, "sampled": self.sampled}
+        knobs: dict[str, float] = {
+            "capacity": self.capacity,
+            "first": self.first,
+            "last": self.last,
+            "sampled": self.sampled,
+        }
         if self.cfg["reweight"] and not self.full and self.capacity < n_prompt:
             knobs["middle_weight"] = round((n_prompt - self.first - self.last) / max(1, self.sampled), 4)
         return knobs

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -165,9 +166,10 @@ class QJLStore(ComposedStore):
         2 x head_dim when they do not all fit even then, or with a token-count budget."""
         d = self.info.head_dim
         self.sketch_rows = self.cfg["qjl_m"] or 2 * d
-        if self.cfg["qjl_m"] or not self.composing() or self.budget.tokens is not None:
+        budget = self.budget
+        if self.cfg["qjl_m"] or not self.composing() or budget is None or budget.tokens is not None:
             return
-        target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+        target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
         fits = lambda: n_prompt * self.per_token_bytes(with_logw=True) + self.sketch_bytes() <= target  # noqa: E731
         lo, hi = 2 * d, M_MAX_PER_D * d
         if not fits():
@@ -182,10 +184,11 @@ class QJLStore(ComposedStore):
 
     def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
         """As the inner method's, with the counted sketch bytes taken off the byte target first."""
-        fixed = self.sketch_bytes() if self.composing() and self.budget.tokens is None else 0.0
-        if not fixed:
+        budget = self.budget
+        fixed = self.sketch_bytes() if self.composing() and budget is not None and budget.tokens is None else 0.0
+        if not fixed or budget is None:
             return super().tokens_for_budget(n_prompt, with_logw)
-        target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+        target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
         return max(1, min(n_prompt, int((target - fixed) // self.per_token_bytes(with_logw))))
 
     def prepare_store(self, state: PrefillState) -> None:
@@ -231,8 +234,8 @@ class QJLStore(ComposedStore):
             yield from self._sketches()
 
     def _sketches(self) -> Iterator[tuple[str, Tensor]]:
-        if self.composing():
-            for layer in self.layers:
+        if self.composing():  # compress made every layer a QJLDenseLayer
+            for layer in cast("list[QJLDenseLayer]", self.layers):
                 yield "sketch", layer.s
                 if self.n_out:
                     yield "sketch", layer.s_out

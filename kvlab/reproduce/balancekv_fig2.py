@@ -94,7 +94,7 @@ def attention_error(
 
 def run(ctx: Context) -> Report:
     from kvlab.compressors import get
-    from kvlab.compressors.balancekv import WalkConfig, algorithm2_config, balance_kv
+    from kvlab.compressors.balancekv import BalanceKV, WalkConfig, algorithm2_config, balance_kv
     from kvlab.compressors.uniform import uniform_middle
 
     t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def run(ctx: Context) -> Report:
     # err[method][T] -> [seeds, layers]
     err: dict[str, dict[int, list[list[float]]]] = {m: {t: [] for t in cfg["rounds"]} for m in methods}
     for seed in range(cfg["seeds"]):
-        comp = get("balancekv")(info, None, {}, seed=seed)
+        comp = BalanceKV(info, None, {}, seed=seed)
         walk = comp.walk_config()
         walks = {
             "balancekv": walk,
@@ -143,22 +143,22 @@ def run(ctx: Context) -> Report:
                 for name, (ix, lw) in picked.items()
             }
             uni_lw = torch.cat([zeros_a, torch.full((n_layers, hkv, m), math.log(mid / m)), zeros_t], -1)
-            rows = {m_: [] for m_ in methods}
+            errs: dict[str, list[float]] = {m_: [] for m_ in methods}  # method -> per layer
             for layer in range(n_layers):
                 args = (queries[layer], keys[layer], values[layer])
                 kw = {"exact": exact[layer]}
                 for name, (ix, lw) in kept.items():
-                    rows[name].append(
+                    errs[name].append(
                         float(attention_error(*args, ix[layer], lw[layer], n - w, state.scaling, **kw).mean())
                     )
-                rows["uniform (reweighted)"].append(
+                errs["uniform (reweighted)"].append(
                     float(attention_error(*args, uni[layer], uni_lw[layer], n - w, state.scaling, **kw).mean())
                 )
-                rows["uniform (unweighted)"].append(
+                errs["uniform (unweighted)"].append(
                     float(attention_error(*args, uni[layer], None, n - w, state.scaling, **kw).mean())
                 )
             for m_ in methods:
-                err[m_][T].append(rows[m_])
+                err[m_][T].append(errs[m_])
 
     def mean(xs):
         return sum(xs) / len(xs)

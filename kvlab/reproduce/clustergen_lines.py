@@ -66,7 +66,7 @@ def run(ctx: Context) -> Report:
     methods = list(PAPER)
     scores: dict[str, list[float]] = {m: [] for m in methods}
     fractions: dict[str, list[float]] = {m: [] for m in methods}
-    answers = []
+    answers: list[dict] = []  # per seed: the answer, the prompt's tokens, each method's text
     for seed in range(cfg["seeds"]):
         task = make_task("lines", cfg["length"], seed, lambda t: ctx.loaded.encode(t))
         ids = prompt_ids(ctx.loaded, task)

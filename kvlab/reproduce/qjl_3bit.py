@@ -125,7 +125,7 @@ def matched_runs(info, n_prompt: int, steps: int) -> tuple[list, float]:
     runs = [RunSpec("exact")]
     for x in LABELS[1:]:
         runs.append(RunSpec(x.split("-")[0], planned if x.startswith("qjl") else budget, params[x]))
-    return runs, budget.fraction
+    return runs, budget.as_fraction
 
 
 def run(ctx: Context) -> Report:

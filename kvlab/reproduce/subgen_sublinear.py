@@ -79,7 +79,7 @@ def run(ctx: Context) -> Report:
         kind: x[layers, :, SINKS : SINKS + n_max].float().reshape(-1, n_max, d)
         for kind, x in (("keys", state.keys), ("values", state.values))
     }
-    counts = {kind: {} for kind in streams}
+    counts: dict[str, dict[float, list[float]]] = {kind: {} for kind in streams}  # kind -> rel -> per length
     for rel in cfg["rel"]:
         for kind, x in streams.items():
             ctx.log(f"{NAME}: {kind}, delta = {rel} x median norm")

@@ -31,7 +31,7 @@ def progress_html(frac: float, message: str) -> str:
 def _pieces(ids: list[int], lm: LoadedModel | None) -> list[str]:
     if lm is None:
         return [f"⟨{i}⟩" for i in ids]
-    return [lm.tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+    return [lm.decode([i]) for i in ids]
 
 
 def diff_opcodes(run: RunResult, exact: RunResult | None) -> list:

@@ -336,13 +336,15 @@ class Dashboard:
         """``compare``'s work under ``token``: it ends (what it held freed) before the token is finished."""
         n_out = len(FIGURE_OUTPUTS) + 3
         stopped = None
+        live: LiveProbe | None = None
+        result: CompareResult | None = None
         try:
             engine, comparison, n = self.request(inputs)
             specs = comparison.check()
             live = LiveProbe(len(specs), greedy=not comparison.settings.do_sample)
-            result = None
             last_yield = 0.0
-            for ev in cancel.scoped(stream(engine, comparison, probes=[live]), token):
+            # LiveProbe leaves out on_attend: engine.Probe declares it, but the engine calls it only when present
+            for ev in cancel.scoped(stream(engine, comparison, probes=[live]), token):  # type: ignore[list-item]
                 if ev.progress >= 0:
                     progress(ev.progress, desc=ev.message)
                 if ev.kind == "done":
@@ -374,6 +376,7 @@ class Dashboard:
             if stopped:
                 yield (progress_html(0.0, stopped), *[gr.skip()] * (n_out - 1))
             return
+        assert result is not None  # the stream ends with its "done" event
         msg = (
             f"done: {len(result.runs)} runs on {result.prompt_tokens} prompt tokens in "
             f"{result.timings.get('compare_s', 0):.1f} s" + _ended_early(result)

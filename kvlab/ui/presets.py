@@ -54,7 +54,8 @@ def presets(lm: LoadedModel | None = None, n_tokens: int = 1000) -> tuple[dict[s
     when that is not possible. RULER's tasks are offered only where exact can do them on ``lm``
     (calibrated, ``kvlab.calibrated``).
     """
-    texts, tasks = builtin_presets(), {}
+    texts = builtin_presets()
+    tasks: dict[str, Task] = {}
     if lm is None:
         return texts, tasks
     try:
