@@ -38,7 +38,7 @@ from kvlab.ops import attention_logits
 from kvlab.semantics import LayerSemantics, attend, window_bias
 
 NAME = "kvlab"
-_ACTIVE: ContextVar[object | None] = ContextVar("kvlab_attention", default=None)
+_ACTIVE: ContextVar[Callable[..., Tensor] | None] = ContextVar("kvlab_attention", default=None)
 
 
 class PrefillCapture:
@@ -108,7 +108,7 @@ class PrefillCapture:
 
     def stacked(self) -> tuple[Tensor, Tensor]:
         """[L, Hkv, n, d] keys and [L, Hkv, n, dv] values of the single prompt (post-RoPE)."""
-        return torch.stack(self.keys), torch.stack(self.values)
+        return torch.stack(_filled(self.keys)), torch.stack(_filled(self.values))
 
 
 def accumulated_attention(q: Tensor, k: Tensor, scaling: LayerSemantics | float, chunk: int = 256) -> Tensor:
@@ -200,6 +200,13 @@ class LockstepChunk:
             for obs in self.observers:
                 obs(layer, query, key, value, out)
         return out.transpose(1, 2).contiguous(), None
+
+
+def _filled(xs: list[Tensor | None]) -> list[Tensor]:
+    """Every layer's captured tensor (a prefill captures every layer)."""
+    out = [x for x in xs if x is not None]
+    assert len(out) == len(xs), "a layer's keys or values were not captured"
+    return out
 
 
 def kvlab_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

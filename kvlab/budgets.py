@@ -41,7 +41,7 @@ class Budget:
     tokens: int | None = None
 
     @classmethod
-    def parse(cls, text: str | float | int) -> Budget:
+    def parse(cls, text: Budget | str | float | int) -> Budget:
         if isinstance(text, Budget):
             return text
         s = str(text).strip().lower()

@@ -61,7 +61,7 @@ class Comparison:
     protocol: str | None = None
 
     def __post_init__(self) -> None:
-        self.budgets = [Budget.parse(b) for b in self.budgets]
+        self.budgets: Sequence[Budget] = [Budget.parse(b) for b in self.budgets]
         self.questions = [q for q in self.questions if q and q.strip()]
 
     @property
@@ -79,13 +79,16 @@ class Comparison:
         return [(q, "") for q in self.questions]
 
     def context(self) -> str:
-        return self.task.context if self.task is not None else self.source
+        return self.source.context if isinstance(self.source, Task) else self.source
 
     def split(self, lm: LoadedModel) -> tuple[list[int], list[Question]]:
         """The context's ids and each question (its ids after the context, its text, its whole prompt's text)."""
         asked = self.asked()
         ctx, rests = split_ids(lm, self.context(), [q for q, _ in asked], [p for _, p in asked], chat=self.chat)
-        texts = [prompt_text(self.task)] if self.task is not None else [join_question(self.source, q) for q, _ in asked]
+        if isinstance(self.source, Task):
+            texts = [prompt_text(self.source)]
+        else:
+            texts = [join_question(self.source, q) for q, _ in asked]
         return ctx, [Question(ids, q, t) for ids, (q, _), t in zip(rests, asked, texts)]
 
     @property
@@ -99,7 +102,7 @@ class Comparison:
 
     def runs(self) -> list[RunSpec]:
         """Every method at every budget (``InputError`` for unknown methods or parameters)."""
-        return expand_runs(list(self.methods), list(self.budgets), self.params)
+        return expand_runs(list(self.methods), [Budget.parse(b) for b in self.budgets], self.params)
 
     def check(self) -> list[RunSpec]:
         """Everything that can be checked without a model: settings, methods, parameters. Returns the runs."""
@@ -140,21 +143,24 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
     """
     engine = as_engine(model)
     runs = comparison.check()
-    measure = [MetricsProbe(comparison.measure)] if comparison.measure is not None else []
-    probes = [*probes, HealthProbe(), *measure]
+    measure: list[Probe] = [MetricsProbe(comparison.measure)] if comparison.measure is not None else []
+    every: list[Probe] = [*probes, HealthProbe(), *measure]
     settings, task = comparison.settings, comparison.task
     if not comparison.asked():  # one prompt, compressed with its question
-        events = engine.stream(comparison.encode(engine.lm), runs, settings, comparison.prompt, probes)
+        events: Iterator[Event] | None = engine.stream(
+            comparison.encode(engine.lm), runs, settings, comparison.prompt, every
+        )
     elif comparison.chosen_protocol == QUERY_AGNOSTIC:
         ctx, questions = comparison.split(engine.lm)
-        events = engine.stream(ctx, runs, settings, probes=probes, questions=questions)
+        events = engine.stream(ctx, runs, settings, probes=every, questions=questions)
     else:
         ctx, questions = comparison.split(engine.lm)
-        events = each_in_own_prompt(engine, ctx, questions, runs, settings, probes)
+        events = each_in_own_prompt(engine, ctx, questions, runs, settings, every)
     oom = None
     try:
+        assert events is not None
         for ev in events:
-            if ev.kind == "done":
+            if ev.kind == "done" and ev.results is not None:
                 for r in ev.results:
                     if task is not None and not r.question:  # a task run query-aware: its question is inside
                         r.question = task.question
@@ -167,7 +173,7 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
     except faults.OOM as exc:  # raised below, once the traceback (and the tensors its frames hold) is gone
         oom = faults.out_of_memory(exc)
     if oom is not None:
-        measure = probes = events = None
+        measure, every, events = [], [], None
         faults.release()
         raise oom
 
@@ -183,7 +189,7 @@ def compare_all(
     """Run a comparison to the end; one result per question (one item without questions)."""
     results: list[CompareResult] = []
     for ev in stream(model, comparison, probes):
-        if ev.kind == "done":
+        if ev.kind == "done" and ev.results is not None:
             results = ev.results
     return results
 

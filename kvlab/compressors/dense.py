@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -140,7 +139,7 @@ class DenseCompressor(Compressor):
     def log_weights(self, state: PrefillState, idx: list[Tensor]) -> list[Tensor] | None:
         return None
 
-    positions_implicit: ClassVar[bool] = False  # True when kept positions follow from counts alone
+    positions_implicit: bool = False  # True when kept positions follow from counts alone (set per instance too)
 
     def per_token_bytes(self, with_logw: bool = False) -> int:
         """Bytes one kept token costs in one layer and KV head: K, V, its int32 position (+ log-weight)."""
@@ -148,12 +147,13 @@ class DenseCompressor(Compressor):
 
     def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
         """How many tokens per layer and head fit the byte budget (all of them for budget 1.0 or none)."""
-        if self.is_full:
+        budget = self.budget
+        if budget is None or self.is_full:
             return n_prompt
-        if self.budget.tokens is not None:  # that many tokens, fewer when their overheads pass the tolerance
-            worth = self.budget.tokens * per_token_bytes(self.info) * (1 + TOLERANCE)
-            return max(1, min(self.budget.tokens, n_prompt, int(worth // self.per_token_bytes(with_logw))))
-        target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+        if budget.tokens is not None:  # that many tokens, fewer when their overheads pass the tolerance
+            worth = budget.tokens * per_token_bytes(self.info) * (1 + TOLERANCE)
+            return max(1, min(budget.tokens, n_prompt, int(worth // self.per_token_bytes(with_logw))))
+        target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
         return max(1, min(n_prompt, int(target // self.per_token_bytes(with_logw))))
 
     def planned_tokens(self, n_prompt: int) -> int:
@@ -186,11 +186,10 @@ class DenseCompressor(Compressor):
         self.layers = []
         for layer, ix in enumerate(idx):
             cancel.checkpoint()
-            pos = ix.to(torch.int32) if ix is not None else None
             if ix is None:  # keep everything
                 h = state.keys.shape[1]
                 ix = torch.arange(n, device=state.keys.device).expand(h, n)
-                pos = ix.to(torch.int32)
+            pos = ix.to(torch.int32)
             layer_lw = None if lw is None else lw[layer]
             window = self.sem[layer].window
             if window is not None and window < n and self._plain_feed():  # a local layer holds its window

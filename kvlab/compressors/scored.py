@@ -163,9 +163,9 @@ class ScoredEvictionCompressor(DenseCompressor):
         drops = [self.prefill_drop(n, i) for i in range(n_layers)]
         recents = [self.layer_recent(i) for i in range(n_layers)]
         if len(set(drops)) == 1 and len(set(recents)) == 1:  # every layer alike: one call for all
-            idx = eviction_keep(self._priority(rank), drops[0], recents[0])
-            self.scores = list(gather_tokens(carry.to(self.score_dtype), idx).unbind(0))
-            return idx
+            together = eviction_keep(self._priority(rank), drops[0], recents[0])
+            self.scores = list(gather_tokens(carry.to(self.score_dtype), together).unbind(0))
+            return together
         idx = [eviction_keep(self._priority(rank[i]), drops[i], recents[i]) for i in range(n_layers)]
         self.scores = [gather_tokens(carry[i].to(self.score_dtype), ix) for i, ix in enumerate(idx)]
         return idx

@@ -343,8 +343,7 @@ class Dashboard:
             specs = comparison.check()
             live = LiveProbe(len(specs), greedy=not comparison.settings.do_sample)
             last_yield = 0.0
-            # LiveProbe leaves out on_attend: engine.Probe declares it, but the engine calls it only when present
-            for ev in cancel.scoped(stream(engine, comparison, probes=[live]), token):  # type: ignore[list-item]
+            for ev in cancel.scoped(stream(engine, comparison, probes=[live]), token):
                 if ev.progress >= 0:
                     progress(ev.progress, desc=ev.message)
                 if ev.kind == "done":
