@@ -11,6 +11,7 @@ from kvlab import cli
 from kvlab.budgets import Budget
 from kvlab.compressors import get
 from kvlab.engine import Engine
+from kvlab.lockstep import Decoder
 from kvlab.metrics import ProbeSettings
 from kvlab.probe import Probe
 from kvlab.run import Comparison, compare_all
@@ -264,13 +265,13 @@ def test_questions_decode_as_one_batch_with_the_health_flags(engine, context, mo
     lockstep batch; each answer, its bytes and its health flags equal those of decoding each question
     on its own (forced by a probe that is not forkable)."""
     loops = []
-    original = Engine._decode_all
+    original = Decoder.decode_all
 
     def counted(self, rows, *a, **k):
         loops.append(len(rows.runs))
         return (yield from original(self, rows, *a, **k))
 
-    monkeypatch.setattr(Engine, "_decode_all", counted)
+    monkeypatch.setattr(Decoder, "decode_all", counted)
     comparison = Comparison(
         context,
         ["exact", "streaming", "scissorhands"],
