@@ -431,12 +431,18 @@ def split_query_parts(qg: Tensor, sketch: Tensor, out_sketch: Tensor, out_idx: T
     return torch.matmul(q, sketch.float().T).unsqueeze(1) - parts[..., :m], parts[..., m:]
 
 
-def _split_dots(sqg: Tensor, bits: Tensor, norms: Tensor, group: int) -> Tensor:
+def _split_dots(sqg: Tensor, bits: Tensor, norms: Tensor, group: int, products: torch.dtype = torch.float32) -> Tensor:
     """sqrt(pi/2)/m * ||k_i|| * <sq_j, sign_i> per token group j: sqg [Hkv, n_groups, R, m], bits [Hkv, n, m/8],
-    norms [Hkv, n] -> [Hkv, n_groups, R, group] (tokens still per group)."""
+    norms [Hkv, n] -> float32 [Hkv, n_groups, R, group] (tokens still per group).
+
+    ``products``: the dtype of the signs and sketched queries in the product. ±1 is exact in any dtype;
+    bfloat16 rounds S q to 8 significant bits (relative error <= 2^-9, far below the estimator's own
+    ~1/sqrt(m)) and halves the bytes the unpacked signs take, the step's main cost on the CPU.
+    """
     hkv, ng, r, m = sqg.shape
-    signs = unpack_signs(bits, m).reshape(hkv, ng, group, m)
-    return torch.matmul(sqg, signs.transpose(-1, -2)) * (norms.float().view(hkv, ng, 1, group) * _estimate_coef(m))
+    signs = unpack_signs(bits, m, dtype=products).reshape(hkv, ng, group, m)
+    dots = torch.matmul(sqg.to(products), signs.transpose(-1, -2)).float()
+    return dots * (norms.float().view(hkv, ng, 1, group) * _estimate_coef(m))
 
 
 def _tokens_last(est: Tensor) -> Tensor:
@@ -486,6 +492,7 @@ def qjl_estimate_split_pair(
     out_norms: Tensor,
     out_idx: Tensor,
     group: int,
+    products: torch.dtype = torch.float32,
 ) -> Tensor:
     """The score QJL attends with under ``split_query``: the inlier estimate (S) plus the outlier estimate
     (S_out), i.e. ``qjl_estimate_split_grouped`` over both sketches, summed. Shapes as there (out_bits
@@ -493,7 +500,8 @@ def qjl_estimate_split_pair(
 
     Triton as ``qjl_estimate_split_grouped``; on the CPU the compiled fused loop once warmed up
     (``kernels.compiled``), else the torch path, which projects both parts' queries at once
-    (``split_query_parts``) and sums the parts before the one reordering to [Hkv, R, n].
+    (``split_query_parts``) and sums the parts before the one reordering to [Hkv, R, n]. ``products``: the
+    torch path's product dtype (``_split_dots``); the Triton and compiled paths compute in float32.
     """
     if _split_on_triton(qg.device, group):
         est = qjl_estimate_split_grouped(qg, sketch, bits, norms, out_idx, group, False)
@@ -501,7 +509,8 @@ def qjl_estimate_split_pair(
     if compiled.SPLIT_PAIR.ready:  # the fused C++ loop once the background warm-up compiled it
         return compiled.SPLIT_PAIR(qg, sketch, bits, norms, out_sketch, out_bits, out_norms, out_idx)
     sq_in, sq_out = split_query_parts(qg, sketch, out_sketch, out_idx)
-    est = _split_dots(sq_in, bits, norms, group).add_(_split_dots(sq_out, out_bits, out_norms, group))
+    est = _split_dots(sq_in, bits, norms, group, products)
+    est.add_(_split_dots(sq_out, out_bits, out_norms, group, products))
     return _tokens_last(est)
 
 

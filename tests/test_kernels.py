@@ -182,7 +182,7 @@ def _case_qjl_compressor():
 
     info = ModelInfo("synthetic", 2, 12, 3, 64, "float32", "cpu", 4096)  # GQA group 4
     state = PrefillState(_rand(2, 3, 160, 64, seed=1), _rand(2, 3, 160, 64, seed=2), _rand(2, 12, 4, 64, seed=3), 0.125)
-    comp = QJL(info, Budget.parse("0.2"), {}, seed=0)
+    comp = QJL(info, Budget.parse("0.2"), {"products": "float32"}, seed=0)  # the kernel's arithmetic
     budget_search.planned(comp, 160)
     comp.compress(state)
     q = _rand(12, 1, 64, seed=4)
@@ -386,6 +386,26 @@ def test_split_pair_equals_both_split_estimates(group, m, m_out, t):
     got = K.qjl_estimate_split_pair(qg, s, qk.bits, qk.norms, so, qk.out_bits, qk.out_norms, idx, group)
     assert got.shape == (hkv, g * t, n)
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_split_pair_bfloat16_products_error_is_far_below_the_estimators():
+    """QJL's default CPU products (bfloat16 S q, exact ±1 signs) move the estimate by a small fraction of
+    the estimator's own error against the exact scores <q, k>."""
+    from kernels import qjl as K
+
+    hkv, g, group, d, m = 3, 3, 32, 64, 128
+    keys = _rand(hkv, 8 * group, d, seed=31)
+    keys[:, :, 7] *= 10  # an outlier channel, as real keys have
+    idx = K.outlier_channels(keys, group, 4)
+    s, so = _sketch(m, d, 32), _sketch(m, d, 33)
+    qk = K.qjl_quantize_torch(keys, s, so, idx, group)
+    qg = _rand(hkv, g, d, seed=34)
+    args = (qg, s, qk.bits, qk.norms, so, qk.out_bits, qk.out_norms, idx, group)
+    f32 = K.qjl_estimate_split_pair(*args, torch.float32)
+    bf16 = K.qjl_estimate_split_pair(*args, torch.bfloat16)
+    exact = torch.matmul(qg, keys.transpose(-1, -2))  # [Hkv, R, n]
+    rounding, estimator = (bf16 - f32).abs().mean(), (f32 - exact).abs().mean()
+    assert 0 < rounding < 0.02 * estimator
 
 
 def test_attention_reference_matches_exact_dense_attention():

@@ -354,6 +354,13 @@ class QJL(Compressor):
             "score kernel does (same storage, lower variance); off: the full query against both sketches",
         ),
         Param(
+            "products",
+            "bfloat16",
+            "dtype of the split-query score products on the CPU: bfloat16 (S q rounded to 8 significant bits, "
+            "signs exact; about half the time of float32) or float32",
+            choices=("bfloat16", "float32"),
+        ),
+        Param(
             "count_sketch",
             False,
             "count the sketch matrices in each sequence's held bytes (the budget then pays for them); by default "
@@ -664,7 +671,8 @@ class QJL(Compressor):
         if self.cfg["split_query"] and has_out:
             g = self.cfg["outlier_group"]
             outliers = (st.s_out, kq.out_bits, kq.out_norms, kq.out_idx)
-            return qjl_estimate_split_pair(qg, st.s, kq.bits, kq.norms, *outliers, g)
+            products = getattr(torch, self.cfg["products"])
+            return qjl_estimate_split_pair(qg, st.s, kq.bits, kq.norms, *outliers, g, products)
         est = qjl_estimate_grouped(qg, st.s, kq.bits, kq.norms)  # Triton on CUDA, estimate_scores' maths elsewhere
         if has_out:
             est = est + qjl_estimate_grouped(qg, st.s_out, kq.out_bits, kq.out_norms)
