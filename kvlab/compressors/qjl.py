@@ -27,7 +27,9 @@ Deviations from the reference, and why: one window serves keys and values (the r
 ``outlier_group`` tokens from the group's own keys (as the reference) but the flush unit is that
 same group; ``n_outliers`` defaults to head_dim / 16 (the reference's 8 for head_dim 128); the
 number of first layers with the larger sketch scales with the model (15 of 32 layers); below the
-paper's budget the planner trades m and value bits (the paper reports only its configuration).
+paper's budget the planner trades m and value bits (the paper reports only its configuration); on
+the CPU the split-query score products run in bfloat16 by default (``products``: S q rounded, signs
+exact; the reference kernels compute in the model's 16-bit dtype too).
 
 Storage format (shared with the Triton kernels, see docs/methods/qjl.md): sign bits uint8 [Hkv, n, m/8]
 LSB first (bit 1 = S k >= 0), norms float16 [Hkv, n], S float32 [m, d] per layer, outlier channel
