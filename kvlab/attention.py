@@ -18,7 +18,7 @@ With no context active the function is plain SDPA, so the same model object also
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 
 import torch
@@ -34,7 +34,7 @@ from kvlab import semantics as sm
 from kvlab.batched_attention import attend_rows
 from kvlab.compressors.handover import WindowObserver
 from kvlab.few_rows import torch_functions_plain
-from kvlab.ops import attention_logits
+from kvlab.ops import attention_logits, mask_future
 from kvlab.semantics import LayerSemantics, attend, window_bias
 
 NAME = "kvlab"
@@ -73,17 +73,39 @@ class PrefillCapture:
             self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
         rows = min(n, max((o.rows for o in self.observers), default=0))
         head = n - rows
+        if sem.plain:  # plain causal attention: SDPA for every row; the observers get probabilities alone
+            if rows:
+                self._observe(layer, query[0], key[0], head, n, sem)
+            return sdpa_attention_forward(module, query, key, value, None, scaling=sem.scaling)[0], None
         outs = []
-        if head and sem.plain:  # plain causal attention: SDPA
-            q, k, v = (t[:, :, :head] for t in (query, key, value))
-            outs.append(sdpa_attention_forward(module, q, k, v, None, scaling=sem.scaling)[0])
-        elif head:
+        if head:
             outs.append(
                 self._rows(layer, query[0], key[0], value[0], 0, head, sem, observe=False).transpose(0, 1)[None]
             )
         if rows:
             outs.append(self._rows(layer, query[0], key[0], value[0], head, n, sem).transpose(0, 1)[None])
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+    def _blocks(self, q: Tensor, first: int, last: int) -> Iterator[tuple[int, int]]:
+        """Row blocks [s, e) of queries first..last-1 whose float32 probabilities fit ``BLOCK_BYTES``."""
+        step = max(1, self.BLOCK_BYTES // (q.shape[0] * q.shape[-2] * 4))
+        for s in range(first, last, step):
+            yield s, min(last, s + step)
+
+    def _feed(self, layer: int, probs: Tensor, s: int, e: int, n: int) -> None:
+        """Rows s..e-1's probabilities [Hq, e - s, e] to every observer whose window holds some of them."""
+        for obs in self.observers:
+            lo = max(s, n - obs.rows)
+            if lo < e:
+                obs(layer, probs[:, lo - s :], lo)
+
+    def _observe(self, layer: int, q: Tensor, k: Tensor, first: int, last: int, sem: LayerSemantics) -> None:
+        """The probabilities of queries first..last-1 (q [Hq, n, d], k [Hkv, n, d]; plain causal attention),
+        without the values' product: SDPA gives the layer's output."""
+        n = q.shape[-2]
+        for s, e in self._blocks(q, first, last):
+            x = mask_future(sm.logits(q[:, s:e].float(), k[:, :e].float(), sem), e - s)
+            self._feed(layer, sm.softmax(x, sem), s, e, n)
 
     def _rows(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, sem: LayerSemantics, observe=True
@@ -92,17 +114,12 @@ class PrefillCapture:
         layer's semantics; when ``observe``, each block's probabilities go to the observers: returns
         out [Hq, last - first, dv]."""
         n = q.shape[-2]
-        per_row = q.shape[0] * n * 4
-        step = max(1, self.BLOCK_BYTES // per_row)
         outs = []
-        for s in range(first, last, step):
-            e = min(last, s + step)
+        for s, e in self._blocks(q, first, last):
             bias = window_bias(sem, torch.arange(s, e, device=q.device), torch.arange(e, device=q.device))
             out, probs = attend(q[:, s:e], k[:, :e], v[:, :e], sem, bias=bias, return_probs=True)
-            for obs in self.observers if observe else ():
-                lo = max(s, n - obs.rows)
-                if lo < e:
-                    obs(layer, probs[:, lo - s :], lo)
+            if observe:
+                self._feed(layer, probs, s, e, n)
             outs.append(out)
         return torch.cat(outs, dim=1)
 

@@ -30,6 +30,7 @@ class _Counting:
 
     def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
         self.seen[layer] += probs.shape[-2]
+        self.last = probs if layer == LAYER else getattr(self, "last", None)
 
 
 class _Needy(Exact):
@@ -97,12 +98,20 @@ def test_one_prefill_meets_every_need(engine, lm, needy_methods, monkeypatch):
 def test_observer_sees_its_rows_and_nothing_asked_costs_nothing(lm):
     ids = lm.encode(PROMPT)
     obs = _Counting(4, lm.info.n_layers)
-    state, logits = prefill(lm, ids, PrefillNeeds(observer=obs))
+    state, logits = prefill(lm, ids, PrefillNeeds(observer=obs, query_window=4))
     assert obs.seen == [4] * lm.info.n_layers
+    # what the observer saw is the attention of the last 4 queries, causal, from the captured q and k
+    q, k = state.queries[LAYER].float(), state.keys[LAYER].float()
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    x = torch.matmul(q, k.transpose(-1, -2)) * state.scaling
+    n = k.shape[-2]
+    x[..., n - 4 :].masked_fill_(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(obs.last, torch.softmax(x, -1), rtol=1e-4, atol=1e-6)
     bare, bare_logits = prefill(lm, ids, PrefillNeeds())
     assert bare.queries.shape[-2] == 0 and bare.acc_attn is None
     assert bare.query_stats is None and bare.model is None
-    torch.testing.assert_close(logits, bare_logits, rtol=0, atol=1e-4)  # observing changes nothing
+    assert torch.equal(logits, bare_logits)  # observing changes nothing: the model's own attention computes
+    assert torch.equal(state.keys, bare.keys)  # every row's output, observed or not
 
 
 def test_merged_needs():
