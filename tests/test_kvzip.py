@@ -109,3 +109,18 @@ def test_budget_in_bytes_with_ragged_heads(lm, short, allocation):
         torch.testing.assert_close(comp.attend(layer, q), ref, atol=1e-5, rtol=1e-4)
     per_token = per_token_bytes(info) + 4  # K, V and an int32 position
     assert comp.nbytes() - before == info.n_layers * info.n_kv_heads * per_token
+
+
+def test_one_reconstruction_serves_every_budget(lm, short, monkeypatch):
+    """Two budgets of one prompt keep different pairs but pay for the reconstruction once."""
+    access, n = short.model, short.n_tokens
+    calls = []
+    extend = access.extend
+    monkeypatch.setattr(access, "extend", lambda ids, observe: calls.append(len(ids)) or extend(ids, observe))
+    kept = []
+    for budget in ("0.25", "0.5"):
+        comp, _ = planned(lm, "kvzip", budget, n, chunk=64)  # a chunk size no other test scores with
+        comp.compress(short)
+        kept.append(sum(s.n for heads in comp.heads for s in heads))
+    assert len(calls) == len(reconstruction_inputs(access, len(template(access)[0]), 64, template(access)[1]))
+    assert kept[0] < kept[1]

@@ -15,7 +15,8 @@ Eviction: the lowest scores go first, ranked in one list over every layer and KV
 non-uniform head budgets, its default), so each (layer, KV head) keeps its own number of pairs;
 ``allocation=uniform`` keeps the same number in every one (the paper's uniform variant).
 Prefill-only: the question's and generated tokens are all kept. Extra cost: one forward over the
-reconstruction input, about the prompt's length again (the paper's "2x prefill").
+reconstruction input, about the prompt's length again (the paper's "2x prefill"), once per prompt:
+the budgets of one comparison share its scores.
 
 How the ragged counts are held: each KV head of each layer is its own one-head dense store (K, V
 and an int32 position per kept pair), so the bytes are exactly the kept pairs', with no padding;
@@ -51,6 +52,7 @@ Deviations from the paper and the authors' code:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -69,6 +71,8 @@ REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with "
 CARRY = 8  # tokens of the previous chunk quoted after REPEAT_NEXT
 QUERY_BLOCK = 256  # reconstruction queries scored at a time (memory O(block x keys))
+# one prefill's model access -> chunk size -> its reconstruction scores [L, Hkv, n] (gone with the prefill)
+SCORED: weakref.WeakKeyDictionary[ModelAccess, dict[int, Tensor]] = weakref.WeakKeyDictionary()
 NO_POSITION = torch.iinfo(torch.int32).max  # pads the ragged heads in ``kept_positions`` (never a position)
 
 
@@ -237,7 +241,10 @@ class KVzip(DenseCompressor):
                 "kvzip needs the model's own forward pass (PrefillNeeds.model_access); the prefill gave none"
             )
         chunk = int(self.cfg["chunk"])
-        return reconstruction_scores(model, self.sem, self.info.n_kv_heads, chunk, self.info.max_positions)
+        done = SCORED.setdefault(model, {})  # the same prompt at several budgets is reconstructed once
+        if chunk not in done:
+            done[chunk] = reconstruction_scores(model, self.sem, self.info.n_kv_heads, chunk, self.info.max_positions)
+        return done[chunk]
 
     def compress(self, state: PrefillState) -> None:
         n_layers, n_kv, n = state.keys.shape[0], state.keys.shape[1], state.n_tokens
