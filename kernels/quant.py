@@ -130,10 +130,23 @@ def pack_signs(x: Tensor) -> Tensor:
     return pack_codes((x >= 0).to(torch.uint8), 1)
 
 
+@functools.cache
+def sign_words(dtype: torch.dtype, device: str) -> Tensor:
+    """complex128 [256]: ``sign_table`` of a 2-byte dtype, each byte value's 8 signs (16 bytes) as one element."""
+    return sign_table(dtype, device).contiguous().view(torch.complex128).reshape(256)
+
+
 def unpack_signs(bits: Tensor, m: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Packed sign bits uint8 [..., m/8] -> ±1 [..., m] (``m`` defaults to 8 x bytes)."""
+    """Packed sign bits uint8 [..., m/8] -> ±1 [..., m] (``m`` defaults to 8 x bytes).
+
+    A 2-byte dtype reads each byte's 8 signs as one 16-byte element of ``sign_words`` (one index per byte,
+    2-6x faster on the CPU than a row lookup); others by a row lookup (``embedding``: ~4x faster than
+    table[idx] on the CPU)."""
     m = bits.shape[-1] * 8 if m is None else m
-    table = sign_table(dtype, str(bits.device))  # a row lookup (embedding): ~4x faster than table[idx] on the CPU
+    if dtype.itemsize == 2:
+        words = sign_words(dtype, str(bits.device)).index_select(0, bits.reshape(-1).int())
+        return words.view(dtype).reshape(*bits.shape[:-1], -1)[..., :m]
+    table = sign_table(dtype, str(bits.device))
     return torch.nn.functional.embedding(bits.int(), table).reshape(*bits.shape[:-1], -1)[..., :m]
 
 

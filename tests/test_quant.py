@@ -32,6 +32,9 @@ def test_sign_round_trip():
     bits = pack_signs(x)
     assert bits.shape == (3, 5, 8)
     assert torch.equal(unpack_signs(bits, 64), torch.where(x >= 0, 1.0, -1.0))
+    for dtype in (torch.bfloat16, torch.float16):  # 8 signs per 16-byte word: the same signs, cut at m
+        got = unpack_signs(bits, 61, dtype)
+        assert got.dtype == dtype and torch.equal(got.float(), torch.where(x >= 0, 1.0, -1.0)[..., :61])
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
