@@ -2,8 +2,9 @@
 
 Shapes: 3 KV heads of head_dim 64 (SmolLM2-135M), m = 2 x 64 sign bits, 8 outlier channels per group
 of 32 tokens, 2-bit values in groups of 32; R = query rows per KV head (3 = one row, 15 = five rows in
-lockstep). For each kernel: the project's eager path (kernels.qjl / kernels.quant), the fused
-formulation run eagerly, and compiled, median of ``--reps`` calls; plus compile seconds (first
+lockstep). For each kernel: the project's eager path (kernels.qjl / kernels.quant; float32 products),
+the fused formulation run eagerly, and compiled, median of ``--reps`` calls; for QJL's split estimate
+also the eager path with bfloat16 products (QJL's default on the CPU); plus compile seconds (first
 process: cold cache; later processes read inductor's on-disk cache).
 
     PYTHONPATH=. python -m bench.fused --threads 1 --clock cpu --json bench/results/fused.json
@@ -60,17 +61,20 @@ def cases(n: int, r: int) -> dict:
             lambda: qjl_estimate_split_pair(*sp, group),
             lambda: C.split_pair_estimate(*sp),
             lambda: C.SPLIT_PAIR(*sp),
+            lambda: qjl_estimate_split_pair(*sp, group, torch.bfloat16),  # QJL's default CPU products
         ),
-        "qjl_estimate": (lambda: qjl_estimate_grouped(*es), lambda: C.estimate(*es), lambda: C.ESTIMATE(*es)),
+        "qjl_estimate": (lambda: qjl_estimate_grouped(*es), lambda: C.estimate(*es), lambda: C.ESTIMATE(*es), None),
         "value_read": (
             lambda: weighted_token_sum(w, v),
             lambda: C.value_read(w, v.codes, v.scale, v.minimum, sh, v.group),
             lambda: C.VALUE_READ(w, v.codes, v.scale, v.minimum, sh, v.group),
+            None,
         ),
         "kivi_dequantize_keys": (
             lambda: dequantize_groups(kq),
             lambda: C.dequantize_keys(kq.codes, kq.scale, kq.minimum, sh, kq.group),
             lambda: C.DEQUANTIZE_KEYS(kq.codes, kq.scale, kq.minimum, sh, kq.group),
+            None,
         ),
     }
 
@@ -101,12 +105,14 @@ def main() -> None:
     with torch.no_grad():
         for n in map(int, args.sizes.split(",")):
             for r in map(int, args.rows.split(",")):
-                for name, (ref, fused, comp) in cases(n, r).items():
+                for name, (ref, fused, comp, bf16) in cases(n, r).items():
                     out = {
                         "eager_ms": timed(ref, args.reps, eager=True),
                         "fused_eager_ms": timed(fused, args.reps),
                         "compiled_ms": timed(comp, args.reps),
                     }
+                    if bf16 is not None:  # the eager path with bfloat16 products (a formulation, not compiled)
+                        out["eager_bf16_products_ms"] = timed(bf16, args.reps, eager=True)
                     with C.eager():
                         want = ref()
                     have = comp()

@@ -69,14 +69,22 @@ class PrefillCapture:
         self.keys[layer], self.values[layer] = key[0], value[0]
         if self.window:
             self.queries[layer] = query[0, :, max(0, n - self.window) :, :].detach().clone()
-        if self.want_acc:
-            self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
         rows = min(n, max((o.rows for o in self.observers), default=0))
         head = n - rows
         if sem.plain:  # plain causal attention: SDPA for every row; the observers get probabilities alone
+            if self.want_acc and query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+                # SDPA's row normalisers give the column sums (its CPU flash kernel wants one head size)
+                out, lse = sdpa_with_lse(query, key, value, sem.scaling)
+                self.acc[layer] = accumulated_from_lse(query[0], key[0], lse[0], sem.scaling, self.chunk)
+            else:
+                if self.want_acc:
+                    self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
+                out = sdpa_attention_forward(module, query, key, value, None, scaling=sem.scaling)[0]
             if rows:
                 self._observe(layer, query[0], key[0], head, n, sem)
-            return sdpa_attention_forward(module, query, key, value, None, scaling=sem.scaling)[0], None
+            return out, None
+        if self.want_acc:
+            self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
         outs = []
         if head:
             outs.append(
@@ -126,6 +134,31 @@ class PrefillCapture:
     def stacked(self) -> tuple[Tensor, Tensor]:
         """[L, Hkv, n, d] keys and [L, Hkv, n, dv] values of the single prompt (post-RoPE)."""
         return torch.stack(_filled(self.keys)), torch.stack(_filled(self.values))
+
+
+def sdpa_with_lse(query: Tensor, key: Tensor, value: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """Causal SDPA on the CPU that also returns each row's log-sum-exp: query [1, Hq, n, d], key/value
+    [1, Hkv, n, d] -> (out [1, n, Hq, dv] as ``sdpa_attention_forward`` returns it, lse float32 [1, Hq, n]).
+
+    The same kernel (flash attention for the CPU) and numbers as SDPA's own causal call."""
+    g = query.shape[1] // key.shape[1]
+    k, v = (t.repeat_interleave(g, dim=1) if g > 1 else t for t in (key, value))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)[:2]
+    return out.transpose(1, 2).contiguous(), lse
+
+
+def accumulated_from_lse(q: Tensor, k: Tensor, lse: Tensor, scaling: float, chunk: int = 256) -> Tensor:
+    """``accumulated_attention`` of plain causal attention from the rows' log-sum-exp [Hq, n] (``sdpa_with_lse``):
+    sum_i exp(q_i.k_j * scaling - lse_i), one product and one exp per query chunk, no second softmax.
+    q [Hq, n, d], k [Hkv, n, d] -> float32 [Hq, n]."""
+    n, g = q.shape[-2], q.shape[0] // k.shape[0]
+    q, k = q.float(), (k.repeat_interleave(g, dim=0) if g > 1 else k).float()
+    acc = torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        x = torch.baddbmm(-lse[:, s:e, None].float(), q[:, s:e], k[:, :e].transpose(-1, -2), alpha=scaling)
+        acc[:, :e] += mask_future(x, e - s).exp_().sum(-2)
+    return acc
 
 
 def accumulated_attention(q: Tensor, k: Tensor, scaling: LayerSemantics | float, chunk: int = 256) -> Tensor:

@@ -114,6 +114,21 @@ def test_observer_sees_its_rows_and_nothing_asked_costs_nothing(lm):
     assert torch.equal(state.keys, bare.keys)  # every row's output, observed or not
 
 
+def test_accumulated_attention_from_the_prefills_own_attention(lm):
+    """The attention each key received, taken from SDPA's row normalisers, equals the column sums of an
+    explicit causal softmax over the same queries and keys, and leaves the prefill's numbers as they are."""
+    from kvlab.attention import accumulated_attention
+
+    ids = lm.encode(PROMPT)
+    state, logits = prefill(lm, ids, PrefillNeeds(acc_attn=True, query_window=len(ids)))
+    for layer in (0, LAYER):
+        ref = accumulated_attention(state.queries[layer], state.keys[layer], lm.info.semantics[layer])
+        torch.testing.assert_close(state.acc_attn[layer], ref, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(state.acc_attn.sum(-1), torch.tensor(float(len(ids))), rtol=1e-4)  # one per query
+    _, bare_logits = prefill(lm, ids, PrefillNeeds())
+    assert torch.equal(logits, bare_logits)
+
+
 def test_merged_needs():
     a, b = _Counting(3, 1), _Counting(5, 1)
     merged = MergedNeeds.of(
