@@ -266,10 +266,27 @@ def _float_codes(codes: Tensor, bits: int) -> Tensor:
         return _unpack_3bit(codes, _float_table_3bit(dev))
     if codes.shape[-1] % 2 == 0 and sys.byteorder == "little":
         pairs = codes.view(torch.int16).int() & 0xFFFF
-        out = torch.nn.functional.embedding(pairs, code_pair_table(bits, dev))
+        words = code_pair_words(bits, dev)
+        if words is not None:  # one element per pair: the fast 1-D gather
+            out = words.index_select(0, pairs.reshape(-1)).view(torch.bfloat16).float()
+        else:
+            out = torch.nn.functional.embedding(pairs, code_pair_table(bits, dev))
     else:
         out = torch.nn.functional.embedding(codes.int(), code_table(bits, dev).float())
     return out.reshape(*codes.shape[:-1], -1)
+
+
+_WORDS = {8: torch.int64, 16: torch.complex128}  # a pair's codes in bfloat16 (exact: codes < 256), bytes -> dtype
+
+
+@functools.cache
+def code_pair_words(bits: int, device: str) -> Tensor | None:
+    """``code_pair_table`` with each pair's codes in bfloat16 as ONE element (8 or 16 bytes: 4- and 2-bit
+    codes): [65536]. A 1-D gather of whole words runs several times faster on the CPU than gathering rows
+    of floats. None where a pair's codes fill no such word (1-bit codes)."""
+    table = code_pair_table(bits, "cpu").to(torch.bfloat16)
+    word = _WORDS.get(table.shape[1] * 2)
+    return None if word is None else table.contiguous().view(word).reshape(-1).to(device)
 
 
 @functools.cache

@@ -137,3 +137,14 @@ def test_weighted_token_sum_equals_weights_times_dequantized(bits, d, group):
     torch.testing.assert_close(got, w @ dequantize_groups(q), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError):
         weighted_token_sum(w.transpose(-1, -2), quantize_groups(x, bits, group, dim=1))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_float_codes_read_by_pairs_equal_the_code_table(bits):
+    """Codes read two bytes at a time (as one bfloat16 word for 2- and 4-bit codes) equal a byte-by-byte read."""
+    from kernels.quant import _float_codes, code_table
+
+    codes = torch.randint(0, 256, (3, 2, 50, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    ref = torch.nn.functional.embedding(codes.int(), code_table(bits, "cpu").float()).reshape(3, 2, 50, -1)
+    got = _float_codes(codes, bits)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
