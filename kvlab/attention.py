@@ -72,16 +72,21 @@ class PrefillCapture:
         rows = min(n, max((o.rows for o in self.observers), default=0))
         head = n - rows
         if sem.plain:  # plain causal attention: SDPA for every row; the observers get probabilities alone
-            if self.want_acc and query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
-                # SDPA's row normalisers give the column sums (its CPU flash kernel wants one head size)
+            lse = None
+            if (self.want_acc or rows) and query.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+                # SDPA's row normalisers (its CPU flash kernel wants one head size) give the column sums and
+                # the observed rows' probabilities: exp(q.k * scaling - lse), no second softmax
                 out, lse = sdpa_with_lse(query, key, value, sem.scaling)
-                self.acc[layer] = accumulated_from_lse(query[0], key[0], lse[0], sem.scaling, self.chunk)
             else:
-                if self.want_acc:
-                    self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
                 out = sdpa_attention_forward(module, query, key, value, None, scaling=sem.scaling)[0]
+            if self.want_acc:
+                self.acc[layer] = (
+                    accumulated_attention(query[0], key[0], sem, self.chunk)
+                    if lse is None
+                    else accumulated_from_lse(query[0], key[0], lse[0], sem.scaling, self.chunk)
+                )
             if rows:
-                self._observe(layer, query[0], key[0], head, n, sem)
+                self._observe(layer, query[0], key[0], head, n, sem, None if lse is None else lse[0])
             return out, None
         if self.want_acc:
             self.acc[layer] = accumulated_attention(query[0], key[0], sem, self.chunk)
@@ -107,13 +112,17 @@ class PrefillCapture:
             if lo < e:
                 obs(layer, probs[:, lo - s :], lo)
 
-    def _observe(self, layer: int, q: Tensor, k: Tensor, first: int, last: int, sem: LayerSemantics) -> None:
+    def _observe(
+        self, layer: int, q: Tensor, k: Tensor, first: int, last: int, sem: LayerSemantics, lse: Tensor | None
+    ) -> None:
         """The probabilities of queries first..last-1 (q [Hq, n, d], k [Hkv, n, d]; plain causal attention),
-        without the values' product: SDPA gives the layer's output."""
+        without the values' product: SDPA gives the layer's output. With ``lse`` [Hq, n] (the rows'
+        log-sum-exp, ``sdpa_with_lse``) they are exp(logits - lse), without a softmax's passes."""
         n = q.shape[-2]
         for s, e in self._blocks(q, first, last):
             x = mask_future(sm.logits(q[:, s:e].float(), k[:, :e].float(), sem), e - s)
-            self._feed(layer, sm.softmax(x, sem), s, e, n)
+            probs = sm.softmax(x, sem) if lse is None else x.sub_(lse[:, s:e, None].float()).exp_()
+            self._feed(layer, probs, s, e, n)
 
     def _rows(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, sem: LayerSemantics, observe=True
