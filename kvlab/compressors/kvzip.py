@@ -73,7 +73,6 @@ CARRY = 8  # tokens of the previous chunk quoted after REPEAT_NEXT
 QUERY_BLOCK = 256  # reconstruction queries scored at a time (memory O(block x keys))
 # one prefill's model access -> chunk size -> its reconstruction scores [L, Hkv, n] (gone with the prefill)
 SCORED: weakref.WeakKeyDictionary[ModelAccess, dict[int, Tensor]] = weakref.WeakKeyDictionary()
-NO_POSITION = torch.iinfo(torch.int32).max  # pads the ragged heads in ``kept_positions`` (never a position)
 
 
 def template(model: ModelAccess) -> tuple[list[int], list[int]]:
@@ -305,11 +304,16 @@ class KVzip(DenseCompressor):
                 yield from store.tensors()
 
     def kept_positions(self, layer: int) -> Tensor | None:
-        """[Hkv, m] positions, the heads holding fewer than m padded with ``NO_POSITION`` (a view, not held)."""
-        pos = [store.views()[2][0] for store in self.heads[layer]]
-        out = torch.full((len(pos), max(p.numel() for p in pos)), NO_POSITION, dtype=torch.int32)
+        """[Hkv, m] positions; a head holding fewer than m repeats its newest position (as ``adakv`` does), so
+        the rows stay rectangular and every entry is a position that head holds (a view, not held)."""
+        pos = [store.views()[2][0].cpu() for store in self.heads[layer]]
+        width = max(p.numel() for p in pos)
+        newest = max((int(p.max()) for p in pos if p.numel()), default=0)  # for a head that holds nothing yet
+        out = torch.full((len(pos), width), newest, dtype=torch.int32)
         for h, p in enumerate(pos):
-            out[h, : p.numel()] = p.cpu()
+            out[h, : p.numel()] = p
+            if 0 < p.numel() < width:
+                out[h, p.numel() :] = p.max()
         return out
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
