@@ -30,7 +30,9 @@ METHODS = {
     "streaming": {},
     "h2o": {},
     "snapkv": {},
-    "qjl": {"residual": 8, "outlier_group": 8},
+    # float32 score products, like the float32 caches below: bfloat16 would round the same S q, made by a
+    # product over c rows or over one, apart by one bfloat16 step (the 16-bit cache's case in products)
+    "qjl": {"residual": 8, "outlier_group": 8, "products": "float32"},
     "kivi": {"residual": 8, "group": 8},
     "subgen-kcenter": {},
     "scissorhands": {},
