@@ -21,3 +21,18 @@ def compressed(lm, state, name, budget, **params):
     comp, knobs = planned(lm, name, budget, state.n_tokens, **params)
     comp.compress(state)
     return comp, knobs
+
+
+def assert_holds_budget_on_model(engine, lm, text: str, method: str, budget_text: str = "0.25") -> None:
+    """``method`` through the engine on ``text``: every step's held bytes within the budget (generated tokens
+    kept in full), and the prompt's share of the budget nearly used."""
+    from kvlab.budgets import exact_bytes
+    from kvlab.specs import GenerationSettings, RunSpec
+
+    ids = lm.encode(text)
+    budget = Budget.parse(budget_text)
+    r = engine.compare(ids, [RunSpec(method, budget)], GenerationSettings(max_new_tokens=4)).runs[0]
+    assert len(r.kv_bytes_per_step) == len(r.token_ids) == 4
+    for step, held in enumerate(r.kv_bytes_per_step):  # after `step` decode steps
+        assert held <= budget.allowed_bytes(lm.info, len(ids), step, streaming=False)
+    assert r.kv_bytes_per_step[0] >= 0.95 * budget.fraction * exact_bytes(lm.info, len(ids))

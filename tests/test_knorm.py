@@ -1,11 +1,10 @@
 """KNorm against its own maths: the kept tokens are the keys of smallest L2 norm, per layer and KV head."""
 
 import torch
-from kv_samples import compressed
+from kv_samples import assert_holds_budget_on_model, compressed
 
-from kvlab.budgets import Budget, exact_bytes
+from kvlab.budgets import exact_bytes
 from kvlab.compressors import PrefillState
-from kvlab.specs import GenerationSettings, RunSpec
 
 
 def _state(keys: torch.Tensor, info) -> PrefillState:
@@ -51,10 +50,4 @@ def test_real_prefill_keeps_each_heads_smallest_key_norms(lm, prefill_state):
 
 
 def test_holds_its_budget_in_bytes_on_the_model(engine, lm, long_text):
-    ids = lm.encode(long_text[:800])
-    budget = Budget.parse("0.25")
-    r = engine.compare(ids, [RunSpec("knorm", budget)], GenerationSettings(max_new_tokens=4)).runs[0]
-    assert len(r.kv_bytes_per_step) == len(r.token_ids) == 4
-    for step, held in enumerate(r.kv_bytes_per_step):  # after `step` decode steps; generated tokens kept in full
-        assert held <= budget.allowed_bytes(lm.info, len(ids), step, streaming=False)
-    assert r.kv_bytes_per_step[0] >= 0.95 * 0.25 * exact_bytes(lm.info, len(ids))
+    assert_holds_budget_on_model(engine, lm, long_text[:800], "knorm")
