@@ -148,3 +148,18 @@ def test_float_codes_read_by_pairs_equal_the_code_table(bits):
     ref = torch.nn.functional.embedding(codes.int(), code_table(bits, "cpu").float()).reshape(3, 2, 50, -1)
     got = _float_codes(codes, bits)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dim,group", [(-1, 32), (1, 32), (1, 7)])
+def test_dequantize_equals_min_plus_scale_times_unpacked_codes(bits, dim, group):
+    """``dequantize_groups`` reads its codes as floats (by pairs where it can): the same numbers as
+    minimum + scale * code from the byte-by-byte unpacking, in float32 and float16."""
+    x = torch.randn(3, 37, 64, generator=torch.Generator().manual_seed(3)) * 2
+    q = quantize_groups(x, bits, group, dim)
+    for dtype in (torch.float32, torch.float16):
+        codes = unpack_codes(q.codes, bits, group).to(dtype)
+        ref = q.minimum.to(dtype).unsqueeze(-1) + q.scale.to(dtype).unsqueeze(-1) * codes
+        ref = ref.reshape(*ref.shape[:-2], -1)[..., : q.length].movedim(-1, q.dim)
+        got = dequantize_groups(q, dtype)
+        assert got.dtype == dtype and torch.equal(got, ref)
