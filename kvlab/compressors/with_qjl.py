@@ -4,9 +4,8 @@ stores each kept key as the sign bits of S k (``qjl_m`` bits, packed) plus ||k||
 kept value as per-token ``value_bits``-bit group codes (the reference's 2 bits by default). Its score
 estimate sqrt(pi/2)/m * ||k|| * <S q, sign(S k)> is linear in q, = <q, k_hat> with
 k_hat = sqrt(pi/2)/m * ||k|| * S^T sign(S k) (``qjl.dense_key_estimate``), so the store hands
-attention k_hat, computed from the bits on every read (in bfloat16 by default, ``products``) and
-never stored. Optionally (``qjl_outliers`` > 0) the largest-magnitude channels of each key are
-sketched separately (Sec. 4.1),
+attention k_hat, computed from the bits on every read and never stored. Optionally
+(``qjl_outliers`` > 0) the largest-magnitude channels of each key are sketched separately (Sec. 4.1),
 chosen per token rather than per group of 32 tokens, since eviction removes single tokens
 (``split_query`` restricts each part of k_hat to its own channels, as ``qjl``'s knob). One sketch
 per layer, drawn from the method's seed on a stream of its own (the inner method's random draws stay
@@ -79,27 +78,17 @@ class QJLDenseLayer(TokenStore):
     split: bool  # each sketch's part of k_hat restricted to its own channels (qjl's split_query)
     value_bits: int
     value_group: int
-    products: torch.dtype = torch.float32  # of S^T sign(S k) when k_hat is read (``dense_key_estimate``)
 
     @classmethod
     def from_dense(
-        cls,
-        layer: DenseLayer,
-        s: Tensor,
-        s_out: Tensor,
-        n_out: int,
-        split: bool,
-        value_bits: int,
-        value_group: int,
-        products: torch.dtype = torch.float32,
+        cls, layer: DenseLayer, s: Tensor, s_out: Tensor, n_out: int, split: bool, value_bits: int, value_group: int
     ) -> QJLDenseLayer:
         k, v, _, _ = layer.views()
         keys, values = sketch_tokens(k, s, s_out, n_out), quantize_tokens(v, value_bits, value_group)
-        return cls(layer.pos, layer.logw, keys, values, s, s_out, n_out, split, value_bits, value_group, products)
+        return cls(layer.pos, layer.logw, keys, values, s, s_out, n_out, split, value_bits, value_group)
 
     def dense_kv(self) -> tuple[Tensor, Tensor]:
-        k_hat = self.keys.estimate(self.s, self.s_out, split_group=1 if self.split else 0, products=self.products)
-        return k_hat, dequantize_groups(self.v)
+        return self.keys.estimate(self.s, self.s_out, split_group=1 if self.split else 0), dequantize_groups(self.v)
 
     def _append_kv(self, k: Tensor, v: Tensor) -> None:
         self.keys = self.keys.cat(sketch_tokens(k, self.s, self.s_out, self.n_out))
@@ -219,7 +208,6 @@ class QJLStore(ComposedStore):
             "split": bool(c["split_query"]),
             "value_bits": int(c["value_bits"]),
             "value_group": int(c["value_group"]),
-            "products": getattr(torch, c["products"]),
         }
 
     def store_knobs(self) -> dict:
@@ -272,13 +260,6 @@ QJL_PARAMS = (
         True,
         "with qjl_outliers: each sketch's estimate uses only its own channels of the query, as qjl's "
         "split_query and the authors' score kernel (same storage, lower variance)",
-    ),
-    Param(
-        "products",
-        "bfloat16",
-        "dtype of S^T sign(S k) when the kept keys' estimates are read for attention: bfloat16 (8 significant "
-        "bits, far below the estimator's own error; about 0.45x the time of float32 on the CPU) or float32",
-        choices=("bfloat16", "float32"),
     ),
     Param("value_bits", 2, "bits per value coordinate (reference: 2)", choices=(1, 2, 3, 4, 8)),
     Param("value_group", 32, "coordinates per value quantization group along head_dim (reference: 32)", minimum=1),
