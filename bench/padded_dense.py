@@ -62,6 +62,8 @@ def dense_segment(comp: Compressor, layer: int) -> Segment | None:
     if not isinstance(comp, DenseCompressor) or type(comp).attend is not DenseCompressor.attend:
         return None  # a wrapper or another cache attends through its own ``attend``
     k, v, _, lw = comp.visible(layer)
+    if not isinstance(k, Tensor):  # scored keys (QJL sketches): no dense keys to pad
+        return None
     return k, v, lw
 
 

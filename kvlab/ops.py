@@ -11,12 +11,12 @@ from torch import Tensor
 
 from kernels.tensor_ops import group_queries, ungroup
 from kvlab import semantics as sm
-from kvlab.semantics import LayerSemantics
+from kvlab.semantics import Keys, LayerSemantics
 
 Sem = LayerSemantics | float  # a layer's semantics, or a bare scaling (plain softmax attention)
 
 
-def attention_logits(q: Tensor, k: Tensor, scaling: Sem, logw: Tensor | None = None) -> Tensor:
+def attention_logits(q: Tensor, k: Keys, scaling: Sem, logw: Tensor | None = None) -> Tensor:
     """Logits of every query head against its KV group's keys, as the layer computes them (scaled,
     soft-capped when ``scaling`` is a ``LayerSemantics`` with a cap).
 
@@ -37,7 +37,7 @@ def mask_future(logits: Tensor, c: int) -> Tensor:
 
 def dense_attention(
     q: Tensor,
-    k: Tensor,
+    k: Keys,
     v: Tensor,
     scaling: Sem,
     logw: Tensor | None = None,
@@ -101,7 +101,7 @@ def on_positions(probs: Tensor, pos: Tensor, n: int | None = None) -> Tensor:
     return probs.float().new_zeros(hq, n).scatter_add_(1, idx, probs.float())
 
 
-def weights_on_positions(q: Tensor, k: Tensor, pos: Tensor, scaling: Sem, logw: Tensor | None = None) -> Tensor:
+def weights_on_positions(q: Tensor, k: Keys, pos: Tensor, scaling: Sem, logw: Tensor | None = None) -> Tensor:
     """Softmax weights of one query over held keys, by token position.
 
     q [Hq, 1, d]; k [Hkv, m, d] at positions pos [Hkv, m]; logw [Hkv, m] or None. Returns [Hq, n].

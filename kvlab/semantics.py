@@ -103,15 +103,40 @@ def as_semantics(sem: LayerSemantics | float, q: Tensor, v: Tensor | None = None
     return LayerSemantics(scaling=float(sem), k_dim=d, v_dim=d if v is None else v.shape[-1])
 
 
-def logits(q: Tensor, k: Tensor, sem: LayerSemantics | float, logw: Tensor | None = None) -> Tensor:
+class ScoredKeys:
+    """Keys that attention reads through a score linear in the query, with no dense key tensor: QJL's
+    sign sketches, whose estimate sqrt(pi/2)/m ||k|| <S q, sign(S k)> costs m per key and query where a
+    dense k_hat = sqrt(pi/2)/m ||k|| S^T sign(S k) would cost m x d per key to build.
+
+    ``shape``: the [.., Hkv, n, d] of the keys they stand for; ``scores(qg)``: grouped queries qg
+    [.., Hkv, R, d] (``group_queries``, already scaled) -> [.., Hkv, R, n] float32, the logits before
+    the soft-cap. ``float()`` returns the object itself (the scores are float32), so the attention
+    paths take either keys or scored keys.
+    """
+
+    shape: torch.Size
+
+    def scores(self, qg: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def float(self) -> ScoredKeys:
+        return self
+
+
+Keys = Tensor | ScoredKeys  # what attention reads its keys from
+
+
+def logits(q: Tensor, k: Keys, sem: LayerSemantics | float, logw: Tensor | None = None) -> Tensor:
     """Attention logits of every query head against its KV group's keys, as the model computes them.
 
-    q: [..., Hq, t, d]; k: [..., Hkv, n, d]; logw: [..., Hkv, n] added after the soft-cap (a kept
-    token standing for exp(logw) tokens; -inf: a key the query must not see). Returns [..., Hq, t, n].
+    q: [..., Hq, t, d]; k: [..., Hkv, n, d] (or ``ScoredKeys`` standing for them); logw: [..., Hkv, n] added
+    after the soft-cap (a kept token standing for exp(logw) tokens; -inf: a key the query must not see).
+    Returns [..., Hq, t, n].
     """
     s = as_semantics(sem, q)
     hq, hkv = q.shape[-3], k.shape[-3]
-    out = torch.matmul(group_queries(q * s.scaling, hkv), k.transpose(-1, -2))  # scale the small operand
+    qg = group_queries(q * s.scaling, hkv)  # scale the small operand
+    out = k.scores(qg) if isinstance(k, ScoredKeys) else torch.matmul(qg, k.transpose(-1, -2))
     out = s.cap(out)
     if logw is not None:
         out = out + logw.unsqueeze(-2).to(out.dtype)

@@ -128,6 +128,10 @@ class RaggedLayer:
             idx = (tail_pos >= first).nonzero().squeeze(-1)
             self.tail.keep(idx.expand(len(self.counts), -1))
 
+    def read_views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """As attention reads them: ``views`` (``DenseLayer.read_views``)."""
+        return self.views()
+
     def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """A transient per-head view of what is held: k [Hkv, w + m, d], v, pos [Hkv, w + m], logw.
 

@@ -32,6 +32,7 @@ from kvlab.compressors.dense import DenseCompressor, DenseLayer, _Growable
 from kvlab.compressors.handover import PrefillState
 from kvlab.compressors.params import Param
 from kvlab.compressors.registry import get
+from kvlab.semantics import Keys
 
 
 # ----- per-token quantized codes (KIVI's keys and values, QJL's values) --------------------------
@@ -85,6 +86,15 @@ class TokenStore:
     def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         k, v = self.dense_kv()
         return k, v, self.positions(), self.log_weights()
+
+    def read_views(self) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
+        """``views`` as attention reads them: a store whose keys are scored without densifying them
+        overrides ``read_kv``."""
+        k, v = self.read_kv()
+        return k, v, self.positions(), self.log_weights()
+
+    def read_kv(self) -> tuple[Keys, Tensor]:
+        return self.dense_kv()
 
     def append(self, k: Tensor, v: Tensor, pos: int) -> None:
         self._append_kv(k, v)

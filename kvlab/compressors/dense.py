@@ -21,6 +21,7 @@ from kvlab.budgets import TOLERANCE, per_token_bytes
 from kvlab.compressors.base import Compressor
 from kvlab.compressors.handover import PrefillState
 from kvlab.ops import dense_attention, weights_on_positions
+from kvlab.semantics import Keys
 
 
 class _Growable:
@@ -92,6 +93,10 @@ class DenseLayer:
     def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         lw = None if self.logw is None else self.logw.view().squeeze(-1)
         return self.k.view(), self.v.view(), self.pos.view().squeeze(-1), lw
+
+    def read_views(self) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
+        """``views`` as attention reads them (a compressed store may hand ``ScoredKeys`` for the keys)."""
+        return self.views()
 
     def append(self, k: Tensor, v: Tensor, pos: int) -> None:
         """Tokens k, v [Hkv, m, d] at positions pos..pos+m-1."""
@@ -216,10 +221,11 @@ class DenseCompressor(Compressor):
             if inside is not None:
                 cache.keep(inside)
 
-    def visible(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """This layer's (k, v, pos, logw) as the newest token's query sees them: on a local layer the
-        keys outside its window get a -inf log-weight (``semantics.window_bias``)."""
-        k, v, pos, lw = self.layers[layer].views()
+    def visible(self, layer: int) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
+        """This layer's (k, v, pos, logw) as the newest token's query sees them (``read_views``: the keys may
+        be ``ScoredKeys``): on a local layer the keys outside its window get a -inf log-weight
+        (``semantics.window_bias``)."""
+        k, v, pos, lw = self.layers[layer].read_views()
         s = self.sem[layer]
         if s.window is not None and pos.numel():
             newest = pos.max()
@@ -235,7 +241,7 @@ class DenseCompressor(Compressor):
             out, probs = dense_attention(q, k, v, sem, lw, return_probs=True)
             self.after_attend(layer, probs)
             return out
-        if use_triton(q.device) and sem.plain and sem.v_dim == sem.k_dim:  # fused Triton decode attention on CUDA
+        if use_triton(q.device) and sem.plain and sem.v_dim == sem.k_dim and isinstance(k, Tensor):  # Triton, CUDA
             return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
         return dense_attention(q, k, v, sem, lw)
 
@@ -251,7 +257,7 @@ class DenseCompressor(Compressor):
         queries q [Hq, c, d]: out [Hq, c, d] (and probs [Hq, c, n], zero on each query's future tokens)."""
         cache = self.layers[layer]
         cache.append(k, v, pos)
-        keys, values, _, lw = cache.views()
+        keys, values, _, lw = cache.read_views()
         sem = self.sem[layer]
         return dense_attention(q, keys, values, sem, lw, return_probs=return_probs, causal_tail=q.shape[-2])
 

@@ -3,9 +3,10 @@ Quantized JL Transform for KV Cache Quantization with Zero Overhead", AAAI 2025,
 stores each kept key as the sign bits of S k (``qjl_m`` bits, packed) plus ||k|| in float16, and each
 kept value as per-token ``value_bits``-bit group codes (the reference's 2 bits by default). Its score
 estimate sqrt(pi/2)/m * ||k|| * <S q, sign(S k)> is linear in q, = <q, k_hat> with
-k_hat = sqrt(pi/2)/m * ||k|| * S^T sign(S k) (``qjl.dense_key_estimate``), so the store hands
-attention k_hat, computed from the bits on every read and never stored. Optionally
-(``qjl_outliers`` > 0) the largest-magnitude channels of each key are sketched separately (Sec. 4.1),
+k_hat = sqrt(pi/2)/m * ||k|| * S^T sign(S k) (``qjl.dense_key_estimate``). Attention scores the bits
+directly (``SketchedKeys``: m products per key and query); the store's views give k_hat, computed
+from the bits on every read. Neither is stored. Optionally (``qjl_outliers`` > 0) the
+largest-magnitude channels of each key are sketched separately (Sec. 4.1),
 chosen per token rather than per group of 32 tokens, since eviction removes single tokens
 (``split_query`` restricts each part of k_hat to its own channels, as ``qjl``'s knob). One sketch
 per layer, drawn from the method's seed on a stream of its own (the inner method's random draws stay
@@ -27,7 +28,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from kernels.qjl import make_sketch
+from kernels.qjl import make_sketch, qjl_estimate_grouped
 from kernels.quant import QuantizedGroups, cat_groups, dequantize_groups
 from kernels.tensor_ops import gather_tokens
 from kvlab.compressors.composed import (
@@ -46,6 +47,7 @@ from kvlab.compressors.params import Param, ParamError
 from kvlab.compressors.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, quantize_keys
 from kvlab.compressors.registry import add_resolver, register
 from kvlab.compressors.snapkv import SnapKV
+from kvlab.semantics import Keys, ScoredKeys
 
 QJL_SUFFIX = "+qjl"
 SKETCH_STREAM = 0x514A4C  # "QJL": the sketch's seed is the method's seed plus this
@@ -60,6 +62,28 @@ def _gather_keys(kq: QuantizedKeys, idx: Tensor) -> QuantizedKeys:
     """Keep tokens ``idx`` [Hkv, m] of per-token sketched keys (empty outlier parts stay empty)."""
     pick = lambda t: gather_tokens(t, idx) if t.numel() else t  # noqa: E731
     return QuantizedKeys(pick(kq.bits), pick(kq.norms), pick(kq.out_bits), pick(kq.out_norms), pick(kq.out_idx))
+
+
+@dataclass
+class SketchedKeys(ScoredKeys):
+    """A store's QJL keys as attention reads them: scores = <qg, k_hat> = sqrt(pi/2)/m ||k|| <S qg, sign(S k)>
+    (plus the outlier sketch's), from the packed bits (``kernels.qjl.qjl_estimate_grouped``: a byte lookup
+    table on the CPU, Triton on CUDA); qg [Hkv, R, d] -> [Hkv, R, n] float32."""
+
+    keys: QuantizedKeys
+    s: Tensor
+    s_out: Tensor
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        hkv, n = self.keys.norms.shape
+        return torch.Size((hkv, n, self.s.shape[-1]))
+
+    def scores(self, qg: Tensor) -> Tensor:
+        est = qjl_estimate_grouped(qg, self.s, self.keys.bits, self.keys.norms)
+        if self.keys.out_bits.shape[-1]:
+            est = est + qjl_estimate_grouped(qg, self.s_out, self.keys.out_bits, self.keys.out_norms)
+        return est
 
 
 @dataclass
@@ -89,6 +113,13 @@ class QJLDenseLayer(TokenStore):
 
     def dense_kv(self) -> tuple[Tensor, Tensor]:
         return self.keys.estimate(self.s, self.s_out, split_group=1 if self.split else 0), dequantize_groups(self.v)
+
+    def read_kv(self) -> tuple[Keys, Tensor]:
+        """Attention scores the sketches directly (``SketchedKeys``), m products per key and query instead of
+        building k_hat (m x d per key); with per-token split outliers (a query split per token) k_hat."""
+        if self.n_out and self.split:
+            return self.dense_kv()
+        return SketchedKeys(self.keys, self.s, self.s_out), dequantize_groups(self.v)
 
     def _append_kv(self, k: Tensor, v: Tensor) -> None:
         self.keys = self.keys.cat(sketch_tokens(k, self.s, self.s_out, self.n_out))
