@@ -12,6 +12,7 @@ and after; then one step's attention alone (all layers and rows, random queries 
 prompt), batched and per row, best of 5 x ``--repeats`` alternating runs.
 
     python -m bench.decode_step [--methods ...] [--repeats 3] [--new 16] [--json out.json]
+    python -m bench.decode_step --attention-only [--methods ...]   # each method's attention alone, best ms
 """
 
 from __future__ import annotations
@@ -62,17 +63,23 @@ def attention_ms(engine, ids, specs, repeats: int) -> dict[str, float]:
         return (time.perf_counter() - t0) * 1e3
 
     batched, per_row = [], []
+    alone: dict[str, list[float]] = {s.label: [] for s in specs}
     with torch.inference_mode():
         for _ in range(repeats):
             batched.append(timed(lambda layer: attend_padded(comps, layer, q)))
             per_row.append(timed(lambda layer: [c.attend(layer, q[i]) for i, c in enumerate(comps)]))
-    return {"batched": min(batched), "per_row": min(per_row)}
+            for i, (s, c) in enumerate(zip(specs, comps)):
+                alone[s.label].append(timed(lambda layer, i=i, c=c: c.attend(layer, q[i])))
+    return {"batched": min(batched), "per_row": min(per_row), "per_method": {k: min(v) for k, v in alone.items()}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_setup_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--attention-only", action="store_true", help="only one step's attention through each method alone, best ms"
+    )
     ap.set_defaults(new=16, threads=1)
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
@@ -80,6 +87,12 @@ def main() -> None:
     warm_up(engine, ids, specs)
     attn = attention_ms(engine, ids, specs, 5 * args.repeats)
     print("attention alone, best ms:", attn, flush=True)
+    if args.attention_only:
+        per_method = {k: round(v, 1) for k, v in attn.pop("per_method").items()}
+        load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        out = {"prompt_tokens": len(ids), "budget": args.budget, "threads": args.threads, "load_average": load}
+        emit({**out, "attention_per_method_best_ms": per_method}, args.json)
+        return
     rows = torch.randint(0, 1000, (len(specs), 1), generator=torch.Generator().manual_seed(0))
     fwd, batched, per_row = [], [], []
     for _ in range(args.repeats):
@@ -109,7 +122,8 @@ def main() -> None:
             "median": round(med["per_row"] / med["forward"], 2),
             "best": round(best["per_row"] / best["forward"], 2),
         },
-        "attention_only_best_ms": {k: round(v, 1) for k, v in attn.items()},
+        "attention_only_best_ms": {k: round(v, 1) for k, v in attn.items() if k != "per_method"},
+        "attention_per_method_best_ms": {k: round(v, 1) for k, v in attn["per_method"].items()},
     }
     emit(out, args.json)
 
