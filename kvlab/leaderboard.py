@@ -137,6 +137,9 @@ def table_html(items: list[Row]) -> str:
     )
 
 
+STYLES = (("solid", "circle"), ("dot", "diamond"), ("dashdot", "square"))  # line dash and marker per colour cycle
+
+
 def figure(items: list[Row], title: str = "Leaderboard: score against compression ratio") -> go.Figure:
     """Average score (0-100) against the compression ratio, one line per method; exact as a dashed line."""
     fig = go.Figure()
@@ -155,9 +158,11 @@ def figure(items: list[Row], title: str = "Leaderboard: score against compressio
                            line={"color": "#444", "dash": "dash"}, hovertext=hover * 2, hoverinfo="text")
             )  # fmt: skip
             continue
+        cycle = i // len(PALETTE) % len(STYLES)  # past the palette's colours, a line and marker of another style
         fig.add_trace(
             go.Scatter(x=[r.ratio for r in rs], y=[r.average for r in rs], mode="lines+markers", name=method,
-                       line={"color": PALETTE[i % len(PALETTE)]}, hovertext=hover, hoverinfo="text")
+                       line={"color": PALETTE[i % len(PALETTE)], "dash": STYLES[cycle][0]},
+                       marker={"symbol": STYLES[cycle][1], "size": 8}, hovertext=hover, hoverinfo="text")
         )  # fmt: skip
         i += 1
     fig.update_layout(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from kvlab import cli, leaderboard
 from kvlab.datafiles import file_task, load_rows
 from kvlab.ruler import SUITE, string_match_all, string_match_part
 from kvlab.tasks import RULER_TASKS, TaskError, make_task, prompt_ids, split_ids
+
+ROOT = Path(__file__).resolve().parents[1]
 
 N = 400
 
@@ -196,3 +199,11 @@ def test_presets_offer_ruler_tasks_only_where_exact_can(monkeypatch):
     assert ruler_presets("m", 1000) == {"RULER vt": "vt"}
     assert ruler_presets("m", 4000) == {}
     assert ruler_presets("never calibrated", 1000) == {}
+
+
+def test_leaderboard_lines_are_told_apart_past_the_palette():
+    """With more methods than colours (18 in the 4k leaderboard), no two lines share colour, dash and marker."""
+    rows = leaderboard.rows_from_results(json.loads((ROOT / "bench/results/ruler-4k/results.json").read_text()))
+    traces = [t for t in leaderboard.figure(rows).data if t.name != "exact (ratio 0)"]
+    looks = {(t.line.color, t.line.dash, t.marker.symbol) for t in traces}
+    assert len(traces) == 17 and len(looks) == len(traces)
