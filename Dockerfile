@@ -23,7 +23,7 @@ COPY --chown=1000:1000 . .
 USER 1000
 ENV HOME=/home/user
 # Convert the embedded GGUF once at build time so the container starts in seconds.
-RUN python -c "from kvlab.models import embedded_model_dir; embedded_model_dir()"
+RUN python -c "from kvlab.engine.loader import embedded_model_dir; embedded_model_dir()"
 
 EXPOSE 7860
 CMD ["python", "app.py"]

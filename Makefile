@@ -41,6 +41,7 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 test: lint browser
 	$(PY) -m pytest -q -rs -m "not acceptance"

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvlab.models import load_model
+from kvlab.engine.loader import load_model
 from kvlab.ui import Limits, build_demo, launch_kwargs
 
 

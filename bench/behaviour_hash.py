@@ -69,11 +69,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "behaviour_hash.json"))
     ap.add_argument("--new", type=int, default=12)
     args = ap.parse_args()
-    from kvlab.compressors import names
-    from kvlab.metrics import ProbeSettings
-    from kvlab.models import load_model
+    from kvlab.engine.loader import load_model
+    from kvlab.engine.specs import GenerationSettings
+    from kvlab.measure.metrics import ProbeSettings
+    from kvlab.methods import names
     from kvlab.run import Comparison, compare
-    from kvlab.specs import GenerationSettings
 
     lm = load_model()
     methods = [m for m in names() if m != "exact"] + PRESETS

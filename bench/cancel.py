@@ -66,7 +66,7 @@ def long_prompt(lm, tokens: int) -> str:
 
 def one_stage(dash, stage: str, prompt: str, papers: list[str], baselines: list[str]) -> dict:
     """Cancel a comparison inside ``stage``; the timings and memory."""
-    from kvlab.cancel import decoder_layers
+    from kvlab.core.cancel import decoder_layers
 
     question = QUESTION if stage == "question" else ""
     maps = stage == "probes"
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default="bench/results/cancel.json")
     args = ap.parse_args(argv)
 
-    from kvlab.models import load_model
+    from kvlab.engine.loader import load_model
     from kvlab.ui import Dashboard, default_methods
 
     lm = load_model("embedded")

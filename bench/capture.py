@@ -7,7 +7,7 @@ methods as it is computed). Timed, each in the same process after one warm-up pr
 
 * plain: the exact prefill, nothing captured;
 * window: only the last queries copied out (``window`` = the largest any method asks for);
-* acc: only the accumulated attention (``kvlab.attention.accumulated_attention`` per layer);
+* acc: only the accumulated attention (``kvlab.engine.attention.accumulated_attention`` per layer);
 * window + acc: both;
 * comparison: what a comparison's ``prefill.prefill_for`` runs (window, accumulated attention and
   observers);
@@ -29,7 +29,7 @@ import time
 import torch
 
 from bench.scaling import default_setup, machine
-from kvlab.planning import make_compressors
+from kvlab.engine.planning import make_compressors
 
 METHODS = "exact,qjl,subgen-kcenter,balancekv,scissorhands"
 
@@ -49,9 +49,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    from kvlab.attention import accumulated_attention
-    from kvlab.compressors.handover import PrefillNeeds
-    from kvlab.prefill import MergedNeeds, prefill, prefill_for
+    from kvlab.engine.attention import accumulated_attention
+    from kvlab.engine.prefill import MergedNeeds, prefill, prefill_for
+    from kvlab.methods.handover import PrefillNeeds
 
     start = machine()
     engine, specs, ids = default_setup(args, args.tokens)

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from kvlab.budgets import Budget
-from kvlab.compressors import names
-from kvlab.engine import Engine
-from kvlab.models import load_model
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import Budget
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import load_model
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import names
 
 DEFAULT = "exact,qjl,subgen,balancekv,scissorhands"
 

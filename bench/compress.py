@@ -21,12 +21,12 @@ import time
 import torch
 
 from bench.compare_lockstep import emit, long_prompt
-from kvlab.budgets import Budget
-from kvlab.compressors import PrefillNeeds, budget_search, get
-from kvlab.compressors.registry import names
-from kvlab.engine import Engine
-from kvlab.models import load_model
-from kvlab.prefill import prefill, prefill_for
+from kvlab.core.budgets import Budget
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import load_model
+from kvlab.engine.prefill import prefill, prefill_for
+from kvlab.methods import PrefillNeeds, budget_search, get
+from kvlab.methods.registry import names
 
 
 def measure(engine: Engine, lm, methods: list[str], budget: Budget, tokens: int, repeats: int) -> dict:

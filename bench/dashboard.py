@@ -59,10 +59,10 @@ RENDER_METHODS = (
 
 def render_result(lm, tokens: int, path: str | None):
     """The long, wide result the render timing draws: loaded from ``path`` when it exists, else run and saved."""
-    from kvlab.metrics import ProbeSettings
-    from kvlab.results import CompareResult
+    from kvlab.core.results import CompareResult
+    from kvlab.engine.specs import GenerationSettings
+    from kvlab.measure.metrics import ProbeSettings
     from kvlab.run import Comparison, compare
-    from kvlab.specs import GenerationSettings
     from kvlab.tasks import make_task
 
     if path and os.path.exists(path):
@@ -85,7 +85,7 @@ def render_result(lm, tokens: int, path: str | None):
 
 def time_figures(result, lm, repeats: int = 3) -> dict[str, float]:
     """Best-of-``repeats`` seconds of each figure the page draws from ``result`` (and the page's whole render)."""
-    from kvlab import plots
+    from kvlab.report import comparison_figures as plots
     from kvlab.ui.cards import cards_html, kept_strip_html
     from kvlab.ui.dashboard import Dashboard
 
@@ -121,8 +121,8 @@ def time_figures(result, lm, repeats: int = 3) -> dict[str, float]:
 
 
 def render_main(args) -> int:
-    from kvlab.models import load_model
-    from kvlab.plots import compressed_runs, kept_of
+    from kvlab.engine.loader import load_model
+    from kvlab.report.comparison_figures import compressed_runs, kept_of
 
     lm = load_model("embedded")
     result, run_s = render_result(lm, args.tokens, args.result)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.render:
         return render_main(args)
-    from kvlab.models import load_model
+    from kvlab.engine.loader import load_model
     from kvlab.ui import DEFAULT_PRESET, Dashboard, default_methods, presets
 
     t0 = time.perf_counter()

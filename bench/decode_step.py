@@ -27,9 +27,9 @@ import torch
 from bench.compare_lockstep import add_setup_args, emit, setup, warm_up
 from bench.linear_rows import forward_ms
 from bench.padded_dense import attend_padded, schedule
-from kvlab.planning import make_compressors
-from kvlab.prefill import prefill_for
-from kvlab.specs import GenerationSettings
+from kvlab.engine.planning import make_compressors
+from kvlab.engine.prefill import prefill_for
+from kvlab.engine.specs import GenerationSettings
 
 
 def step_ms(engine, ids, specs, new: int, batched: bool) -> float:

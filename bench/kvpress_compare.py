@@ -55,7 +55,7 @@ def kvlab_worker(args) -> None:
     import transformers
 
     from bench.scaling import default_setup, staged_compare
-    from kvlab.specs import GenerationSettings
+    from kvlab.engine.specs import GenerationSettings
 
     engine, specs, ids = default_setup(args, args.tokens)
     meta = {

@@ -1,6 +1,6 @@
 """The model's decode forward at 1 and at a few rows, with F.linear as MKL runs it and rerouted.
 
-Why ``kvlab/few_rows.py`` exists: a lockstep step runs the model on one token per run, and on
+Why ``kvlab/engine/few_rows.py`` exists: a lockstep step runs the model on one token per run, and on
 the CPU MKL's kernel for x @ W^T with a few rows is much slower than its kernel for W @ x^T. This
 times the embedded model's one-token forward (no cache, so only the linears and the small ops
 count) at each row count, plain and under ``few_row_linears``, alternating ``--repeats`` times,
@@ -19,8 +19,8 @@ import time
 import torch
 
 from bench.compare_lockstep import emit
-from kvlab.few_rows import few_row_linears
-from kvlab.models import load_model
+from kvlab.engine.few_rows import few_row_linears
+from kvlab.engine.loader import load_model
 
 
 def forward_ms(model, ids: torch.Tensor, rerouted: bool, n: int = 10) -> float:

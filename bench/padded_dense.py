@@ -10,10 +10,10 @@ A row whose compressor is a ``DenseCompressor`` attending through its own ``atte
 ``scissorhands``, the compositions' stores read back as dense keys and values) has its visible keys,
 values and log-weights copied into one float32 batch padded to the longest row, the padding masked
 by a -inf bias, the log-weights added as the bias elsewhere; one grouped-query softmax attention runs
-over the whole batch (``kvlab.ops.dense_attention``'s maths, row by row). Rows of very different
+over the whole batch (``kvlab.core.attention_ops.dense_attention``'s maths, row by row). Rows of very different
 lengths go in separate calls (``length_buckets``). Rows whose method wants this step's
 probabilities (``wants_probs``) get their own row of them (padding cut off) through
-``after_attend``. Every other row goes through ``kvlab.batched_attention.attend_rows``.
+``after_attend``. Every other row goes through ``kvlab.engine.batched_attention.attend_rows``.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from torch import Tensor
 
 from kernels import use_triton
 from kernels.tensor_ops import group_queries, ungroup
-from kvlab import faults
-from kvlab import semantics as sm
-from kvlab.attention import LockstepDecode
-from kvlab.batched_attention import attend_left, attend_rows
-from kvlab.compressors import Compressor
-from kvlab.compressors.dense import DenseCompressor
-from kvlab.semantics import LayerSemantics
+from kvlab.core import semantics as sm
+from kvlab.core.semantics import LayerSemantics
+from kvlab.engine import faults
+from kvlab.engine.attention import LockstepDecode
+from kvlab.engine.batched_attention import attend_left, attend_rows
+from kvlab.methods import Compressor
+from kvlab.methods.dense import DenseCompressor
 
 MAX_PADDING = 0.5  # a call's padded keys are at most this share above its rows' own (``length_buckets``)
 
@@ -180,7 +180,7 @@ def attend_padded(
 
     Dense rows attend in ``batched_dense_attention`` calls, one per ``length_buckets`` bucket (those
     that want the probabilities get their row through ``after_attend``); the others as the engine
-    attends them (``kvlab.batched_attention.attend_rows``). ``guard(row, fn, *args)`` runs each row's
+    attends them (``kvlab.engine.batched_attention.attend_rows``). ``guard(row, fn, *args)`` runs each row's
     own calls: a fault-isolating guard returns None for a row that raised, which then goes to
     ``attend`` (that answers zeros for a failed row).
     """

@@ -46,10 +46,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--only", default="")
     args = ap.parse_args()
-    from kvlab.budgets import Budget
-    from kvlab.metrics import MetricsProbe, ProbeSettings
+    from kvlab.core.budgets import Budget
+    from kvlab.engine.specs import RunSpec
+    from kvlab.measure.metrics import MetricsProbe, ProbeSettings
     from kvlab.reproduce.context import Context
-    from kvlab.specs import RunSpec
 
     ctx = Context(quick=False)
     ids = ctx.prose(args.length)

@@ -16,7 +16,7 @@ import statistics
 import time
 
 from bench.compare_lockstep import add_setup_args, emit, setup, warm_up
-from kvlab.metrics import MetricsProbe, add_text_metrics
+from kvlab.measure.metrics import MetricsProbe, add_text_metrics
 
 
 def timed(engine, ids, specs, gen, probes: bool):

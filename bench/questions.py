@@ -20,10 +20,10 @@ import time
 import torch
 
 from bench.compare_lockstep import emit
-from kvlab.engine import Engine
-from kvlab.models import load_model
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import load_model
+from kvlab.engine.specs import GenerationSettings
 from kvlab.run import Comparison, compare_all
-from kvlab.specs import GenerationSettings
 
 METHODS = "exact,qjl,subgen-kcenter,balancekv,scissorhands"
 QUESTIONS = (

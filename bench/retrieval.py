@@ -23,13 +23,13 @@ import time
 
 import torch
 
-from kvlab.budgets import Budget
-from kvlab.engine import Engine
-from kvlab.metrics import ProbeSettings
-from kvlab.models import load_model
-from kvlab.probe import Probe
+from kvlab.core.budgets import Budget
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import load_model
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.measure.metrics import ProbeSettings
 from kvlab.run import Comparison, compare
-from kvlab.specs import GenerationSettings, RunSpec
 from kvlab.tasks import make_task, parse_length
 
 # method studied -> {label -> (method, budget, params)}; "exact" runs with every study

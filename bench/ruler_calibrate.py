@@ -1,4 +1,4 @@
-"""Exact's accuracy on RULER's synthetic tasks (``kvlab.ruler``) per length, seeds as the outer loop.
+"""Exact's accuracy on RULER's synthetic tasks (``kvlab.tasks.ruler``) per length, seeds as the outer loop.
 
 ``python -m bench.ruler_calibrate --lengths 1k,2k,4k --seeds 5 --out bench/results``
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from kvlab.calibrate import calibrate, format_calibration, summarize
-from kvlab.models import load_model
+from kvlab.engine.loader import load_model
 from kvlab.tasks import RULER_TASKS, parse_length
 
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown_table(folder: Path, tasks: list[str]) -> str:
     """docs/tasks.md's table: exact's mean score (seeds) per task and length, and whether it is >= ABLE."""
-    from kvlab.calibrated import ABLE
+    from kvlab.tasks.exact_accuracy import ABLE
 
     rows, lengths, per = [], [], {}
     for task in tasks:

@@ -120,10 +120,10 @@ def default_setup(args, tokens: int):
     import torch
 
     from bench.compare_lockstep import long_prompt
-    from kvlab.budgets import Budget
-    from kvlab.engine import Engine
-    from kvlab.models import load_model
-    from kvlab.specs import RunSpec
+    from kvlab.core.budgets import Budget
+    from kvlab.engine.comparison import Engine
+    from kvlab.engine.loader import load_model
+    from kvlab.engine.specs import RunSpec
 
     torch.set_num_threads(args.threads)
     engine = Engine(load_model("embedded"))
@@ -134,8 +134,8 @@ def default_setup(args, tokens: int):
 
 # ----- one point, in its own process ----------------------------------------------------------------
 def child(args) -> None:
-    from kvlab.metrics import MetricsProbe, add_text_metrics
-    from kvlab.specs import GenerationSettings
+    from kvlab.engine.specs import GenerationSettings
+    from kvlab.measure.metrics import MetricsProbe, add_text_metrics
 
     engine, specs, ids = default_setup(args, args.child)
     gen = GenerationSettings(max_new_tokens=args.new)

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import torch
 
-    from kvlab.models import load_model
+    from kvlab.engine.loader import load_model
 
     torch.set_num_threads(int(os.environ.get("KVLAB_THREADS", "2")))
     lm = load_model("embedded")

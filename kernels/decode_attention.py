@@ -307,7 +307,7 @@ def decode_attention(q: Tensor, segments: list[Segment], scaling: float, splits:
     """Attention of q [Hq, t, d] over a layer's cache segments -> [Hq, t, d]; Triton or torch (see kernels).
 
     Plain softmax attention with per-token log-weights, values of the key's head size. A layer whose
-    ``kvlab.semantics.LayerSemantics`` is not plain (sliding window, soft-cap, sinks) or whose value
+    ``kvlab.core.semantics.LayerSemantics`` is not plain (sliding window, soft-cap, sinks) or whose value
     heads differ in size is not computed here: ``DenseCompressor.attend`` sends it to the torch path."""
     if _runtime.use_triton(q.device):
         _runtime.check_device(q.device)

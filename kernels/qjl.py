@@ -5,7 +5,7 @@ Overhead", AAAI 2025, https://arxiv.org/abs/2406.03482 — Sec. 3 (Definition 3.
 plus ||k||; Lemma 3.2: the unbiased inner-product estimate sqrt(pi/2)/m * ||k|| * <S q, sign(S k)>)
 and Sec. 4 (outlier channels sketched separately, per group of tokens).
 
-Storage format (shared with kvlab/compressors/qjl.py; packing by kernels/quant.py):
+Storage format (shared with kvlab/methods/qjl.py; packing by kernels/quant.py):
 
 * sign bits uint8 [Hkv, n, m/8], 8 per byte along the sketch dim, LSB first, bit 1 = (S k) >= 0;
 * key norms float16 [Hkv, n] of the part sketched;
@@ -400,7 +400,7 @@ def qjl_scores(q: Tensor, keys: QJLKeys) -> Tensor:
 
 def qjl_estimate(q: Tensor, sketch: Tensor, bits: Tensor, norms: Tensor) -> Tensor:
     """``qjl_scores`` for one sketch passed as tensors: q [Hq, t, d], S [m, d], bits [Hkv, n, m/8],
-    norms [Hkv, n] -> float32 [Hq, t, n] (the signature of kvlab.compressors.qjl.estimate_scores)."""
+    norms [Hkv, n] -> float32 [Hq, t, n] (the signature of kvlab.methods.qjl.estimate_scores)."""
     return qjl_scores(q, QJLKeys(sketch, bits, norms))
 
 

@@ -18,6 +18,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvlab.core.model import ModelLoadError
+from kvlab.engine.loader import load_model
+from kvlab.tasks import TASKS, TaskError, make_task, parse_length, prompt_ids
+
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -56,7 +60,6 @@ def calibrate(
     about as many seeds at every length. ``partial`` is called with the results so far after every
     sample; their ``results`` rows count the samples done (``seeds`` is how many ran).
     """
-    from kvlab.tasks import make_task, prompt_ids
 
     samples: list[dict] = []
     seconds = dict.fromkeys(lengths, 0.0)
@@ -133,8 +136,6 @@ def format_calibration(data: dict) -> str:
 
 def main(args, error: Callable[[str], Exception], argv: list[str] | None = None) -> int:
     """``tasks calibrate`` from the CLI (``error`` builds the CLI's one-line error; ``argv`` is recorded)."""
-    from kvlab.models import ModelLoadError, load_model
-    from kvlab.tasks import TASKS, TaskError, parse_length
 
     if args.task not in TASKS or args.task == "document":
         raise error(

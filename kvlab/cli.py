@@ -1,6 +1,10 @@
 """Command line: ``python -m kvlab compare|sweep|methods|reproduce``.
 
 Bad arguments exit with status 2 and one line that says what was wrong and what is allowed.
+
+The one module of kvlab whose kvlab imports wait inside functions: each subcommand imports what it
+runs when it runs, so that ``kvlab --help``, ``kvlab methods`` and a bad argument answer without
+loading torch and transformers (seconds). ``tests/test_layers.py`` allows this module alone.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvlab.budgets import BudgetError, parse_budgets
-from kvlab.cancel import TimeLimit
+from kvlab.core.budgets import BudgetError, parse_budgets
+from kvlab.core.cancel import TimeLimit
 from kvlab.reproduce.registry import REPRODUCTIONS
 
-if TYPE_CHECKING:
-    from kvlab.results import CompareResult
+if TYPE_CHECKING:  # for annotations only; the results module is imported where a comparison runs
+    from kvlab.core.results import CompareResult
 
 
 class CliError(Exception):
@@ -228,7 +232,7 @@ def format_table(result) -> str:
 
 def method_names(spec: str) -> list[str]:
     """Comma-separated names; ``all``, ``paper``, ``baselines`` and ``recent`` stand for the registered groups."""
-    from kvlab.compressors import methods
+    from kvlab.methods import methods
 
     groups = {"all": None, "paper": "paper", "baselines": "baseline", "recent": "recent"}
     out: list[str] = []
@@ -254,13 +258,13 @@ def ratio_budgets(text: str) -> str:
 
 
 def cmd_methods() -> int:
-    from kvlab.compressors import methods
+    from kvlab.methods import methods
 
     for name, cls in methods().items():
         print(f"{name:16s} [{cls.group}] {cls.summary}")
         for p in cls.params:
             print(f"    {p.name}={p.default!r}: {p.help}")
-    from kvlab.compressors.presets import PRESETS
+    from kvlab.methods.paper_presets import PRESETS
 
     for name, preset in PRESETS.items():  # each paper's operating point (its settings, cited)
         print(f"{name:16s} [preset of {preset.method}] {preset.summary}")
@@ -270,10 +274,11 @@ def cmd_methods() -> int:
 
 
 def cmd_compare(args) -> int:
-    from kvlab.metrics import ProbeSettings
-    from kvlab.models import ModelLoadError, load_model
+    from kvlab.core.model import ModelLoadError
+    from kvlab.engine.loader import load_model
+    from kvlab.engine.specs import GenerationSettings, InputError
+    from kvlab.measure.metrics import ProbeSettings
     from kvlab.run import Comparison, stream
-    from kvlab.specs import GenerationSettings, InputError
 
     _check_questions(args)
     text = "" if args.task else _read_prompt(args)
@@ -373,8 +378,8 @@ def _shown(ev) -> bool:
 
 
 def cmd_sweep(args) -> int:
-    from kvlab.engine import Engine
-    from kvlab.specs import InputError, expand_runs
+    from kvlab.engine.comparison import Engine
+    from kvlab.engine.specs import InputError, expand_runs
     from kvlab.sweep import SweepConfig, budget_labels, run_sweep
     from kvlab.tasks import OWN_TASKS, SUITES, TASKS, TaskError, parse_length
 
@@ -423,7 +428,7 @@ def cmd_sweep(args) -> int:
     def engine_factory():
         import os
 
-        from kvlab.models import load_model
+        from kvlab.engine.loader import load_model
 
         device = args.device
         if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("LOCAL_RANK"):

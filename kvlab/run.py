@@ -23,16 +23,15 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvlab import faults
-from kvlab.budgets import Budget
-from kvlab.engine import Engine
-from kvlab.health import HealthProbe
-from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
-from kvlab.models import LoadedModel
-from kvlab.probe import Probe
-from kvlab.questions import each_in_own_prompt
-from kvlab.results import PROTOCOLS, QUERY_AGNOSTIC, QUERY_AWARE, CompareResult
-from kvlab.specs import Event, GenerationSettings, InputError, Question, RunSpec, expand_runs
+from kvlab.core.budgets import Budget
+from kvlab.core.model import LoadedModel
+from kvlab.core.results import PROTOCOLS, QUERY_AGNOSTIC, QUERY_AWARE, CompareResult
+from kvlab.engine import faults
+from kvlab.engine.comparison import Engine, each_in_own_prompt
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec, expand_runs
+from kvlab.measure.health import HealthProbe
+from kvlab.measure.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
 from kvlab.tasks import Task, join_question, prompt_ids, prompt_text, score_result, split_ids
 
 

@@ -7,7 +7,7 @@ changes the result). Across processes (``accelerate launch --multi_gpu --num_pro
 sweep ...``, also on CPU-only machines where it runs N gloo processes; or torchrun) process r
 runs cells r, r + W, r + 2W, ...; after a barrier, process 0 merges
 all cell files into ``results.json``, ``results.csv`` and ``report.html``; a sweep with task scores at
-fraction budgets also gets the leaderboard (``kvlab.leaderboard``): ``leaderboard.csv`` in
+fraction budgets also gets the leaderboard (``kvlab.report.leaderboard``): ``leaderboard.csv`` in
 kvpress's columns and ``leaderboard.html``, its figure alone.
 """
 
@@ -22,7 +22,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvlab.results import memory_figures
+from kvlab.core.budgets import parse_budgets
+from kvlab.core.results import memory_figures
+from kvlab.engine.specs import GenerationSettings
+from kvlab.measure.metrics import ProbeSettings
+from kvlab.report import leaderboard
+from kvlab.report.sweep_report import write_report
+from kvlab.run import Comparison, compare
+from kvlab.tasks import make_task
 
 CSV_FIELDS = (
     "task",
@@ -123,10 +130,6 @@ def distributed() -> tuple[int, int, Callable[[], None]]:
 
 def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     """One comparison on the cell's prompt; returns the compact record written to its file."""
-    from kvlab.metrics import ProbeSettings
-    from kvlab.run import Comparison, compare
-    from kvlab.specs import GenerationSettings
-    from kvlab.tasks import make_task
 
     task = make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cell.depth)
     comparison = Comparison(
@@ -258,8 +261,6 @@ def rows(recs: list[dict], cfg_depth: float = 0.5) -> Iterator[dict]:
 
 
 def merge(cfg: SweepConfig) -> Path:
-    from kvlab import leaderboard
-    from kvlab.report import write_report
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +278,6 @@ def merge(cfg: SweepConfig) -> Path:
 
 
 def budget_labels(text: str) -> list[str]:
-    from kvlab.budgets import parse_budgets
 
     return [b.label for b in parse_budgets(text)]
 

@@ -25,14 +25,14 @@ def free_port():
 
 @pytest.fixture(scope="session")
 def lm():
-    from kvlab.models import load_model
+    from kvlab.engine.loader import load_model
 
     return load_model("embedded")
 
 
 @pytest.fixture(scope="session")
 def engine(lm):
-    from kvlab.engine import Engine
+    from kvlab.engine.comparison import Engine
 
     return Engine(lm)
 
@@ -40,7 +40,7 @@ def engine(lm):
 @pytest.fixture(scope="session")
 def engine32(lm):
     """The engine with float32 caches: exact then equals transformers' ``generate`` token for token."""
-    from kvlab.engine import Engine
+    from kvlab.engine.comparison import Engine
 
     return Engine(lm.with_cache_dtype("float32"))
 
@@ -56,8 +56,8 @@ def long_text():
 @pytest.fixture(scope="session")
 def prefill_state(lm, long_text):
     """A real prefill of ~600 tokens with the last 64 queries and accumulated attention."""
-    from kvlab.compressors.handover import PrefillNeeds
-    from kvlab.prefill import prefill
+    from kvlab.engine.prefill import prefill
+    from kvlab.methods.handover import PrefillNeeds
 
     ids = lm.encode(long_text[:3000])
     state, _ = prefill(lm, ids, PrefillNeeds(query_window=64, acc_attn=True))

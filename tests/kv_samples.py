@@ -1,7 +1,7 @@
 """Shared test inputs built from real prefill tensors, and compressors built on them."""
 
-from kvlab.budgets import Budget
-from kvlab.compressors import budget_search, get
+from kvlab.core.budgets import Budget
+from kvlab.methods import budget_search, get
 
 
 def new_token(state, layer, step):
@@ -26,8 +26,8 @@ def compressed(lm, state, name, budget, **params):
 def assert_holds_budget_on_model(engine, lm, text: str, method: str, budget_text: str = "0.25") -> None:
     """``method`` through the engine on ``text``: every step's held bytes within the budget (generated tokens
     kept in full), and the prompt's share of the budget nearly used."""
-    from kvlab.budgets import exact_bytes
-    from kvlab.specs import GenerationSettings, RunSpec
+    from kvlab.core.budgets import exact_bytes
+    from kvlab.engine.specs import GenerationSettings, RunSpec
 
     ids = lm.encode(text)
     budget = Budget.parse(budget_text)

@@ -14,12 +14,12 @@ from unittest import mock
 
 from torch import Tensor
 
-from kvlab import faults, questions
-from kvlab.attention import LockstepDecode
-from kvlab.compressors import Compressor
-from kvlab.lockstep import feed_stepwise
-from kvlab.models import LoadedModel
-from kvlab.probe import Probe
+from kvlab.core.model import LoadedModel
+from kvlab.engine import faults, questions
+from kvlab.engine.attention import LockstepDecode
+from kvlab.engine.lockstep import feed_stepwise
+from kvlab.engine.probe import Probe
+from kvlab.methods import Compressor
 
 
 def _stepwise(lm: LoadedModel, comps: list[Compressor], probes: list[Probe], seen: int, ids: list[int]) -> Tensor:

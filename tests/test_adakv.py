@@ -5,12 +5,12 @@ import pytest
 import torch
 from kv_samples import compressed, new_token
 
-from kvlab.budgets import TOLERANCE, Budget, exact_bytes
-from kvlab.compressors import get
-from kvlab.compressors.adakv import joint_allocation, ranked_keep
-from kvlab.compressors.registry import UnknownMethodError
-from kvlab.engine import GenerationSettings, Question, RunSpec
-from kvlab.ops import dense_attention
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
+from kvlab.engine.specs import GenerationSettings, Question, RunSpec
+from kvlab.methods import get
+from kvlab.methods.adakv import joint_allocation, ranked_keep
+from kvlab.methods.registry import UnknownMethodError
 
 # three heads of four tokens: head 0 spreads its attention, head 1 puts it on two tokens, head 2 on none
 SCORES = torch.tensor(

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from kvlab.admission import AdmissionError, AdmissionLimits, admit, estimate, unique_budgets
-from kvlab.budgets import Budget, parse_budgets
+from kvlab.core.budgets import Budget, parse_budgets
+from kvlab.engine.admission import AdmissionError, AdmissionLimits, admit, estimate, unique_budgets
 
 
 def test_duplicate_budgets_merge():
@@ -45,7 +45,7 @@ def test_estimate_grows_with_the_request(lm):
 
 
 def test_planned_caches_bound_the_bytes_really_held(engine, lm, long_text):
-    from kvlab.specs import RunSpec
+    from kvlab.engine.specs import RunSpec
 
     ids = lm.encode(long_text[:1200])
     specs = [
@@ -54,7 +54,7 @@ def test_planned_caches_bound_the_bytes_really_held(engine, lm, long_text):
         RunSpec("qjl", Budget(fraction=0.25)),
         RunSpec("balancekv", Budget(fraction=0.25)),
     ]
-    from kvlab.specs import GenerationSettings
+    from kvlab.engine.specs import GenerationSettings
 
     result = engine.compare(ids, specs, GenerationSettings(max_new_tokens=6))
     est = estimate(lm.info, len(ids), [s.budget for s in specs], 6)

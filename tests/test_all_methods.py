@@ -10,11 +10,11 @@ import pytest
 import torch
 from kv_samples import new_token, planned
 
-from kvlab.budgets import BudgetRefused, exact_bytes
-from kvlab.compressors import names
-from kvlab.compressors.handover import PrefillNeeds
-from kvlab.ops import dense_attention
-from kvlab.prefill import prefill
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import BudgetRefused, exact_bytes
+from kvlab.engine.prefill import prefill
+from kvlab.methods import names
+from kvlab.methods.handover import PrefillNeeds
 
 COMPOSED = [
     "streaming+kivi4",

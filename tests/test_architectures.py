@@ -14,13 +14,14 @@ import torch
 import transformers as tf
 from tiny_models import ARCHITECTURES, WINDOW, build
 
-from kvlab import attention as attn
-from kvlab import semantics as sm
-from kvlab.budgets import TOLERANCE, Budget, exact_bytes
-from kvlab.compressors import names
-from kvlab.engine import Engine
-from kvlab.models import ModelLoadError, from_model, load_model, refuse_unsupported
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core import semantics as sm
+from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
+from kvlab.core.model import ModelLoadError
+from kvlab.engine import attention as attn
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import from_model, load_model, refuse_unsupported
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import names
 
 PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
@@ -96,7 +97,7 @@ def test_self_check_refuses_a_broken_decode_handler(lm, monkeypatch):
 
 def test_self_check_is_on_by_default_and_cheap(lm):
     """load_model runs it (the embedded model passed it); the probe is the window + 8 tokens, then 5 decode steps."""
-    from kvlab.selfcheck import divergence
+    from kvlab.engine.selfcheck import divergence
 
     errs, prefix = divergence(lm)
     assert max(errs) < 1e-4 and prefix == 24 and len(errs) == 6  # plain attention: a 24-token prefill

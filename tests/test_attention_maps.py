@@ -8,16 +8,16 @@ import torch
 
 from kernels.quant import dequantize_groups
 from kernels.tensor_ops import group_queries, ungroup
-from kvlab import plots
-from kvlab.budgets import Budget
-from kvlab.compressors import budget_search
-from kvlab.compressors.dense import DenseCompressor
-from kvlab.compressors.registry import get, names
-from kvlab.metrics import answer_positions
-from kvlab.ops import attention_logits
-from kvlab.probe import Probe
-from kvlab.results import CompareResult, RunResult
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.attention_ops import attention_logits
+from kvlab.core.budgets import Budget
+from kvlab.core.results import CompareResult, RunResult
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.measure.metrics import answer_positions
+from kvlab.methods import budget_search
+from kvlab.methods.dense import DenseCompressor
+from kvlab.methods.registry import get, names
+from kvlab.report import comparison_figures as plots
 
 LAYER = 15
 

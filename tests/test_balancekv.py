@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from kernels.tensor_ops import gather_tokens, group_queries, ungroup
-from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import budget_search
-from kvlab.compressors.balancekv import (
+from kvlab.core.attention_ops import attention_logits
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import budget_search
+from kvlab.methods.balancekv import (
     BalanceKV,
     WalkConfig,
     balance_blocks,
@@ -19,8 +21,6 @@ from kvlab.compressors.balancekv import (
     fit_layout,
     halve,
 )
-from kvlab.ops import attention_logits
-from kvlab.specs import GenerationSettings, RunSpec
 
 LAYERS = [1, 2, 5]  # the layers of the paper's Fig. 2
 SINK = 32
@@ -167,9 +167,9 @@ def test_compressor_uses_log_weights(prefill_state, lm):
 
 def test_streaming_merge_and_reduce(prefill_state, lm):
     """balancekv-stream: generated tokens go through the MergeAndReduce tree (Algorithm 3)."""
-    from kvlab.compressors.balancekv import BalanceKVStream
-    from kvlab.compressors.handover import PrefillState
-    from kvlab.ops import dense_attention
+    from kvlab.core.attention_ops import dense_attention
+    from kvlab.methods.balancekv import BalanceKVStream
+    from kvlab.methods.handover import PrefillState
 
     st, n0, g = prefill_state, 200, 96
     comp = BalanceKVStream(lm.info, Budget.parse("0.25"), {"block_size": 16})
@@ -229,7 +229,7 @@ def test_algorithm2_step_matches_a_plain_reference():
     """step=algorithm2 is Algorithm 2, lines 2-11, written plainly (float64, one token at a time):
     p_j = 1/2 - y^T eta / (2 c R^2) with c = 30 log(b / delta), keys not centred; R^2 taken as the
     largest diagonal entry of the kernel (kvlab's R, see docs/methods/balancekv.md)."""
-    from kvlab.compressors.balancekv import algorithm2_config
+    from kvlab.methods.balancekv import algorithm2_config
 
     torch.manual_seed(0)
     nb, b, d, lam = 3, 16, 8, 0.025
@@ -256,7 +256,7 @@ def test_algorithm2_step_matches_a_plain_reference():
 def test_paper_preset_runs_T2_and_shrinks_its_windows_to_fit(lm):
     """balancekv@paper (Sec. 4.2: T = 2, b = 256): at 0.25 the 32 + 32 windows shrink to what fits; at
     0.4 they are kept whole."""
-    from kvlab.compressors import get
+    from kvlab.methods import get
 
     cls = get("balancekv@paper")
     assert cls.name == "balancekv@paper" and cls.defaults()["T"] == 2 and cls.defaults()["block_size"] == 256

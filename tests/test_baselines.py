@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import budget_search, get
-from kvlab.compressors.pyramidkv import pyramid_budgets
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.methods import budget_search, get
+from kvlab.methods.pyramidkv import pyramid_budgets
 
 
 def _make(lm, name, budget, **params):
@@ -135,7 +135,7 @@ def test_uniform_reweighted_estimate_is_unbiased(lm, prefill_state):
     """Each kept middle token carries log(n_middle / kept): over seeds, the weighted softmax
     denominator and numerator of the kept tokens average to the exact ones (unbiased), and the
     unweighted sample under-counts the middle's mass by that factor."""
-    from kvlab.ops import attention_logits
+    from kvlab.core.attention_ops import attention_logits
 
     st, layer = prefill_state, 12
     q = st.queries[layer, :, -1:]  # [Hq, 1, d]

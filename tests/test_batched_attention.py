@@ -9,13 +9,13 @@ import contextlib
 import torch
 from reference_paths import per_row_attention
 
-from kvlab.budgets import Budget
-from kvlab.compressors import names
-from kvlab.compressors.composed import ComposedStore
-from kvlab.compressors.dense import DenseCompressor
-from kvlab.compressors.subgen import SubGen
-from kvlab.probe import Probe
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import Budget
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import names
+from kvlab.methods.composed import ComposedStore
+from kvlab.methods.dense import DenseCompressor
+from kvlab.methods.subgen import SubGen
 
 # every method at 0.25 (its own default for exact), plus rows of other cache lengths
 SPECS = [RunSpec(m, None if m == "exact" else Budget.parse("0.25")) for m in names()] + [

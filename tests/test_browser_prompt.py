@@ -13,7 +13,7 @@ import pytest
 from test_browser import app_url, browser, open_page, page  # noqa: F401 (fixtures)
 
 from kvlab.run import Comparison
-from kvlab.ui.presets import TASK_PRESETS
+from kvlab.ui.prompt_presets import TASK_PRESETS
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

@@ -14,10 +14,10 @@ import re
 
 import pytest
 
-from kvlab.budgets import TOLERANCE, Budget
-from kvlab.compressors import budget_search, get, names
-from kvlab.health import HealthProbe
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import TOLERANCE, Budget
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.measure.health import HealthProbe
+from kvlab.methods import budget_search, get, names
 
 BUDGETS = [Budget.parse(b) for b in ("0.5", "0.25", "0.125")]
 METHODS = [m for m in names() if m != "exact"]
@@ -94,7 +94,7 @@ def test_every_method_holds_its_budget_or_refuses_on_2000_tokens(engine, prompt_
 
 
 def test_refusal_message_names_method_prompt_and_smallest_budget(lm):
-    from kvlab.budgets import BudgetRefused
+    from kvlab.core.budgets import BudgetRefused
 
     with pytest.raises(BudgetRefused) as refused:
         budget_search.planned(get("qjl")(lm.info, Budget.parse("0.01"), {}), 16)
@@ -111,9 +111,9 @@ def test_refusal_message_names_method_prompt_and_smallest_budget(lm):
 def test_a_refused_run_is_recorded_shown_and_exported_while_the_others_run(engine, prompt_ids):
     import json
 
-    from kvlab import plots
+    from kvlab.report import comparison_figures as plots
+    from kvlab.report.result_file import load_result_text
     from kvlab.run import finish
-    from kvlab.schema import load_result_text
     from kvlab.ui.cards import cards_html
 
     ids = prompt_ids[:16]

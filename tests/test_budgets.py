@@ -1,6 +1,6 @@
 import pytest
 
-from kvlab.budgets import Budget, BudgetError, exact_bytes, parse_budgets
+from kvlab.core.budgets import Budget, BudgetError, exact_bytes, parse_budgets
 
 
 def test_parse_fraction_and_tokens():

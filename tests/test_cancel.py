@@ -16,11 +16,11 @@ from dataclasses import fields
 import pytest
 import torch
 
-from kvlab import cancel
-from kvlab.engine import Engine
-from kvlab.metrics import ProbeSettings
+from kvlab.core import cancel
+from kvlab.engine.comparison import Engine
+from kvlab.engine.specs import GenerationSettings, Question, RunSpec
+from kvlab.measure.metrics import ProbeSettings
 from kvlab.run import Comparison, compare
-from kvlab.specs import GenerationSettings, Question, RunSpec
 
 PROMPT = "The cat sat on the mat because the mat was warm. Tell me about the cat in one sentence. " * 4
 
@@ -72,7 +72,7 @@ def _cancel(token) -> None:
 
 
 def _runs():
-    from kvlab.budgets import Budget
+    from kvlab.core.budgets import Budget
 
     return [RunSpec("exact"), RunSpec("streaming", Budget.parse("0.5")), RunSpec("h2o", Budget.parse("0.5"))]
 
@@ -196,7 +196,7 @@ def test_cancel_reaches_the_thread_doing_the_model_work(dash, lm, spy):
 
 def test_a_preset_task_applies_to_its_exact_text_only(dash, lm):
     from kvlab.ui import PageInputs
-    from kvlab.ui.presets import DEFAULT_PRESET
+    from kvlab.ui.prompt_presets import DEFAULT_PRESET
 
     text = dash.tasks[DEFAULT_PRESET].prompt
     _, comparison, _ = dash.request(PageInputs(prompt=text, baselines=["streaming"], budgets="0.5"))

@@ -1,4 +1,4 @@
-"""Compositions (kvlab/compressors/composed.py, with_kivi.py, with_qjl.py), mainly ``METHOD+qjl``: an eviction
+"""Compositions (kvlab/methods/composed.py, with_kivi.py, with_qjl.py), mainly ``METHOD+qjl``: an eviction
 method's selection with QJL-sketched keys and quantized values. Real prefill of the embedded model
 (``prefill_state``)."""
 
@@ -10,16 +10,16 @@ from kv_samples import compressed, new_token
 
 from kernels.quant import dequantize_groups
 from kernels.tensor_ops import group_queries
-from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import get, names
-from kvlab.compressors.dense import DenseLayer
-from kvlab.compressors.h2o import H2O
-from kvlab.compressors.params import ParamError
-from kvlab.compressors.qjl import dense_key_estimate, estimate_scores, estimate_scores_split
-from kvlab.compressors.registry import UnknownMethodError
-from kvlab.compressors.streaming import StreamingLLM
-from kvlab.compressors.with_qjl import QJLDenseLayer, QJLStore
-from kvlab.ops import dense_attention, tensor_bytes
+from kvlab.core.attention_ops import dense_attention, tensor_bytes
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.methods import get, names
+from kvlab.methods.dense import DenseLayer
+from kvlab.methods.h2o import H2O
+from kvlab.methods.params import ParamError
+from kvlab.methods.qjl import dense_key_estimate, estimate_scores, estimate_scores_split
+from kvlab.methods.registry import UnknownMethodError
+from kvlab.methods.streaming import StreamingLLM
+from kvlab.methods.with_qjl import QJLDenseLayer, QJLStore
 
 
 def test_qjl_compositions_resolve_on_demand_and_are_listed():

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.budgets import Budget, exact_bytes
-from kvlab.prefill import prefill
-from kvlab.probe import Probe
-from kvlab.specs import GenerationSettings, InputError, RunSpec, expand_runs
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.engine.prefill import prefill
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import GenerationSettings, InputError, RunSpec, expand_runs
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",

@@ -14,17 +14,17 @@ import pytest
 import torch
 from kv_samples import compressed
 
-from kvlab.budgets import TOLERANCE, Budget
-from kvlab.compressors.expected_attention import (
+from kvlab.core.budgets import TOLERANCE, Budget
+from kvlab.engine.prefill import prefill
+from kvlab.engine.specs import GenerationSettings, Question, RunSpec
+from kvlab.measure.health import budget_limits
+from kvlab.methods.expected_attention import (
     expected_attention_scores,
     expected_logits,
     future_query_stats,
     mean_rotation,
 )
-from kvlab.compressors.handover import PrefillNeeds
-from kvlab.engine import GenerationSettings, Question, RunSpec
-from kvlab.health import budget_limits
-from kvlab.prefill import prefill
+from kvlab.methods.handover import PrefillNeeds
 from kvlab.tasks import split_ids
 
 N_SINK = 4

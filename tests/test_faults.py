@@ -12,13 +12,13 @@ import weakref
 
 import pytest
 
-from kvlab import faults
-from kvlab.compressors import registry
-from kvlab.compressors.streaming import StreamingLLM
-from kvlab.engine import Engine
-from kvlab.metrics import ProbeSettings
+from kvlab.engine import faults
+from kvlab.engine.comparison import Engine
+from kvlab.engine.specs import GenerationSettings
+from kvlab.measure.metrics import ProbeSettings
+from kvlab.methods import registry
+from kvlab.methods.streaming import StreamingLLM
 from kvlab.run import Comparison, compare
-from kvlab.specs import GenerationSettings
 
 PROMPT = "The cat sat on the mat because the mat was warm. Tell me about the cat in one sentence."
 FAIL_STEP = 3  # the decode step at which the attend / append failures raise
@@ -82,7 +82,7 @@ def test_methods():
         registry.register(cls)
     yield
     for cls in TEST_METHODS:
-        registry._REGISTRY.pop(cls.name, None)
+        registry.unregister(cls.name)
 
 
 def _compare(engine, methods, measure=True, tokens=8):
@@ -167,7 +167,7 @@ def test_out_of_memory_on_the_page_is_one_message(lm):
 
 
 def test_time_limit_stops_the_comparison_keeping_the_tokens_so_far(lm, monkeypatch):
-    from kvlab import cancel
+    from kvlab.core import cancel
 
     engine = Engine(lm, time_limit_s=1e-6)
     with pytest.raises(cancel.TimeLimit, match="time limit of 1e-06 s .* before the first token"):

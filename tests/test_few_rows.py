@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab import few_rows
-from kvlab.few_rows import few_row_linears, linear_transposed, torch_functions_plain
+from kvlab.engine import few_rows
+from kvlab.engine.few_rows import few_row_linears, linear_transposed, torch_functions_plain
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 8, 13])

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from kvlab import gpu
+from kvlab.ui import gpu_lease as gpu
 
 
 def test_lease_grows_with_the_work_and_is_capped(monkeypatch):

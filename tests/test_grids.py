@@ -6,8 +6,8 @@ import json
 import pytest
 
 from kvlab.cli import main
-from kvlab.grids import GridError, grid_figure, grids, grids_from_results
-from kvlab.report import figures
+from kvlab.report.needle_grids import GridError, grid_figure, grids, grids_from_results
+from kvlab.report.sweep_report import figures
 
 TINY = [
     "sweep",
@@ -91,7 +91,7 @@ def test_grid_from_older_cells_and_bad_files():
 def test_grid_tab_loads_a_sweep_and_refuses_other_files(tiny_sweep, tmp_path):
     import gradio as gr
 
-    from kvlab.ui.grid import load_grid
+    from kvlab.ui.grid_tab import load_grid
 
     summary, fig = load_grid(str(tiny_sweep / "results.json"))
     assert "query-aware" in summary and "2 runs" in summary and len(fig.data) == 2

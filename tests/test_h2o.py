@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import budget_search, get
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import budget_search, get
 
 
 @pytest.fixture(scope="module")

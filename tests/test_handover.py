@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from kvlab import prefill as prefill_mod
-from kvlab.budgets import Budget
-from kvlab.compressors import PrefillNeeds, PrefillState, registry
-from kvlab.compressors.exact import Exact
-from kvlab.prefill import MergedNeeds, prefill
-from kvlab.rope import HALF
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import Budget
+from kvlab.core.rope import HALF
+from kvlab.engine import prefill as prefill_mod
+from kvlab.engine.prefill import MergedNeeds, prefill
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import PrefillNeeds, PrefillState, registry
+from kvlab.methods.exact import Exact
 
 PROMPT = "The cat sat on the mat because the mat was warm. The dog slept by the door. Where did the cat sit?"
 LAYER = 7  # the layer whose queries are rebuilt from the model's own projection
@@ -73,7 +73,7 @@ def needy_methods():
         registry.register(cls)
     yield
     for cls in NEEDY:
-        registry._REGISTRY.pop(cls.name, None)
+        registry.unregister(cls.name)
 
 
 def test_one_prefill_meets_every_need(engine, lm, needy_methods, monkeypatch):
@@ -117,7 +117,7 @@ def test_observer_sees_its_rows_and_nothing_asked_costs_nothing(lm):
 def test_accumulated_attention_from_the_prefills_own_attention(lm):
     """The attention each key received, taken from SDPA's row normalisers, equals the column sums of an
     explicit causal softmax over the same queries and keys, and leaves the prefill's numbers as they are."""
-    from kvlab.attention import accumulated_attention
+    from kvlab.engine.attention import accumulated_attention
 
     ids = lm.encode(PROMPT)
     state, logits = prefill(lm, ids, PrefillNeeds(acc_attn=True, query_window=len(ids)))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.budgets import Budget
-from kvlab.compressors import registry
-from kvlab.compressors.exact import Exact
-from kvlab.health import HealthProbe
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.measure.health import HealthProbe
+from kvlab.methods import registry
+from kvlab.methods.exact import Exact
 
 
 class _KeepsEverything(Exact):
@@ -33,7 +33,7 @@ def broken_methods():
         registry.register(cls)
     yield
     for cls in (_KeepsEverything, _NanAttention):
-        registry._REGISTRY.pop(cls.name, None)
+        registry.unregister(cls.name)
 
 
 def _flags(result) -> dict[str, set[str]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.compressors import budget_search
+from kvlab.methods import budget_search
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -175,10 +175,10 @@ def _case_dispatch():
 def _case_qjl_compressor():
     """The QJL compressor's decode attention with its scores forced through the kernel vs the torch path."""
     import kernels
-    from kvlab.budgets import Budget
-    from kvlab.compressors.handover import PrefillState
-    from kvlab.compressors.qjl import QJL
-    from kvlab.models import ModelInfo
+    from kvlab.core.budgets import Budget
+    from kvlab.core.model import ModelInfo
+    from kvlab.methods.handover import PrefillState
+    from kvlab.methods.qjl import QJL
 
     info = ModelInfo("synthetic", 2, 12, 3, 64, "float32", "cpu", 4096)  # GQA group 4
     state = PrefillState(_rand(2, 3, 160, 64, seed=1), _rand(2, 3, 160, 64, seed=2), _rand(2, 12, 4, 64, seed=3), 0.125)
@@ -197,10 +197,10 @@ def _case_qjl_compressor():
 def _case_dense_compressor():
     """A dense (eviction-family) compressor's attend forced through the fused kernel vs its torch path."""
     import kernels
-    from kvlab.budgets import Budget
-    from kvlab.compressors.handover import PrefillState
-    from kvlab.compressors.registry import get
-    from kvlab.models import ModelInfo
+    from kvlab.core.budgets import Budget
+    from kvlab.core.model import ModelInfo
+    from kvlab.methods.handover import PrefillState
+    from kvlab.methods.registry import get
 
     info = ModelInfo("synthetic", 2, 9, 3, 64, "float32", "cpu", 4096)  # GQA group 3
     state = PrefillState(_rand(2, 3, 90, 64, seed=5), _rand(2, 3, 90, 64, seed=6), _rand(2, 9, 8, 64, seed=7), 0.125)
@@ -411,7 +411,7 @@ def test_split_pair_bfloat16_products_error_is_far_below_the_estimators():
 def test_attention_reference_matches_exact_dense_attention():
     from kernels.decode_attention import decode_attention_torch
     from kernels.formats import Segment
-    from kvlab.ops import dense_attention
+    from kvlab.core.attention_ops import dense_attention
 
     k, v, q = _rand(3, 50, 64, seed=1), _rand(3, 50, 64, seed=2), _rand(9, 1, 64, seed=3)
     lw = torch.rand(3, 50)
@@ -432,7 +432,7 @@ def test_compressed_reference_tracks_exact_attention():
     from kernels.decode_attention import decode_attention_torch
     from kernels.formats import Segment
     from kernels.quant import quantize_groups
-    from kvlab.ops import dense_attention
+    from kvlab.core.attention_ops import dense_attention
 
     d = 64
     k, v, q = _rand(2, 300, d, seed=4), _rand(2, 300, d, seed=5), _rand(6, 1, d, seed=6)
@@ -479,7 +479,7 @@ def test_kernels_import_nothing_from_kvlab():
 def test_one_qjl_sketch_implementation():
     """The compressor and the kernels share the sketch and the outlier helpers."""
     import kernels.qjl
-    import kvlab.compressors.qjl
+    import kvlab.methods.qjl
 
     for name in ("make_sketch", "outlier_channels", "outlier_mask"):
-        assert getattr(kvlab.compressors.qjl, name) is getattr(kernels.qjl, name)
+        assert getattr(kvlab.methods.qjl, name) is getattr(kernels.qjl, name)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kvlab.budgets import Budget, BudgetRefused, exact_bytes
-from kvlab.compressors import budget_search, get
-from kvlab.compressors.kivi import kivi_bytes
-from kvlab.ops import dense_attention
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import Budget, BudgetRefused, exact_bytes
+from kvlab.methods import budget_search, get
+from kvlab.methods.kivi import kivi_bytes
 
 
 def _kivi(lm, state, budget="0.5", **params):
@@ -159,8 +159,8 @@ def test_forks_share_the_quantized_part_and_attend_together(lm, prefill_state, m
     that flushed holds a part of its own."""
     import copy
 
-    from kvlab.batched_attention import attend_rows
-    from kvlab.compressors import kivi
+    from kvlab.engine.batched_attention import attend_rows
+    from kvlab.methods import kivi
 
     info, n = lm.info, prefill_state.n_tokens
     base, _ = _kivi(lm, prefill_state, "0.5", bits=2, residual=8, group=8)

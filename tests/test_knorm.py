@@ -3,8 +3,8 @@
 import torch
 from kv_samples import assert_holds_budget_on_model, compressed
 
-from kvlab.budgets import exact_bytes
-from kvlab.compressors import PrefillState
+from kvlab.core.budgets import exact_bytes
+from kvlab.methods import PrefillState
 
 
 def _state(keys: torch.Tensor, info) -> PrefillState:

@@ -1,4 +1,4 @@
-"""KVzip (``kvlab/compressors/kvzip.py``) on the embedded model.
+"""KVzip (``kvlab/methods/kvzip.py``) on the embedded model.
 
 * Its scores, computed from the queries and keys the prefill hand-over's ``extend`` observes,
   equal the maxima read off the model's own attention (transformers' eager forward over prompt +
@@ -16,11 +16,11 @@ import pytest
 import torch
 from kv_samples import new_token, planned
 
-from kvlab.budgets import TOLERANCE, exact_bytes, per_token_bytes
-from kvlab.compressors.handover import PrefillNeeds
-from kvlab.compressors.kvzip import reconstruction_inputs, reconstruction_scores, template
-from kvlab.ops import dense_attention
-from kvlab.prefill import prefill
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import TOLERANCE, exact_bytes, per_token_bytes
+from kvlab.engine.prefill import prefill
+from kvlab.methods.handover import PrefillNeeds
+from kvlab.methods.kvzip import reconstruction_inputs, reconstruction_scores, template
 
 
 @contextlib.contextmanager

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from kvlab import plots
 from kvlab.cli import format_table
-from kvlab.health import budget_use, bytes_flags
-from kvlab.results import CompareResult, RunResult
-from kvlab.schema import load_result_text
+from kvlab.core.results import CompareResult, RunResult
+from kvlab.measure.health import budget_use, bytes_flags
+from kvlab.report import comparison_figures as plots
+from kvlab.report.result_file import load_result_text
 from kvlab.sweep import rows
 from kvlab.ui.cards import cards_html
 

@@ -5,11 +5,18 @@ import math
 import pytest
 import torch
 
-from kvlab.budgets import Budget
-from kvlab.compressors import names
-from kvlab.metrics import MetricsProbe, ProbeSettings, add_text_metrics, relative_error, shadow_attention, token_diff
-from kvlab.ops import dense_attention
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.measure.metrics import (
+    MetricsProbe,
+    ProbeSettings,
+    add_text_metrics,
+    relative_error,
+    shadow_attention,
+    token_diff,
+)
+from kvlab.methods import names
 
 PROMPT = "Explain in two sentences why the sky is blue, and then say what colour grass is."
 
@@ -127,6 +134,6 @@ def test_teacher_forcing_covers_every_exact_step_for_every_method(engine, lm):
 
 
 def test_non_finite_values_are_null_not_zero():
-    from kvlab.metrics import _round
+    from kvlab.measure.metrics import _round
 
     assert _round([0.123456, float("nan"), 0.0, [float("inf")]]) == [0.1235, None, 0.0, [None]]

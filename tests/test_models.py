@@ -1,6 +1,7 @@
 import pytest
 
-from kvlab.models import ModelLoadError, load_model
+from kvlab.core.model import ModelLoadError
+from kvlab.engine.loader import load_model
 
 
 def test_embedded_model_shape_and_chat_template(lm):

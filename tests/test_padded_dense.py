@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from bench.padded_dense import DenseRows, attend_padded, batched_dense_attention, length_buckets
-from kvlab.budgets import Budget
-from kvlab.compressors import names
-from kvlab.compressors.scored import ScoredEvictionCompressor
-from kvlab.ops import dense_attention
-from kvlab.planning import make_compressors
-from kvlab.prefill import prefill_for
-from kvlab.specs import RunSpec
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import Budget
+from kvlab.engine.planning import make_compressors
+from kvlab.engine.prefill import prefill_for
+from kvlab.engine.specs import RunSpec
+from kvlab.methods import names
+from kvlab.methods.scored import ScoredEvictionCompressor
 
 # every method at 0.25 (its own default for exact), plus rows of other cache lengths
 SPECS = [RunSpec(m, None if m == "exact" else Budget.parse("0.25")) for m in names()] + [

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from kvlab import cli
-from kvlab.budgets import Budget
-from kvlab.compressors import UnknownMethodError, budget_search, get
-from kvlab.compressors.handover import PrefillNeeds
-from kvlab.compressors.presets import PRESETS
-from kvlab.prefill import prefill
+from kvlab.core.budgets import Budget
+from kvlab.engine.prefill import prefill
+from kvlab.methods import UnknownMethodError, budget_search, get
+from kvlab.methods.handover import PrefillNeeds
+from kvlab.methods.paper_presets import PRESETS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -1,4 +1,4 @@
-"""QJL (kvlab/compressors/qjl.py): the estimator's statistics, the storage format, budgets, real attention."""
+"""QJL (kvlab/methods/qjl.py): the estimator's statistics, the storage format, budgets, real attention."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import torch
 
 from kernels.qjl import make_sketch
 from kernels.quant import dequantize_groups, group_error_bound
-from kvlab.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
-from kvlab.compressors import budget_search
-from kvlab.compressors.base import Compressor
-from kvlab.compressors.handover import PrefillState
-from kvlab.compressors.params import ParamError
-from kvlab.compressors.qjl import QJL, dense_key_estimate, estimate_scores, sketch_keys
-from kvlab.models import ModelInfo
-from kvlab.ops import dense_attention
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
+from kvlab.core.model import ModelInfo
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import budget_search
+from kvlab.methods.base import Compressor
+from kvlab.methods.handover import PrefillState
+from kvlab.methods.params import ParamError
+from kvlab.methods.qjl import QJL, dense_key_estimate, estimate_scores, sketch_keys
 
 
 def _pair(d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +260,7 @@ def test_any_head_dim_and_gqa_group():
     k = torch.randn(2, 2, n, 48, generator=g)
     v = torch.randn(2, 2, n, 48, generator=g)
     q = torch.randn(2, 8, 4, 48, generator=g)
-    from kvlab.compressors.handover import PrefillState
+    from kvlab.methods.handover import PrefillState
 
     st = PrefillState(k, v, q, scaling=48**-0.5)
     errs = []
@@ -308,7 +308,7 @@ def test_planned_bytes_match_budget(lm):
 
 def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_state):
     from kernels.qjl import outlier_mask
-    from kvlab.compressors.qjl import estimate_scores_split
+    from kvlab.methods.qjl import estimate_scores_split
 
     st = prefill_state
     n, errs = st.n_tokens, []
@@ -363,7 +363,7 @@ def test_forks_share_segments_and_attend_together(lm, prefill_state, monkeypatch
     """Forks of one compressed cache (questions asked after compression) hold its quantized segment
     itself; each flushes into a segment of its own. One lockstep call (``attend_many``) scores the
     shared segment once for all forks and equals each fork's own ``attend``."""
-    from kvlab.batched_attention import attend_rows
+    from kvlab.engine.batched_attention import attend_rows
 
     st, info = prefill_state, lm.info
     base = _qjl(lm, n=st.n_tokens, residual=16, outlier_group=8)

@@ -8,15 +8,15 @@ import torch
 from reference_paths import stepwise_questions
 
 from kvlab import cli
-from kvlab.budgets import Budget
-from kvlab.compressors import get
-from kvlab.engine import Engine
-from kvlab.lockstep import Decoder
-from kvlab.metrics import ProbeSettings
-from kvlab.probe import Probe
+from kvlab.core.budgets import Budget
+from kvlab.engine.comparison import Engine
+from kvlab.engine.lockstep import Decoder
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import GenerationSettings, Question, RunSpec
+from kvlab.measure.metrics import ProbeSettings
+from kvlab.methods import get
+from kvlab.report.result_file import load_result_text
 from kvlab.run import Comparison, compare_all
-from kvlab.schema import load_result_text
-from kvlab.specs import GenerationSettings, Question, RunSpec
 from kvlab.tasks import make_task, prompt_ids, split_ids
 
 QUESTIONS = [
@@ -189,7 +189,7 @@ def test_probes_and_health_under_query_agnostic(engine, lm, context):
     # a prefill-only method keeps the question in full: checked against that, not flagged
     bad = results[0].runs[1]
     bad.kv_bytes_per_step[1] = 2 * bad.exact_kv_bytes_per_step[1]
-    from kvlab.health import bytes_flags
+    from kvlab.measure.health import bytes_flags
 
     flags = bytes_flags(bad, results[0].context_tokens, False, results[0].prompt_tokens - results[0].context_tokens)
     assert flags and "after the question" in flags[0]["detail"]
@@ -221,8 +221,8 @@ def test_cli_question_round_trip(tmp_path, capsys, context):
 
 
 def test_schema_refuses_an_unknown_protocol(lm):
-    from kvlab.results import CompareResult
-    from kvlab.schema import ResultFileError
+    from kvlab.core.results import CompareResult
+    from kvlab.report.result_file import ResultFileError
 
     ok = CompareResult(lm.info.to_json(), "p", 3, [1, 2, 3], {}, {}, [], protocol="query-agnostic", context_tokens=2)
     data = ok.to_json()

@@ -40,7 +40,7 @@ def page(**kw) -> Callable:
     """The page's answer to a setup: refused with its message, or accepted with the plan line."""
 
     def call(dash):
-        from kvlab.specs import InputError
+        from kvlab.engine.specs import InputError
         from kvlab.ui import PageInputs
 
         inputs = {"prompt": "hello there", "papers": [], "baselines": ["streaming"], "budgets": "0.5", "max_new": 2}
@@ -60,7 +60,7 @@ def settings(**kw) -> Callable:
     """The engine's answer to generation settings the page does not expose (CLI ``--sample`` flags, the API)."""
 
     def call(dash):
-        from kvlab.specs import GenerationSettings, InputError
+        from kvlab.engine.specs import GenerationSettings, InputError
 
         try:
             GenerationSettings(do_sample=True, **kw).validate()
@@ -106,7 +106,7 @@ def _json(mutate: Callable[[dict], object] = lambda d: None) -> Callable[[], byt
 
 def preset(dash) -> str:
     """The default preset's prompt: a task's text (scored while the prompt is that text exactly)."""
-    from kvlab.ui.presets import DEFAULT_PRESET
+    from kvlab.ui.prompt_presets import DEFAULT_PRESET
 
     return dash.tasks[DEFAULT_PRESET].prompt
 
@@ -228,7 +228,7 @@ def test_the_docs_table_says_what_the_page_answers(dash, i):
 
 
 if __name__ == "__main__":
-    from kvlab.models import load_model
+    from kvlab.engine.loader import load_model
     from kvlab.ui import Dashboard, presets
 
     board = Dashboard(lm := load_model("embedded"))

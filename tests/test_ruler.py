@@ -1,4 +1,4 @@
-"""RULER's synthetic tasks (kvlab.ruler), the file loader (kvlab.datafiles) and the leaderboard.
+"""RULER's synthetic tasks (kvlab.tasks.ruler), the file loader (kvlab.tasks.datafiles) and the leaderboard.
 
 Prompts are built on the embedded model's tokenizer (no generation) except one small sweep
 (two tasks, 200 tokens, exact and StreamingLLM at one ratio) and one comparison on a file row.
@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import cli, leaderboard
-from kvlab.datafiles import file_task, load_rows
-from kvlab.ruler import SUITE, string_match_all, string_match_part
+from kvlab import cli
+from kvlab.report import leaderboard
 from kvlab.tasks import RULER_TASKS, TaskError, make_task, prompt_ids, split_ids
+from kvlab.tasks.base import string_match_all, string_match_part
+from kvlab.tasks.datafiles import file_task, load_rows
+from kvlab.tasks.ruler import SUITE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,8 +194,8 @@ def test_leaderboard_rows_average_per_task():
 
 
 def test_presets_offer_ruler_tasks_only_where_exact_can(monkeypatch):
-    from kvlab import calibrated
-    from kvlab.ui.presets import ruler_presets
+    from kvlab.tasks import exact_accuracy as calibrated
+    from kvlab.ui.prompt_presets import ruler_presets
 
     monkeypatch.setitem(calibrated.CALIBRATED, "m", {"vt": {1024: 0.9, 4096: 0.5}, "cwe": {1024: 0.1}})
     assert ruler_presets("m", 1000) == {"RULER vt": "vt"}

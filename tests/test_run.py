@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvlab.metrics import ProbeSettings
+from kvlab.engine.specs import GenerationSettings, InputError
+from kvlab.measure.metrics import ProbeSettings
 from kvlab.run import Comparison, compare, stream
-from kvlab.specs import GenerationSettings, InputError
 from kvlab.tasks import make_task, prompt_ids, prompt_text
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvlab.schema import ImportLimits, ResultFileError, load_result_text
+from kvlab.report.result_file import ImportLimits, ResultFileError, load_result_text
 
 SCRIPT = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
 
@@ -93,8 +93,8 @@ def test_not_json_and_too_big():
 
 
 def test_a_real_export_validates(engine, lm):
-    from kvlab.budgets import Budget
-    from kvlab.specs import GenerationSettings, RunSpec
+    from kvlab.core.budgets import Budget
+    from kvlab.engine.specs import GenerationSettings, RunSpec
 
     ids = lm.encode("Name three colours.")
     result = engine.compare(ids, [RunSpec("exact"), RunSpec("h2o", Budget(fraction=0.5))], GenerationSettings(3))

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from kvlab.budgets import Budget, exact_bytes
-from kvlab.compressors import PrefillNeeds, PrefillState, budget_search, get
-from kvlab.compressors.scored import eviction_keep
-from kvlab.models import ModelInfo
-from kvlab.prefill import prefill, prefill_for
-from kvlab.probe import Probe
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.core.model import ModelInfo
+from kvlab.engine.prefill import prefill, prefill_for
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import PrefillNeeds, PrefillState, budget_search, get
+from kvlab.methods.scored import eviction_keep
 
 SYN = ModelInfo(
     id="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32", device="cpu", max_positions=4096
@@ -113,7 +113,7 @@ def test_prefill_drops_tokens_with_highest_records(prefill_state, lm, monkeypatc
     state = prefill_state
     n = state.n_tokens
     if rows:  # blocks of a few query rows, as for long windows
-        monkeypatch.setattr("kvlab.compressors.scissorhands._PROBS_CHUNK_BYTES", rows * 3 * n * 4)
+        monkeypatch.setattr("kvlab.methods.scissorhands._PROBS_CHUNK_BYTES", rows * 3 * n * 4)
     comp = get("scissorhands")(lm.info, None, {"B": 100})
     knobs = budget_search.planned(comp, n)
     assert knobs == {"B": 100, "m": 50, "w": 50, "r": 25, "w_decode": 50}
@@ -140,7 +140,7 @@ def test_records_counted_during_the_prefill_equal_the_reference(lm, long_text, m
     ids = lm.encode(long_text[:3000])
     n = len(ids)
     if block_rows:
-        monkeypatch.setattr("kvlab.attention.PrefillCapture.BLOCK_BYTES", block_rows * lm.info.n_heads * n * 4)
+        monkeypatch.setattr("kvlab.engine.attention.PrefillCapture.BLOCK_BYTES", block_rows * lm.info.n_heads * n * 4)
     comp = get("scissorhands")(lm.info, None, {"B": 100})
     budget_search.planned(comp, n)
     state, logits, _ = prefill_for(lm, ids, [comp])

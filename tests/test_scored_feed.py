@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from kvlab.budgets import Budget
-from kvlab.compressors import PrefillState, budget_search, get
-from kvlab.compressors.base import Compressor
-from kvlab.models import ModelInfo
+from kvlab.core.budgets import Budget
+from kvlab.core.model import ModelInfo
+from kvlab.methods import PrefillState, budget_search, get
+from kvlab.methods.base import Compressor
 
 INFO = ModelInfo(
     id="synthetic", n_layers=2, n_heads=6, n_kv_heads=2, head_dim=32, dtype="float32", device="cpu", max_positions=4096

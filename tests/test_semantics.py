@@ -1,9 +1,9 @@
-"""The shared attention maths (``kvlab.semantics``) against transformers' own eager formulas."""
+"""The shared attention maths (``kvlab.core.semantics``) against transformers' own eager formulas."""
 
 import torch
 
 from kernels.tensor_ops import group_queries
-from kvlab import semantics as sm
+from kvlab.core import semantics as sm
 
 HQ, HKV, D = 4, 2, 8
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from kvlab.budgets import Budget
-from kvlab.clustering import cluster_stream, greedy_kcenter
-from kvlab.compressors import budget_search
-from kvlab.compressors.subgen import SubGenState, kcenter_compress
-from kvlab.ops import dense_attention
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.attention_ops import dense_attention
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.methods import budget_search
+from kvlab.methods.clustering import cluster_stream, greedy_kcenter
+from kvlab.methods.subgen import SubGenState, kcenter_compress
 
 # chi-square critical values at p = 0.001
 CHI2_CRIT = {5: 20.52, 7: 24.32}
@@ -156,7 +156,7 @@ def test_algorithm1_delta_fits_m_cap_on_the_prompt(lm, prefill_state):
     The attention error of the last prompt query at budget 0.25 is ~0.6 (relative to ||a||) with the
     4 sink tokens and the recent window held exactly; Algorithm 1 alone on the whole prompt is ~2.2
     (its numerator weights mu / (s ||v||^2) are heavy-tailed on the attention sinks)."""
-    from kvlab.compressors import get
+    from kvlab.methods import get
 
     st = prefill_state
     c = get("subgen")(lm.info, Budget.parse("0.25"), {})
@@ -189,8 +189,8 @@ def test_algorithm1_delta_fits_m_cap_on_the_prompt(lm, prefill_state):
 def test_kcenter_duplicate_keys_no_nan(name):
     """Repeated keys: greedy k-center never picks a token twice and every center is its own member,
     so no cluster is empty (no 0/0 mean, no log 0)."""
-    from kvlab.compressors import PrefillState, get
-    from kvlab.models import ModelInfo
+    from kvlab.core.model import ModelInfo
+    from kvlab.methods import PrefillState, get
 
     info = ModelInfo("synthetic", 2, 4, 2, 16, "float32", "cpu", 4096)
     g = torch.Generator().manual_seed(0)
@@ -213,7 +213,7 @@ def test_kcenter_duplicate_keys_no_nan(name):
 def test_recent_window_slides_into_the_stream(lm, prefill_state):
     """While decoding, the newest token enters the exact window and the window's oldest token goes on
     into Algorithm 1 (its cluster sizes grow by one per step); the sink tokens stay."""
-    from kvlab.compressors import get
+    from kvlab.methods import get
 
     st = prefill_state
     c = get("subgen")(lm.info, Budget.parse("0.25"), {})
@@ -249,9 +249,9 @@ def test_local_layers_hold_the_window_and_attend_exactly(lm, long_text, arch):
     too. Mistral (every layer local): each local layer holds its share of the budget, the latest tokens."""
     from tiny_models import WINDOW, build
 
-    from kvlab.compressors import get
-    from kvlab.models import from_model
-    from kvlab.prefill import prefill
+    from kvlab.engine.loader import from_model
+    from kvlab.engine.prefill import prefill
+    from kvlab.methods import get
 
     loaded = from_model(build(arch), lm.tokenizer, arch).with_cache_dtype("float32")
     info, sem = loaded.info, loaded.info.semantics

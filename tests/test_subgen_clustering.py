@@ -1,13 +1,13 @@
-"""SubGen's clustering (``kvlab.clustering``), batched over streams, against the sequential rules it
-computes (``kvlab.clustering_reference``): the same clusters, centers and radii, token for token."""
+"""SubGen's clustering (``kvlab.methods.clustering``), batched over streams, against the sequential rules it
+computes (``tests/clustering_reference.py``): the same clusters, centers and radii, token for token."""
 
+import clustering_reference as ref
 import pytest
 import torch
 
-from kvlab import clustering
-from kvlab import clustering_reference as ref
-from kvlab.clustering import cluster_stream, greedy_kcenter, leader_delta
-from kvlab.compressors.subgen import SubGenState
+from kvlab.methods import clustering
+from kvlab.methods.clustering import cluster_stream, greedy_kcenter, leader_delta
+from kvlab.methods.subgen import SubGenState
 
 
 def test_cluster_pass_matches_token_by_token_rule():

@@ -3,8 +3,8 @@
 import torch
 from kv_samples import planned
 
-from kvlab.budgets import Budget, exact_bytes
-from kvlab.specs import GenerationSettings, RunSpec
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.engine.specs import GenerationSettings, RunSpec
 
 
 def _head_mean_attention(q, keys, info, scaling):

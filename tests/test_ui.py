@@ -17,8 +17,8 @@ gradio_client = pytest.importorskip("gradio_client")
 import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 
-from kvlab import plots  # noqa: E402
-from kvlab.results import CompareResult  # noqa: E402
+from kvlab.core.results import CompareResult  # noqa: E402
+from kvlab.report import comparison_figures as plots  # noqa: E402
 from kvlab.ui import Dashboard, PageInputs, build_demo, gpu, launch_kwargs, param_rows, params_from_rows  # noqa: E402
 
 PROMPT = "Summarize: the cat sat on the mat because the mat was warm and the sun was out. " * 6
@@ -233,7 +233,7 @@ def test_duplicate_budgets_run_once_each(lm):
 def test_over_the_memory_limit_is_refused_fast_with_the_numbers(lm):
     import time
 
-    from kvlab.admission import AdmissionLimits
+    from kvlab.engine.admission import AdmissionLimits
 
     dash = Dashboard(lm)
     dash.admission = AdmissionLimits(max_request_bytes=5 * 1024**2)
@@ -258,7 +258,7 @@ def test_huge_seed_is_a_clear_message(lm):
 
 def test_compare_hands_back_no_tensors(lm):
     """What the page's GPU function returns crosses a process boundary on ZeroGPU: no tensors at all."""
-    from kvlab.gpu import tensor_paths
+    from kvlab.ui.gpu_lease import tensor_paths
 
     dash = Dashboard(lm)
     outs = list(dash.compare(*_inputs(maps=True), progress=lambda *a, **k: None))
@@ -274,7 +274,7 @@ def test_crafted_import_is_refused_with_one_message(client, tmp_path):
 
 
 def test_health_flags_show_on_the_cards(lm):
-    from kvlab.results import RunResult
+    from kvlab.core.results import RunResult
     from kvlab.ui.cards import health_html
 
     run = RunResult("snapkv", "0.25", {}, health=[{"flag": "over_budget", "detail": "holds <b>1.2x</b>"}])

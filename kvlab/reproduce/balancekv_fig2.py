@@ -3,8 +3,8 @@
 The paper's protocol, on the embedded model: one prefill of real prose keeps every layer's
 post-RoPE keys, values and the last ``w`` queries. For each layer, the first ``sink`` and the
 last ``recent`` prompt tokens are kept exactly; the middle is compressed by T rounds of
-SoftmaxBalance (``kvlab.compressors.balancekv``, the method's own walk settings) or replaced by a
-uniform sample of the same size (``kvlab.compressors.uniform``'s sampler). The query at position j
+SoftmaxBalance (``kvlab.methods.balancekv``, the method's own walk settings) or replaced by a
+uniform sample of the same size (``kvlab.methods.uniform``'s sampler). The query at position j
 attends the kept tokens up to j (the recent tokens causally). Error: ||z_j - a_j|| / ||a_j||, a_j the
 exact causal attention, averaged over query heads, the last ``w`` queries and seeds.
 
@@ -26,6 +26,11 @@ import time
 import torch
 from torch import Tensor
 
+from kernels.tensor_ops import gather_tokens, group_queries, ungroup
+from kvlab.core.attention_ops import attention_logits
+from kvlab.methods import get
+from kvlab.methods.balancekv import BalanceKV, WalkConfig, algorithm2_config, balance_kv
+from kvlab.methods.uniform import uniform_middle
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 
@@ -56,8 +61,6 @@ QUICK = {"n": 512, "sink": 64, "recent": 64, "queries": 32, "rounds": [1, 2, 3],
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, lw: Tensor | None, q_first: int, scaling: float):
     """Attention of q [Hq, w, d] (positions q_first ..) over keys/values [Hkv, K, d] at positions
     ``pos`` [Hkv, K] with log-weights ``lw`` [Hkv, K], each query seeing positions up to its own."""
-    from kernels.tensor_ops import group_queries, ungroup
-    from kvlab.ops import attention_logits
 
     hq, w, hkv = q.shape[0], q.shape[1], k.shape[0]
     qpos = torch.arange(q_first, q_first + w)
@@ -83,7 +86,6 @@ def attention_error(
 
     q: [Hq, w, d] at positions q_first .. q_first + w - 1; keys/values: [Hkv, n, d]. Returns [Hq, w].
     """
-    from kernels.tensor_ops import gather_tokens
 
     hkv, n = keys.shape[0], keys.shape[1]
     if exact is None:
@@ -93,9 +95,6 @@ def attention_error(
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.compressors import get
-    from kvlab.compressors.balancekv import BalanceKV, WalkConfig, algorithm2_config, balance_kv
-    from kvlab.compressors.uniform import uniform_middle
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

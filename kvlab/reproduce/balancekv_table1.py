@@ -3,7 +3,7 @@
 The paper runs LongBench-E on Llama-3.1-8B at a compression rate of 0.25 (Sec. 4.2: T = 2, b = 256);
 its Table 1 puts BalanceKV's average (44.99) above PyramidKV, SnapKV, StreamingLLM and uniform
 sampling. LongBench does not fit the embedded 135M model, so kvlab's own calibrated retrieval tasks
-stand in for it (kvlab/tasks.py, docs/tasks.md: exact answers passkey and needle at 1k in 20/20
+stand in for it (kvlab/tasks/builtin.py, docs/tasks.md: exact answers passkey and needle at 1k in 20/20
 prompts, multikey in 15/20), in the query-aware protocol the paper uses, each method at budget
 0.25 of the exact cache's bytes (matched on the peak: every method here is prefill-only or holds its
 budget while decoding). BalanceKV runs as ``balancekv@paper`` (the paper's T = 2) and with kvlab's
@@ -21,8 +21,11 @@ from __future__ import annotations
 import difflib
 import time
 
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import RunSpec
 from kvlab.reproduce.common import Claim, Report, Row
 from kvlab.reproduce.context import Context
+from kvlab.tasks import make_task, prompt_ids, score_result
 
 NAME = "balancekv-table1"
 TITLE = "BalanceKV Table 1: calibrated tasks at 0.25 against SnapKV, PyramidKV, StreamingLLM, uniform"
@@ -51,9 +54,6 @@ QUICK = {"tasks": ["passkey", "needle"], "length": 512, "seeds": 1, "budget": "0
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.budgets import Budget
-    from kvlab.specs import RunSpec
-    from kvlab.tasks import make_task, prompt_ids, score_result
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

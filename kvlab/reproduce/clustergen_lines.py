@@ -18,8 +18,11 @@ from __future__ import annotations
 import re
 import time
 
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import RunSpec
 from kvlab.reproduce.common import Claim, Report, Row
 from kvlab.reproduce.context import Context
+from kvlab.tasks import make_task, prompt_ids, score_result
 
 NAME = "clustergen-lines"
 TITLE = "ClusterGen Table 2: line retrieval at equal budget, k-center vs Sink vs H2O"
@@ -56,9 +59,6 @@ EXACT_MIN = 0.8  # the direction is checked only where exact answers this share 
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.budgets import Budget
-    from kvlab.specs import RunSpec
-    from kvlab.tasks import make_task, prompt_ids, score_result
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -9,6 +9,12 @@ from functools import cached_property
 
 import torch
 
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import load_model
+from kvlab.engine.prefill import prefill
+from kvlab.engine.specs import GenerationSettings
+from kvlab.methods.handover import PrefillNeeds
+
 
 @dataclass
 class Context:
@@ -30,14 +36,11 @@ class Context:
     @cached_property
     def loaded(self):
         if self.lm is None:
-            from kvlab.models import load_model
-
             self.lm = load_model(self.model, self.device)
         return self.lm
 
     @cached_property
     def engine(self):
-        from kvlab.engine import Engine
 
         return Engine(self.loaded)
 
@@ -55,13 +58,10 @@ class Context:
 
     def compare(self, ids: list[int], runs: list, max_new_tokens: int, probes: list | None = None):
         """One engine comparison (greedy decoding), the way ``kvlab compare`` runs it."""
-        from kvlab.specs import GenerationSettings
 
         return self.engine.compare(ids, runs, GenerationSettings(max_new_tokens=max_new_tokens), probes=probes or [])
 
     def prefill(self, ids: list[int], window: int):
-        from kvlab.compressors.handover import PrefillNeeds
-        from kvlab.prefill import prefill
 
         with torch.inference_mode():
             state, _ = prefill(self.loaded, ids, PrefillNeeds(query_window=window))

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import math
 
+from kvlab.core.budgets import Budget, exact_bytes
+from kvlab.methods.budget_search import planned
+from kvlab.methods.handover import PrefillState
+from kvlab.methods.kivi import kivi_worst_ratio
+from kvlab.methods.registry import get
+
 MATCH_TOLERANCE = 0.05  # peaks within 5% of each other count as the same bytes
 
 
@@ -19,9 +25,6 @@ def peak_fraction(info, method: str, params: dict, n_prompt: int, steps: int) ->
     """The budget fraction that the peak of ``method`` with ``params`` (every knob that the budget would
     choose given) uses on an ``n_prompt``-token prompt decoded for ``steps`` steps, from its plan; rounded
     up to 4 decimals."""
-    from kvlab.budgets import Budget
-    from kvlab.compressors.budget_search import planned
-    from kvlab.compressors.registry import get
 
     cap = 0.99  # a budget below 1, so that the method compresses; its knobs are all given
     comp = get(method)(info, Budget(fraction=cap), params)
@@ -37,7 +40,6 @@ def fill_kivi(info, budget, n_prompt: int, steps: int, bits: int, group: int) ->
     """The residual with which KIVI at ``bits`` comes closest to ``budget`` at its peak without passing it
     (None: nothing fits). A scan, not the planner's bisection: moving the residual by one token can move a
     whole group of ``group`` tokens between the codes and full precision, so the peak is not monotone in it."""
-    from kvlab.compressors.kivi import kivi_worst_ratio
 
     best, best_ratio = None, 0.0
     for r in range(n_prompt + 1):
@@ -74,10 +76,6 @@ def simulate_bytes(info, method: str, budget, params: dict, n_prompt: int, steps
     though it flushes in groups and often holds less); this is what a run will hold."""
     import torch
 
-    from kvlab.compressors.budget_search import planned
-    from kvlab.compressors.handover import PrefillState
-    from kvlab.compressors.registry import get
-
     comp = get(method)(info, budget, params, seed=seed)
     comp.decode_steps = steps
     planned(comp, n_prompt)
@@ -99,7 +97,6 @@ def simulate_bytes(info, method: str, budget, params: dict, n_prompt: int, steps
 def held_fraction(info, held: list[int], n_prompt: int) -> float:
     """The largest share of the exact cache that ``held`` (bytes after prefill and each step) reaches,
     rounded up to 4 decimals: the budget fraction a run holding those bytes needs."""
-    from kvlab.budgets import exact_bytes
 
     worst = max(h / exact_bytes(info, n_prompt + j) for j, h in enumerate(held))
     return min(1.0, math.ceil(worst * 1e4) / 1e4)

@@ -16,7 +16,7 @@ first-layer sketch) the largest sketch m that fits. Each run's peak and mean byt
 from the tensors held; the table says how far apart the peaks are (matched within 5%). On one
 greedy generation of the document task: teacher-forced KL(exact || method), top-1 agreement and
 perplexity along the exact run's tokens, and the attention relative error
-(``kvlab.metrics.MetricsProbe``); then the calibrated passkey and needle tasks, each prompt with
+(``kvlab.measure.metrics.MetricsProbe``); then the calibrated passkey and needle tasks, each prompt with
 its own matched budget.
 
 Bits per number = the exact cache's bits x peak bytes / the exact cache's peak bytes over the run
@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import time
 
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import RunSpec
+from kvlab.measure.metrics import MetricsProbe, ProbeSettings
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 from kvlab.reproduce.matched import (
@@ -38,6 +41,8 @@ from kvlab.reproduce.matched import (
     simulate_bytes,
     spread,
 )
+from kvlab.run import finish
+from kvlab.tasks import make_task, prompt_ids
 
 NAME = "qjl-3bit"
 TITLE = "QJL Tables 1-2: QJL at ~3 bits per number vs KIVI-2/3/4 and QJL without outliers at matched bytes"
@@ -112,8 +117,6 @@ def matched_runs(info, n_prompt: int, steps: int) -> tuple[list, float]:
     fills that budget (KIVI's plan is exact). QJL without outliers has the same window, so it is planned
     to the paper's QJL's *planned* fraction (``matched.peak_fraction``): both plans then leave the same
     slack, and the two QJL runs run at that budget (their plans must fit it)."""
-    from kvlab.budgets import Budget
-    from kvlab.specs import RunSpec
 
     params = paper_params(info.head_dim)
     planned = Budget(fraction=peak_fraction(info, "qjl", params["qjl"], n_prompt, steps))
@@ -129,8 +132,6 @@ def matched_runs(info, n_prompt: int, steps: int) -> tuple[list, float]:
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.metrics import MetricsProbe, ProbeSettings
-    from kvlab.tasks import make_task
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)
@@ -241,8 +242,6 @@ def run(ctx: Context) -> Report:
 def _task_scores(ctx: Context, cfg: dict) -> dict[str, dict]:
     """The calibrated tasks (docs/tasks.md) under each configuration, each prompt at its own matched budget:
     accuracy per label over the seeds."""
-    from kvlab.run import finish
-    from kvlab.tasks import make_task, prompt_ids
 
     out: dict[str, dict] = {}
     for name in cfg["tasks"]:

@@ -2,7 +2,7 @@
 
 On real post-RoPE keys and queries of the embedded model (a prose prefill; a few layers), for
 each sketch size m many independent sketches S are drawn and each key is stored as
-(sign(S k), ||k||) by ``kvlab.compressors.qjl.sketch_keys``; the estimate of <q, k> is
+(sign(S k), ||k||) by ``kvlab.methods.qjl.sketch_keys``; the estimate of <q, k> is
 <q, k_hat> with ``dense_key_estimate`` (the linear form of sqrt(pi/2)/m ||k|| <S q, sign(S k)>).
 Per (query head, query, key) pair: bias = mean estimate - <q, k>, its t-statistic against the
 sampling error over sketches, and the variance against the value the proof gives for Gaussian S:
@@ -19,6 +19,9 @@ import time
 
 import torch
 
+from kernels.qjl import make_sketch
+from kvlab.core.attention_ops import attention_logits
+from kvlab.methods.qjl import dense_key_estimate, sketch_keys
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 
@@ -57,9 +60,6 @@ def measure(q: torch.Tensor, k: torch.Tensor, m: int, sketches: int, orthogonali
 
     q: [Hq, t, d] queries; k: [Hkv, p, d] keys (GQA: each query head against its group's keys).
     """
-    from kernels.qjl import make_sketch
-    from kvlab.compressors.qjl import dense_key_estimate, sketch_keys
-    from kvlab.ops import attention_logits
 
     d = q.shape[-1]
     gen = torch.Generator().manual_seed(seed)

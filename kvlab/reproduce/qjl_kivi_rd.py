@@ -14,7 +14,7 @@ partial group stays in full precision) it is refused, said so, and QJL runs at b
 
 All runs decode together on one greedy generation of the document task; each row gives the bits per
 number each run really held at its peak (and its mean over the run), measured from its tensors, the
-teacher-forced KL(exact || method) and the attention relative error (``kvlab.metrics.MetricsProbe``).
+teacher-forced KL(exact || method) and the attention relative error (``kvlab.measure.metrics.MetricsProbe``).
 A row's direction (QJL's KL <= KIVI's) is judged only where the two peaks are within 5% of each other.
 """
 
@@ -22,6 +22,11 @@ from __future__ import annotations
 
 import time
 
+from kvlab.core.budgets import Budget, BudgetRefused
+from kvlab.engine.specs import RunSpec
+from kvlab.measure.metrics import MetricsProbe, ProbeSettings
+from kvlab.methods.budget_search import planned
+from kvlab.methods.kivi import KIVI
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 from kvlab.reproduce.matched import (
@@ -33,6 +38,7 @@ from kvlab.reproduce.matched import (
     simulate_bytes,
     spread,
 )
+from kvlab.tasks import make_task
 
 NAME = "qjl-kivi-rd"
 TITLE = "QJL vs KIVI at equal bytes: KL and attention error against bits per number (2 to 6)"
@@ -59,10 +65,6 @@ QUICK = {"length": 320, "max_new_tokens": 8, "seed": 0, "bits": [2, 4, 5, 6]}
 def plan_runs(info, n_prompt: int, steps: int, bits: list[float]) -> list:
     """exact, then for each number of bits QJL at KIVI's predicted peak (b / 16 when KIVI cannot hold it) and
     KIVI at b / 16 (its residual filling it best)."""
-    from kvlab.budgets import Budget, BudgetRefused
-    from kvlab.compressors.budget_search import planned
-    from kvlab.compressors.kivi import KIVI
-    from kvlab.specs import RunSpec
 
     runs = [RunSpec("exact")]
     for b in bits:
@@ -88,15 +90,12 @@ def _qjl_budget(info, target: float, n_prompt: int, steps: int):
     QJL's plan counts its window full, but the window flushes in groups and often holds less: the
     bytes planned at ``target`` are simulated (``matched.simulate_bytes``) and the budget is raised by
     the slack once (the window, capped at 128 tokens, hardly changes with it)."""
-    from kvlab.budgets import Budget
 
     held = held_fraction(info, simulate_bytes(info, "qjl", Budget(fraction=target), {}, n_prompt, steps), n_prompt)
     return Budget(fraction=round(min(1.0, 2 * target - held), 4))
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.metrics import MetricsProbe, ProbeSettings
-    from kvlab.tasks import make_task
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -1,7 +1,7 @@
 """Scissorhands Fig. 3: perplexity against the KV-cache compression ratio.
 
 On one prose prompt (no chat template) the exact cache generates greedily; each method is then fed
-the exact run's tokens (teacher forcing, ``kvlab.metrics.MetricsProbe``) and its perplexity on them
+the exact run's tokens (teacher forcing, ``kvlab.measure.metrics.MetricsProbe``) and its perplexity on them
 is measured. Scissorhands runs at token budgets B = n / ratio per layer and KV head, with kvlab's
 defaults and as ``scissorhands@paper`` (more budget for later layers, Algorithm 1 token by token over
 the prompt). Scissorhands drops m = 0.5 B at once, so it holds between B/2 and B tokens: the table
@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import time
 
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import RunSpec
+from kvlab.measure.metrics import MetricsProbe, ProbeSettings
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 
@@ -47,16 +50,12 @@ def held(result) -> tuple[float, float]:
 
 def perplexities(ctx: Context, ids: list[int], specs: list, max_new_tokens: int) -> list:
     """One teacher-forced comparison: exact first, then ``specs``; returns the engine's run results."""
-    from kvlab.metrics import MetricsProbe, ProbeSettings
-    from kvlab.specs import RunSpec
 
     probe = MetricsProbe(ProbeSettings(attn_error=False, fidelity=True, maps=False))
     return ctx.compare(ids, [RunSpec("exact"), *specs], max_new_tokens, [probe]).runs
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.budgets import Budget
-    from kvlab.specs import RunSpec
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from kvlab.core.attention_ops import causal_window_probs
 from kvlab.reproduce.common import Claim, Report, Row
 from kvlab.reproduce.context import Context
 
@@ -70,7 +71,6 @@ def persistence(probs: torch.Tensor, c: float = 1.0) -> tuple[torch.Tensor, torc
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.ops import causal_window_probs
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -1,7 +1,7 @@
 """Scissorhands Table 3: perplexity at 2x / 3x / 5x compression against a local window of the same size.
 
 On one prose prompt (no chat template), the exact cache generates greedily; every method is then
-fed the exact run's tokens (teacher forcing, ``kvlab.metrics.MetricsProbe``) and its perplexity on
+fed the exact run's tokens (teacher forcing, ``kvlab.measure.metrics.MetricsProbe``) and its perplexity on
 them is measured. Scissorhands keeps B = prompt / ratio tokens per layer and KV head, evicting as it
 decodes; the local window keeps the last B tokens only (``streaming`` with no sink tokens). A
 second baseline, StreamingLLM with 4 sink tokens, shows what the missing sinks cost the window.
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import time
 
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import RunSpec
+from kvlab.measure.metrics import MetricsProbe, ProbeSettings
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 
@@ -36,9 +39,6 @@ QUICK = {"length": 192, "ratios": [2, 5], "max_new_tokens": 8}
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.budgets import Budget
-    from kvlab.metrics import MetricsProbe, ProbeSettings
-    from kvlab.specs import RunSpec
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+from kvlab.core.budgets import Budget
+from kvlab.engine.specs import RunSpec
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 from kvlab.reproduce.scissorhands_fig3 import held, perplexities
@@ -36,8 +38,6 @@ SAME = 1.02  # "no compounded error": within 2% of Scissorhands' perplexity
 
 
 def run(ctx: Context) -> Report:
-    from kvlab.budgets import Budget
-    from kvlab.specs import RunSpec
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

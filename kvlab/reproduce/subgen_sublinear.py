@@ -3,7 +3,7 @@
 Algorithm 1's memory is O(d (m t + s)), with m the number of clusters of radius delta the stream of
 keys needs; the theorem gives sublinear memory when m = n^(1 - Omega(1)) (Sec. 2.1). Fig. 1 says the
 keys of a real model are more clusterable than its values. Both are measured here on one prefill of
-real prose: Algorithm 1's own leader clustering (``kvlab.clustering.cluster_stream``, no cap on the clusters)
+real prose: Algorithm 1's own leader clustering (``kvlab.methods.clustering.cluster_stream``, no cap on the clusters)
 of the first n tokens of each sampled (layer, KV head) stream, for growing n, at a fixed radius:
 delta = ``rel`` x the stream's median vector norm (the same relative radius for keys and values,
 which makes the two comparable; the first 4 tokens, attention sinks with outsized keys, are left
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from kvlab.methods.clustering import cluster_stream
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 
@@ -55,7 +56,6 @@ def slope(ns: list[int], ms: list[float]) -> float:
 def cluster_counts(x: torch.Tensor, lengths: list[int], rel: float) -> list[float]:
     """Mean number of clusters Algorithm 1 opens on the first n vectors of each stream x [B, N, d], delta =
     rel x each stream's median norm (over all N), for each n in ``lengths``."""
-    from kvlab.clustering import cluster_stream
 
     delta = rel * x.norm(dim=-1).median(-1).values
     out = []

@@ -17,6 +17,10 @@ import time
 
 import torch
 
+from kernels.tensor_ops import group_queries, ungroup
+from kvlab.core.attention_ops import attention_logits
+from kvlab.methods.clustering import Clustering, cluster_stream
+from kvlab.methods.subgen import SubGenState
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 from kvlab.reproduce.subgen_sublinear import slope
@@ -40,8 +44,6 @@ def theorem_errors(state, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     """(eps, relative error) per layer, averaged over query heads and queries.
 
     q [L, Hq, w, d]; keys/values [L, Hkv, n, d]: what ``state`` (Algorithm 1) was built on."""
-    from kernels.tensor_ops import group_queries, ungroup
-    from kvlab.ops import attention_logits
 
     eps, rel = [], []
     for layer in range(keys.shape[0]):
@@ -59,8 +61,6 @@ def theorem_errors(state, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 def build(keys: torch.Tensor, values: torch.Tensor, rel: float, t: int, s: int, seed: int):
     """Algorithm 1 over keys/values [L, H, n, d] with no cluster cap at delta = rel x median key norm."""
-    from kvlab.clustering import Clustering, cluster_stream
-    from kvlab.compressors.subgen import SubGenState
 
     n_layers, h, n, d = keys.shape
     flat = keys.reshape(-1, n, d).float()

@@ -16,15 +16,15 @@ panel and parameter table) · ``cards`` (HTML pieces) · ``about`` · ``export``
 report) · ``dashboard`` (the callbacks) · ``page`` (``build_demo``, ``launch_kwargs``).
 """
 
-from kvlab.gpu import gpu
 from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, diff_text_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import FIGURE_OUTPUTS, FIGURE_TITLES, Dashboard, LiveProbe, PageInputs
 from kvlab.ui.export import export_files, metrics_csv, report_html
+from kvlab.ui.gpu_lease import gpu
 from kvlab.ui.methods import CORE_PAPER_METHODS, default_methods, method_groups, param_rows, params_from_rows
 from kvlab.ui.page import build_demo, launch_kwargs
-from kvlab.ui.presets import DEFAULT_PRESET, TASK_PRESETS, builtin_presets, presets
+from kvlab.ui.prompt_presets import DEFAULT_PRESET, TASK_PRESETS, builtin_presets, presets
 
 __all__ = [
     "CORE_PAPER_METHODS",

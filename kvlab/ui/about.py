@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from kvlab.compressors import methods
+from kvlab.methods import methods
 from kvlab.ui.config import GROUP_TITLES
 
 #: Where the docs are served (e.g. a Space's ``.../blob/main``); unset: the path in the source tree.

@@ -10,12 +10,12 @@ import html
 
 import numpy as np
 
-from kvlab import plots
-from kvlab.compressors import methods
-from kvlab.figures import finite
-from kvlab.metrics import token_diff
-from kvlab.models import LoadedModel
-from kvlab.results import QUERY_AGNOSTIC, CompareResult, RunResult
+from kvlab.core.model import LoadedModel
+from kvlab.core.results import QUERY_AGNOSTIC, CompareResult, RunResult
+from kvlab.measure.metrics import token_diff
+from kvlab.methods import methods
+from kvlab.report import comparison_figures as plots
+from kvlab.report.charts import finite
 from kvlab.ui.config import GROUP_TITLES
 
 
@@ -153,7 +153,7 @@ def error_html(run: RunResult) -> str:
 
 
 def health_html(run: RunResult) -> str:
-    """The run's health flags (kvlab.health), one warning line each; nothing when it has none."""
+    """The run's health flags (kvlab.measure.health), one warning line each; nothing when it has none."""
     flags = [f for f in (run.health or []) if isinstance(f, dict)]
     esc = lambda key, f: html.escape(str(f.get(key, "")))  # noqa: E731
     return "".join(f"<div class='kv-flag'>⚠ <b>{esc('flag', f)}</b>: {esc('detail', f)}</div>" for f in flags)

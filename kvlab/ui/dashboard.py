@@ -17,22 +17,25 @@ from pathlib import Path
 import gradio as gr
 import torch
 
-from kvlab import cancel, faults, plots
-from kvlab.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
-from kvlab.budgets import BudgetError, exact_bytes, parse_budgets
-from kvlab.engine import Engine
-from kvlab.gpu import WorkSize
-from kvlab.metrics import ProbeSettings
-from kvlab.models import EMBEDDED, LoadedModel, ModelLoadError, load_model
-from kvlab.probe import Probe
-from kvlab.results import QUERY_AGNOSTIC, CompareResult, RunResult
+from kvlab.core import cancel
+from kvlab.core.budgets import BudgetError, exact_bytes, parse_budgets
+from kvlab.core.model import LoadedModel, ModelLoadError
+from kvlab.core.results import QUERY_AGNOSTIC, CompareResult, RunResult
+from kvlab.engine import faults
+from kvlab.engine.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import EMBEDDED, load_model
+from kvlab.engine.probe import Probe
+from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
+from kvlab.measure.metrics import ProbeSettings
+from kvlab.report import comparison_figures as plots
+from kvlab.report.result_file import ResultFileError, load_result_text
 from kvlab.run import Comparison, stream
-from kvlab.schema import ResultFileError, load_result_text
-from kvlab.specs import GenerationSettings, InputError, RunSpec
 from kvlab.tasks import Task, join_question
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import Limits
 from kvlab.ui.export import export_files
+from kvlab.ui.gpu_lease import WorkSize
 from kvlab.ui.methods import params_from_rows
 
 FIGURE_TITLES = (
@@ -320,7 +323,7 @@ class Dashboard:
         """Generator: yields (status, cards, state, *figures) as the comparison runs.
 
         The page's inputs come first, in ``PageInputs`` order (the API's order). The model work
-        runs under a ``kvlab.cancel`` token that ``cancel`` (the Cancel button, same session) sets.
+        runs under a ``kvlab.core.cancel`` token that ``cancel`` (the Cancel button, same session) sets.
         """
         token = self._start(request)
         inputs = PageInputs(

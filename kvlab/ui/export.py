@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvlab import plots
-from kvlab.models import LoadedModel
-from kvlab.results import CompareResult
+from kvlab.core.model import LoadedModel
+from kvlab.core.results import CompareResult
+from kvlab.report import comparison_figures as plots
 from kvlab.ui.cards import cards_html
 from kvlab.ui.config import CSS
 

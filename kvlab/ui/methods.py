@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlab.compressors import methods
+from kvlab.methods import methods
 
 
 def method_groups() -> dict[str, list[tuple[str, str]]]:

@@ -9,17 +9,18 @@ from dataclasses import dataclass, fields
 
 import gradio as gr
 
-from kvlab.gpu import gpu
-from kvlab.models import EMBEDDED, LoadedModel
+from kvlab.core.model import LoadedModel
+from kvlab.engine.loader import EMBEDDED
 from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import Dashboard, PageInputs
 from kvlab.ui.export import export_ttl_s
-from kvlab.ui.grid import grid_tab
-from kvlab.ui.leaderboard import leaderboard_tab
+from kvlab.ui.gpu_lease import gpu
+from kvlab.ui.grid_tab import grid_tab
+from kvlab.ui.leaderboard_tab import leaderboard_tab
 from kvlab.ui.methods import default_methods, method_groups, param_rows
-from kvlab.ui.presets import DEFAULT_PRESET, presets
+from kvlab.ui.prompt_presets import DEFAULT_PRESET, presets
 
 
 @dataclass

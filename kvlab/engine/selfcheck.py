@@ -1,0 +1,95 @@
+"""The load-time self-check: kvlab's exact path must reproduce the model's own forward.
+
+A short probe (longer than the model's smallest sliding window) is fed two ways: through
+transformers' own forward (the model's attention implementation, teacher-forced logits at every
+position), and through kvlab's exact path (the prefill, then one lockstep decode step per token
+through the ``exact`` cache stored in float32). Their logits must agree within the floating-point
+bound of the model's dtype; otherwise the model is refused before any comparison runs, with one
+line that says where they part and what the model's attention uses. An architecture nobody tested
+then cannot give silently wrong results.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from kvlab.core.model import MODELS_DOC, LoadedModel, ModelLoadError
+from kvlab.engine.lockstep import feed_stepwise
+from kvlab.engine.prefill import prefill
+from kvlab.methods.registry import get
+
+DECODE_STEPS = 6  # probe tokens after the prefill: the last prompt logits, then 5 decode steps
+PLAIN_PREFIX = 24  # probe prefill length when the model has no sliding window
+# largest |logit difference| / (largest |logit|) allowed, by the model's compute dtype
+BOUNDS = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 6e-2}
+
+
+def probe_ids(lm: LoadedModel, n: int) -> list[int]:
+    """``n`` token ids of plain English (repeated as needed), from the model's own tokenizer."""
+    text = (
+        "The river bends east past the old mill, where children fish in summer and the ice is thick in "
+        "winter. Each year the town counts its bridges, its boats and the birds that return in spring. "
+    )
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += [int(i) for i in lm.tokenizer(text)["input_ids"]]
+    weight = cast(torch.Tensor, lm.model.get_input_embeddings().weight)  # torch types it Tensor | Module
+    vocab = weight.shape[0]
+    return [i % vocab for i in ids[:n]]
+
+
+def probe_window(lm: LoadedModel) -> int | None:
+    """The smallest sliding window the model's attention calls or its config name (None: none): the
+    probe runs past it even when a window went unseen."""
+    cfg = lm.model.config.get_text_config() if hasattr(lm.model.config, "get_text_config") else lm.model.config
+    windows = [w for w in (lm.info.semantics.smallest_window, getattr(cfg, "sliding_window", None)) if w]
+    return min(windows, default=None)
+
+
+@torch.inference_mode()
+def divergence(lm: LoadedModel) -> tuple[list[float], int]:
+    """The relative logit difference (largest |difference| / largest |logit|) at the prefill's last token,
+    then after each decode step; and the prefill length."""
+
+    window = probe_window(lm)
+    prefix = window + 8 if window else PLAIN_PREFIX
+    ids = probe_ids(lm, prefix + DECODE_STEPS)
+    lm32 = lm.with_cache_dtype("float32")
+    state, last = prefill(lm32, ids[:prefix])
+    exact = get("exact")(lm32.info)
+    exact.plan(prefix)
+    exact.compress(state)
+    ours = [last]
+    for i, t in enumerate(ids[prefix:-1]):
+        ours.append(feed_stepwise(lm32, [exact], prefix + i, [t])[0])
+    dev = lm.device
+    theirs = lm.model(input_ids=torch.tensor([ids], device=dev)).logits[0, prefix - 1 : -1].float()
+    ours_t = torch.stack(ours).float()
+    diff = (ours_t - theirs).abs().amax(-1) / theirs.abs().amax(-1).clamp_min(1e-6)
+    return diff.tolist(), prefix
+
+
+def self_check(lm: LoadedModel) -> None:
+    """Raise ModelLoadError (one line) when kvlab's exact path does not reproduce the model's forward."""
+    try:
+        errs, prefix = divergence(lm)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the exact path refuses the model in one line
+        raise ModelLoadError(
+            f"kvlab cannot run {lm.info.id!r}: its exact path fails on this model "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); supported families are listed in {MODELS_DOC}"
+        ) from exc
+    bound = BOUNDS.get(lm.info.dtype, 6e-2)
+    first = next((i for i, e in enumerate(errs) if not e <= bound), None)
+    if first is not None:
+        err = errs[first]
+        where = "in the prefill" if first == 0 else f"at decode step {first}"
+        features = ", ".join(lm.info.semantics.features()) or "plain softmax attention"
+        raise ModelLoadError(
+            f"kvlab cannot run {lm.info.id!r}: its exact attention differs from the model's own forward "
+            f"{where} (logits differ by {err:.2g} of their range, bound {bound:g}; the model's attention: "
+            f"{features}); supported families are listed in {MODELS_DOC}"
+        )

@@ -1,0 +1,260 @@
+"""AdaKV: a prompt-time scorer's budget spread over the KV heads of a layer by one joint top-k.
+
+Feng, Lv, Cao, Xie, Zhou. "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for
+Efficient LLM Inference", NeurIPS 2025, https://arxiv.org/abs/2407.11550 — Algorithm 1 (adaptive
+budget allocation) inside Algorithm 2 (Ada-SnapKV). A top-k eviction method gives every head of a
+layer the same budget B. Ada-KV pools the scores of the layer's H heads, takes the top H x B of
+them jointly, and gives head i as many tokens as it placed in that joint top (f_i); each head then
+keeps its own f_i best tokens. A head whose attention is concentrated on a few tokens gives its
+budget to one whose attention is spread out. The safeguard of the authors' code
+(``AdaptiveSnapKVCluster``, ``floor_alpha``, 0.2 in its runs with grouped-query attention): head i
+gets ``alpha * B + (1 - alpha) * f_i``, never less than ``alpha`` of the uniform budget.
+
+It wraps any prompt-time scorer (``PromptScored``): ``ada-snapkv`` is registered; ``ada-NAME`` is
+built on demand for the others, like ``METHOD+kiviB`` (``ada-pyramidkv``, the paper's Ada-Pyramid;
+``ada-knorm``, ``ada-keydiff``). It takes their scores (``scores(state)``), their per-layer budgets
+beyond the recent window (``capacity - window``, or ``layer_keep``) and their window, which every
+head keeps as they do; only the split of each layer's budget over its heads changes.
+
+The heads of a layer then hold different numbers of tokens. The cache holds exactly those
+(``RaggedLayer``): per layer, the kept prompt tokens of all heads in one flat [T, d] tensor with
+each head's count, and the tokens appended after compression (which every head gets) in a dense
+[Hkv, m, d] store. Attention builds a transient per-head view padded to the longest head; the
+padding is never part of ``tensors()`` and gets zero weight.
+
+Deviations:
+
+* The per-head budgets are rounded by largest remainder so that a layer's budgets sum to exactly
+  H x B (the authors' code rounds each head on its own, which can miss the total by a few tokens).
+* Grouped-query attention: the scores of a KV group's query heads are summed (as kvlab's SnapKV
+  does; the authors' code averages them): the joint ranking is the same. For the other scorers the
+  joint top-k compares their scores across heads as they are (KNorm's key norms, KeyDiff's cosines);
+  the paper argues for attention weights only.
+* The authors' code's options ``normalize`` (scale each head's scores by its top-B share) and
+  ``skip`` (uniform budgets in the first layers) are not implemented (its LongBench scripts run
+  with ``skip`` 0 and without ``normalize``).
+* Each head's count is held as an int32 (4 bytes per layer and KV head) and counted in the bytes.
+* ``kept_positions`` pads a shorter head's row by repeating the newest position it holds (every
+  head holds it), so the rows stay rectangular; the set of positions per head is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from kvlab.core import cancel
+from kvlab.methods.base import Compressor
+from kvlab.methods.composed import ComposedStore
+from kvlab.methods.dense import DenseLayer
+from kvlab.methods.handover import PrefillState
+from kvlab.methods.params import Param
+from kvlab.methods.scored import PromptScored
+
+PREFIX = "ada-"
+PAD_LOGW = -1e30  # a padding slot's log-weight: weight exactly 0, finite so a block of padding alone stays finite
+
+
+def joint_allocation(scores: Tensor, budget: Tensor, alpha: float) -> Tensor:
+    """Ada-KV's per-head budgets (Algorithm 1, with the safeguard): [L, H] int64.
+
+    scores: [L, H, m], higher = keep, comparable across a layer's heads; budget: [L] int64, the
+    uniform per-head budget B_l (0 <= B_l <= m). f[l, i] counts head i's scores among the top
+    H x B_l of layer l's H x m scores; head i gets alpha B_l + (1 - alpha) f[l, i], rounded by
+    largest remainder so that each layer's budgets sum to H x B_l.
+    """
+    n_layers, h, m = scores.shape
+    order = torch.sort(scores.reshape(n_layers, h * m), dim=-1, descending=True, stable=True).indices
+    in_top = torch.arange(h * m, device=scores.device) < (h * budget)[:, None]  # [L, H m] in score order
+    f = torch.zeros(n_layers, h, dtype=torch.long, device=scores.device).scatter_add_(1, order // m, in_top.long())
+    real = alpha * budget[:, None].double() + (1 - alpha) * f.double()
+    out = real.floor().long()
+    rest = h * budget - out.sum(-1)  # [L]: the tokens the floors left over, 0 <= rest <= H
+    by_remainder = torch.argsort(real - out, dim=-1, descending=True, stable=True)
+    bump = torch.arange(h, device=scores.device)[None, :] < rest[:, None]
+    return out.scatter_add_(1, by_remainder, bump.long())
+
+
+def ranked_keep(scores: Tensor, budgets: Tensor) -> Tensor:
+    """[L, H, m] bool: each head keeps its ``budgets`` [L, H] best-scored tokens of ``scores`` [L, H, m]."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    top = torch.arange(scores.shape[-1], device=scores.device) < budgets[..., None]
+    return torch.zeros_like(top).scatter_(-1, order, top)
+
+
+@dataclass
+class RaggedLayer:
+    """One layer whose KV heads hold different numbers of prompt tokens, plus the tokens appended since.
+
+    k: [T, d], v: [T, dv]: the kept prompt tokens of every head one after the other (head 0's first,
+    each head's in position order); pos: [T] int32, their positions; counts: [Hkv] int32, how many
+    each head holds (summing to T). tail: the tokens appended after compression, held by every head
+    alike ([Hkv, m, d] in a ``DenseLayer``).
+    """
+
+    k: Tensor
+    v: Tensor
+    pos: Tensor
+    counts: Tensor
+    tail: DenseLayer
+
+    @classmethod
+    def kept(cls, keys: Tensor, values: Tensor, keep: Tensor) -> RaggedLayer:
+        """The tokens ``keep`` [Hkv, n] (bool) of keys [Hkv, n, d] / values [Hkv, n, dv]."""
+        h, n = keep.shape
+        pos = torch.arange(n, dtype=torch.int32, device=keys.device).expand(h, n)
+        tail = DenseLayer.make(keys[:, :0], values[:, :0], pos[:, :0])
+        return cls(keys[keep], values[keep], pos[keep], keep.sum(-1).to(torch.int32), tail)
+
+    def append(self, k: Tensor, v: Tensor, pos: int) -> None:
+        """Tokens k [Hkv, c, d], v [Hkv, c, dv] at positions pos..pos+c-1, for every head."""
+        self.tail.append(k, v, pos)
+
+    def drop_before(self, first: int) -> None:
+        """Forget the tokens at positions below ``first`` (a sliding-window layer's)."""
+        inside = self.pos >= first
+        if not bool(inside.all()):
+            head = torch.repeat_interleave(torch.arange(len(self.counts), device=self.pos.device), self.counts.long())
+            self.counts = torch.bincount(head[inside], minlength=len(self.counts)).to(torch.int32)
+            self.k, self.v, self.pos = self.k[inside], self.v[inside], self.pos[inside]
+        tail_pos = self.tail.views()[2][0]  # [m]: the same positions in every head
+        if tail_pos.numel() and int(tail_pos[0]) < first:
+            idx = (tail_pos >= first).nonzero().squeeze(-1)
+            self.tail.keep(idx.expand(len(self.counts), -1))
+
+    def read_views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """As attention reads them: ``views`` (``DenseLayer.read_views``)."""
+        return self.views()
+
+    def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """A transient per-head view of what is held: k [Hkv, w + m, d], v, pos [Hkv, w + m], logw.
+
+        Each head's prompt tokens padded to the longest head's w (zero keys and values, log-weight
+        ``PAD_LOGW``, the newest position held), then the tail; logw None when no head is padded.
+        """
+        tk, tv, tpos, _ = self.tail.views()
+        counts = self.counts.tolist()
+        newest = int(tpos.max()) if tpos.numel() else int(self.pos.max())
+        k = pad_sequence(list(self.k.split(counts)), batch_first=True)
+        v = pad_sequence(list(self.v.split(counts)), batch_first=True)
+        pos = pad_sequence(list(self.pos.split(counts)), batch_first=True, padding_value=newest)
+        lw = None
+        if min(counts) < max(counts):
+            pad = torch.arange(k.shape[1], device=k.device)[None, :] >= self.counts[:, None]
+            lw = torch.zeros(pad.shape, device=k.device).masked_fill_(pad, PAD_LOGW)
+            lw = torch.cat([lw, lw.new_zeros(lw.shape[0], tk.shape[1])], 1)
+        return torch.cat([k, tk], 1), torch.cat([v, tv], 1), torch.cat([pos, tpos], 1), lw
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        yield "keys", self.k
+        yield "values", self.v
+        yield "positions", self.pos
+        yield "head_counts", self.counts
+        yield from self.tail.tensors()
+
+
+ALPHA = Param(
+    "alpha",
+    0.2,
+    "safeguard: each head keeps at least this share of the uniform per-head budget (1: uniform)",
+    minimum=0.0,
+    maximum=1.0,
+)
+PAPER = (
+    "Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM "
+    "Inference, NeurIPS 2025 (arXiv:2407.11550)"
+)
+
+
+class AdaKV(PromptScored):
+    """A prompt-time scorer's selection with Ada-KV's allocation across heads (see the module docstring);
+    ``adaptive(Inner)`` is the class for ``Inner``."""
+
+    layers: list[RaggedLayer]  # type: ignore[assignment]  # the dense store's interface, ragged
+
+    def plan(self, n_prompt: int) -> dict:
+        if type(self).compress is not AdaKV.compress:
+            raise TypeError(f"{self.name} cannot be stored in another form: its heads hold different token counts")
+        return {**super().plan(n_prompt), "alpha": float(self.cfg["alpha"])}
+
+    def fixed_stream_bytes(self) -> float:
+        """Each head's int32 count of kept prompt tokens."""
+        return super().fixed_stream_bytes() + 4
+
+    def compress(self, state: PrefillState) -> None:
+        n, n_layers, h = state.n_tokens, state.keys.shape[0], state.keys.shape[1]
+        keep = torch.ones(n_layers, h, n, dtype=torch.bool, device=state.keys.device)
+        if not self.full and self.capacity < n:
+            m = n - self.window
+            scores = self.scores(state)[..., :m]  # [L, Hkv, m]
+            uniform = self.layer_keep or [self.capacity - self.window] * n_layers
+            budget = torch.tensor(uniform, device=scores.device)
+            counts = joint_allocation(scores, budget, float(self.cfg["alpha"]))
+            keep[..., :m] = ranked_keep(scores, counts)
+        positions = torch.arange(n, device=keep.device)
+        self.layers = []
+        for layer in range(n_layers):
+            cancel.checkpoint()
+            mask, window = keep[layer], self.sem[layer].window
+            if window is not None and window < n:  # a sliding-window layer holds its window only
+                mask = mask & (positions >= n - window)
+            ks, vs = self.as_cached(state.keys[layer]), self.as_cached(state.values[layer])
+            self.layers.append(RaggedLayer.kept(ks, vs, mask))
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        cache = self.layers[layer]
+        cache.append(k, v, pos)
+        window = self.sem[layer].window
+        if window is not None:
+            cache.drop_before(pos + k.shape[-2] - window)
+
+    def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """A chunk of c tokens: appended to every head at once, one causal attention (a sliding-window
+        layer, whose window moves with every token, takes them one at a time)."""
+        if self.sem[layer].is_local:
+            return Compressor.feed(self, layer, q, k, v, pos)
+        return self._append_attend_block(layer, q, k, v, pos)
+
+    def head_counts(self) -> Tensor:
+        """[L, Hkv] int32: the prompt tokens each layer's KV heads hold."""
+        return torch.stack([layer.counts for layer in self.layers])
+
+
+_MADE: dict[str, type[AdaKV]] = {}
+
+
+def adaptive(inner: type[PromptScored]) -> type[AdaKV]:
+    """The class ``ada-NAME``: ``inner``'s scores and budgets with Ada-KV's allocation (made once)."""
+    name = PREFIX + inner.name
+    if name not in _MADE:
+        _MADE[name] = type(
+            f"Ada{inner.__name__}",
+            (AdaKV, inner),
+            {
+                "name": name,
+                "title": f"Ada-{inner.title}",
+                "group": "recent",
+                "paper": PAPER,
+                "summary": f"{inner.title}'s scores; each layer's budget spread over its KV heads by one joint "
+                "top-k (each head at least alpha of the uniform share).",
+                "params": inner.params + (ALPHA,),
+            },
+        )
+    return _MADE[name]
+
+
+def resolve(name: str, lookup: Callable[[str], type]) -> type | None:
+    """``ada-NAME`` for a prompt-time scorer (not composed, not already adaptive) -> its class; else None."""
+    if not name.startswith(PREFIX):
+        return None
+    try:
+        inner = lookup(name[len(PREFIX) :])
+    except ValueError:
+        return None
+    if not issubclass(inner, PromptScored) or issubclass(inner, (AdaKV, ComposedStore)):
+        return None
+    return adaptive(inner)

@@ -1,0 +1,295 @@
+"""The dense token store most methods share: full-precision kept tokens per layer, their positions and
+optional log-weights (``DenseLayer``), and ``DenseCompressor``, a method whose cache is that store.
+
+A ``DenseCompressor`` subclass implements ``select(state)`` (the kept token indices per layer) and,
+optionally, ``log_weights``; decoding appends to the store and attends with softmax over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels import Segment, use_triton
+from kernels.decode_attention import decode_attention as kernel_decode_attention
+from kernels.tensor_ops import gather_tokens
+from kvlab.core import cancel
+from kvlab.core.attention_ops import dense_attention, weights_on_positions
+from kvlab.core.budgets import TOLERANCE, per_token_bytes
+from kvlab.core.semantics import Keys
+from kvlab.methods.base import Compressor
+from kvlab.methods.handover import PrefillState
+
+
+class _Growable:
+    """A tensor that grows along dim -2 (tokens) with amortized doubling; ``view`` is the used part."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self, t: Tensor):
+        self.buf, self.n = t, t.shape[-2]
+
+    def view(self) -> Tensor:
+        return self.buf[..., : self.n, :]
+
+    def append(self, x: Tensor) -> None:
+        m = x.shape[-2]
+        if self.n + m > self.buf.shape[-2]:
+            cap = max(16, 2 * (self.n + m))
+            new = self.buf.new_empty(*self.buf.shape[:-2], cap, self.buf.shape[-1])
+            new[..., : self.n, :] = self.view()
+            self.buf = new
+        self.buf[..., self.n : self.n + m, :] = x
+        self.n += m
+
+    @classmethod
+    def gathered(cls, x: Tensor, idx: Tensor, room: int = 16) -> _Growable:
+        """The tokens ``idx`` [.., H, m] of x [.., H, n, d] in a new buffer with ``room`` tokens to spare:
+        an eviction followed by an append (H2O's every step) then makes one copy, not two."""
+        kept = gather_tokens(x, idx)
+        out = cls(kept.new_empty(*kept.shape[:-2], kept.shape[-2] + room, kept.shape[-1]))
+        out.buf[..., : kept.shape[-2], :] = kept
+        out.n = kept.shape[-2]
+        return out
+
+
+def _positions(k: Tensor, pos: int) -> Tensor:
+    """[Hkv, m, 1] int32 positions pos..pos+m-1 for the m tokens of ``k`` [Hkv, m, d]."""
+    h, m = k.shape[0], k.shape[1]
+    if m == 1:
+        return torch.full((h, 1, 1), pos, dtype=torch.int32, device=k.device)
+    return torch.arange(pos, pos + m, dtype=torch.int32, device=k.device).view(1, m, 1).expand(h, m, 1)
+
+
+@dataclass
+class DenseLayer:
+    """One layer of a dense cache: full-precision kept tokens, their positions, optional log-weights.
+
+    k, v: [Hkv, n, d]; pos: [Hkv, n] int32 (original token positions); logw: [Hkv, n] float32, the
+    log of how many tokens each kept token stands for (None when all weights are 1).
+    """
+
+    k: _Growable
+    v: _Growable
+    pos: _Growable  # stored as [Hkv, n, 1]
+    logw: _Growable | None = None  # stored as [Hkv, n, 1]
+
+    @classmethod
+    def make(cls, k: Tensor, v: Tensor, pos: Tensor, logw: Tensor | None = None) -> DenseLayer:
+        return cls(
+            _Growable(k.contiguous()),
+            _Growable(v.contiguous()),
+            _Growable(pos.to(torch.int32).unsqueeze(-1).contiguous()),
+            None if logw is None else _Growable(logw.float().unsqueeze(-1).contiguous()),
+        )
+
+    @property
+    def n(self) -> int:
+        return self.k.n
+
+    def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        lw = None if self.logw is None else self.logw.view().squeeze(-1)
+        return self.k.view(), self.v.view(), self.pos.view().squeeze(-1), lw
+
+    def read_views(self) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
+        """``views`` as attention reads them (a compressed store may hand ``ScoredKeys`` for the keys)."""
+        return self.views()
+
+    def append(self, k: Tensor, v: Tensor, pos: int) -> None:
+        """Tokens k, v [Hkv, m, d] at positions pos..pos+m-1."""
+        self.k.append(k)
+        self.v.append(v)
+        self.pos.append(_positions(k, pos))
+        if self.logw is not None:
+            self.logw.append(torch.zeros((k.shape[0], k.shape[1], 1), device=k.device))
+
+    def keep(self, idx: Tensor) -> None:
+        """Keep only the tokens ``idx`` [Hkv, m] (per head), in the given order."""
+        self.k = _Growable.gathered(self.k.view(), idx)
+        self.v = _Growable.gathered(self.v.view(), idx)
+        self.pos = _Growable.gathered(self.pos.view(), idx)
+        if self.logw is not None:
+            self.logw = _Growable.gathered(self.logw.view(), idx)
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        k, v, pos, lw = self.views()
+        yield "keys", k
+        yield "values", v
+        yield "positions", pos
+        if lw is not None:
+            yield "log_weights", lw
+
+
+class DenseCompressor(Compressor):
+    """A method whose cache is, per layer, full-precision kept tokens with optional log-weights.
+
+    Subclasses implement ``select(state)`` returning, per layer, the kept token indices [Hkv, m]
+    (a tensor [L, Hkv, m] or a list of per-layer tensors); optionally ``log_weights(state, idx)``.
+    Eviction while decoding goes in ``after_attend``.
+    """
+
+    # set by a subclass's plan: tokens per layer and KV head the prefill compression keeps (None: all)
+    capacity: int | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layers: list[DenseLayer] = []
+
+    def select(self, state: PrefillState):
+        raise NotImplementedError
+
+    def log_weights(self, state: PrefillState, idx: list[Tensor]) -> list[Tensor] | None:
+        return None
+
+    positions_implicit: bool = False  # True when kept positions follow from counts alone (set per instance too)
+
+    def per_token_bytes(self, with_logw: bool = False) -> int:
+        """Bytes one kept token costs in one layer and KV head: K, V, its int32 position (+ log-weight)."""
+        return per_token_bytes(self.info) + (0 if self.positions_implicit else 4) + (4 if with_logw else 0)
+
+    def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
+        """How many tokens per layer and head fit the byte budget (all of them for budget 1.0 or none)."""
+        budget = self.budget
+        if budget is None or self.is_full:
+            return n_prompt
+        if budget.tokens is not None:  # that many tokens, fewer when their overheads pass the tolerance
+            worth = budget.tokens * per_token_bytes(self.info) * (1 + TOLERANCE)
+            return max(1, min(budget.tokens, n_prompt, int(worth // self.per_token_bytes(with_logw))))
+        target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
+        return max(1, min(n_prompt, int(target // self.per_token_bytes(with_logw))))
+
+    def planned_tokens(self, n_prompt: int) -> int:
+        """After ``plan``: tokens per layer and KV head the prefill compression keeps (the capacity by default)."""
+        return n_prompt if self.capacity is None else min(n_prompt, self.capacity)
+
+    def planned_logw(self) -> bool:
+        """After ``plan``: whether kept tokens carry a log-weight."""
+        return False
+
+    def fixed_stream_bytes(self) -> float:
+        """Bytes per layer and KV head held besides the kept tokens (e.g. counted sketches)."""
+        return 0.0
+
+    def planned_bytes(self, n_prompt: int) -> float:
+        """After ``plan``: the bytes the compressed prompt will hold (kept tokens x their cost, + fixed bytes)."""
+        per_stream = self.planned_tokens(n_prompt) * self.per_token_bytes(self.planned_logw())
+        return self.info.n_layers * self.info.n_kv_heads * (per_stream + self.fixed_stream_bytes())
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        """Kept tokens are the most held after prefill: a streaming eviction holds its capacity while the
+        allowance grows; a prefill-only method's generated tokens are allowed on top."""
+        return self.planned_bytes(n_prompt) / max(1.0, self.allowed(n_prompt, 0))
+
+    def compress(self, state: PrefillState) -> None:
+        idx = self.select(state)
+        idx = [i for i in idx]
+        lw = self.log_weights(state, idx)
+        n = state.n_tokens
+        self.layers = []
+        for layer, ix in enumerate(idx):
+            cancel.checkpoint()
+            if ix is None:  # keep everything
+                h = state.keys.shape[1]
+                ix = torch.arange(n, device=state.keys.device).expand(h, n)
+            pos = ix.to(torch.int32)
+            layer_lw = None if lw is None else lw[layer]
+            window = self.sem[layer].window
+            if window is not None and window < n and self._plain_feed():  # a local layer holds its window
+                inside = _in_window(ix, n - window)
+                if inside is not None:
+                    ix = torch.gather(ix, 1, inside)
+                    pos = ix.to(torch.int32)
+                    layer_lw = None if layer_lw is None else torch.gather(layer_lw, 1, inside)
+            self.layers.append(
+                DenseLayer.make(
+                    self.as_cached(gather_tokens(state.keys[layer], ix)),
+                    self.as_cached(gather_tokens(state.values[layer], ix)),
+                    pos,
+                    layer_lw,
+                )
+            )
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        cache = self.layers[layer]
+        cache.append(k, v, pos)
+        window = self.sem[layer].window
+        if window is not None and cache.n > window and self._plain_feed():  # a local layer holds its window
+            inside = _in_window(cache.views()[2], pos + k.shape[-2] - window)
+            if inside is not None:
+                cache.keep(inside)
+
+    def visible(self, layer: int) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
+        """This layer's (k, v, pos, logw) as the newest token's query sees them (``read_views``: the keys may
+        be ``ScoredKeys``): on a local layer the keys outside its window get a -inf log-weight
+        (``semantics.window_bias``)."""
+        k, v, pos, lw = self.layers[layer].read_views()
+        s = self.sem[layer]
+        if s.window is not None and pos.numel():
+            newest = pos.max()
+            if bool((pos <= newest - s.window).any()):
+                hide = torch.zeros(pos.shape, device=pos.device).masked_fill_(pos <= newest - s.window, float("-inf"))
+                lw = hide if lw is None else lw + hide
+        return k, v, pos, lw
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        k, v, _, lw = self.visible(layer)
+        sem = self.sem[layer]
+        if self.wants_probs:
+            out, probs = dense_attention(q, k, v, sem, lw, return_probs=True)
+            self.after_attend(layer, probs)
+            return out
+        if use_triton(q.device) and sem.plain and sem.v_dim == sem.k_dim and isinstance(k, Tensor):  # Triton, CUDA
+            return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
+        return dense_attention(q, k, v, sem, lw)
+
+    def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """Vectorized when nothing evicts or scores per step: append all c tokens, one causal attention."""
+        cache = self.layers[layer]
+        if not self._plain_feed() or not isinstance(cache, DenseLayer) or self.sem[layer].is_local:
+            return super().feed(layer, q, k, v, pos)
+        return self._append_attend_block(layer, q, k, v, pos)
+
+    def _append_attend_block(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int, return_probs: bool = False):
+        """Append c tokens k/v [Hkv, c, d] to the dense store at once, then one causal attention of their
+        queries q [Hq, c, d]: out [Hq, c, d] (and probs [Hq, c, n], zero on each query's future tokens)."""
+        cache = self.layers[layer]
+        cache.append(k, v, pos)
+        keys, values, _, lw = cache.read_views()
+        sem = self.sem[layer]
+        return dense_attention(q, keys, values, sem, lw, return_probs=return_probs, causal_tail=q.shape[-2])
+
+    def _plain_feed(self) -> bool:
+        """True when append and attend are the dense store's own (no eviction, no per-step scores)."""
+        cls = type(self)
+        return not self.wants_probs and cls.append is DenseCompressor.append and cls.attend is DenseCompressor.attend
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for layer in self.layers:
+            for kind, t in layer.tensors():
+                if not (self.positions_implicit and kind == "positions"):
+                    yield kind, t
+
+    def kept_positions(self, layer: int) -> Tensor | None:
+        return self.layers[layer].views()[2]
+
+    def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
+        """Softmax over the kept tokens (with their log-weights), at their positions; 0 where evicted."""
+        k, _, pos, lw = self.visible(layer)
+        return weights_on_positions(q, k, pos, self.sem[layer], lw)
+
+
+def _in_window(pos: Tensor, first: int) -> Tensor | None:
+    """Indices [Hkv, m'] of the entries of ``pos`` [Hkv, m] (token positions) that are >= ``first``, in
+    order; None when the heads hold different counts of them (the window then hides the others)."""
+    keep = pos >= first
+    counts = keep.sum(-1)
+    if bool((counts != counts[0]).any()):
+        return None
+    idx = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    return idx[keep].view(pos.shape[0], -1)
+
+
+__all__ = ["DenseCompressor", "DenseLayer"]

@@ -1,0 +1,121 @@
+"""What the exact prefill hands a method: the needs it declares and the state it compresses from.
+
+A method says what it needs from the prefill in ``Compressor.prefill_needs(n_prompt)`` (a
+``PrefillNeeds``): the last prompt queries, the attention each key received, an observer of the
+prefill's attention of its last queries, statistics of the last queries before RoPE, or access to
+the model for a forward pass of its own. One prefill serves every method of a comparison: it
+merges all their needs and computes each thing once, only when some method asks for it
+(``kvlab.engine.prefill``). ``compress(state)`` then gets a ``PrefillState`` with what was asked.
+
+Shapes: L layers, Hq query heads, Hkv KV heads, n prompt tokens, d head_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from kvlab.core.attention_ops import causal_window_probs
+from kvlab.core.semantics import ModelSemantics
+
+
+class WindowObserver(Protocol):
+    """Sees the prefill's attention of the last ``rows`` prompt queries, one block of rows at a time."""
+
+    rows: int
+
+    def __call__(self, layer: int, probs: Tensor, first_pos: int) -> None:
+        """probs [Hq, r, e]: queries at positions first_pos..first_pos+r-1 over keys 0..e-1 (causal)."""
+
+
+@dataclass(frozen=True)
+class PrefillNeeds:
+    """What a method needs from the prefill (the default: nothing beyond the exact keys and values).
+
+    query_window: ``state.queries`` holds (at least) the last w prompt queries, post-RoPE [L, Hq, w, d];
+    acc_attn: ``state.acc_attn``, the attention each key received summed over all queries [L, Hq, n];
+    observer: sees the prefill's attention of the last ``observer.rows`` queries as it is computed;
+    query_stats: ``state.query_stats`` over the last w prompt queries, before RoPE;
+    model_access: ``state.model``, a forward pass of the method's own through the model.
+    """
+
+    query_window: int = 0
+    acc_attn: bool = False
+    observer: WindowObserver | None = None
+    query_stats: int = 0
+    model_access: bool = False
+
+    def __post_init__(self) -> None:
+        if self.query_window < 0 or self.query_stats < 0:
+            raise ValueError(
+                f"prefill needs: query_window={self.query_window} and query_stats={self.query_stats} must be >= 0"
+            )
+
+
+@dataclass
+class QueryStats:
+    """Statistics of the last ``n`` prompt queries, before RoPE (positions first_pos..first_pos+n-1).
+
+    mean: [L, Hq, d] float32; cov: [L, Hq, d, d] float32, their covariance (normalised by n).
+    """
+
+    mean: Tensor
+    cov: Tensor
+    n: int
+    first_pos: int
+
+
+class ModelAccess(Protocol):
+    """The model, for a method that runs a forward pass of its own while it compresses (KVzip)."""
+
+    prompt_ids: list[int]  # the compressed prompt's (context's) tokens
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` through the model's tokenizer, no special tokens added."""
+        ...
+
+    def chat_wrap(self, user: str) -> tuple[list[int], list[int]]:
+        """The chat template around a user turn whose content is ``user``: the ids (before, after) it,
+        the assistant's marker included in ``after``; both empty when the model has no template."""
+        ...
+
+    def extend(self, ids: list[int], observe: Callable[[int, Tensor, Tensor], None]) -> None:
+        """Run ``ids`` after the prompt on the exact prefill cache (which stays unchanged), at positions
+        n..n+c-1. Per layer calls observe(layer, q [Hq, c, d] post-RoPE, k [Hkv, n + c, d] post-RoPE)
+        before that layer's attention."""
+        ...
+
+
+@dataclass
+class PrefillState:
+    """What one exact prefill hands to every compressor.
+
+    keys, values: [L, Hkv, n, d] post-RoPE; queries: [L, Hq, w, d], the last w prompt queries
+    (post-RoPE; w the largest ``query_window`` asked); acc_attn: [L, Hq, n] attention each key
+    received summed over all prompt queries; query_stats, model: see ``PrefillNeeds`` (each None
+    unless a method asked for it).
+    """
+
+    keys: Tensor
+    values: Tensor
+    queries: Tensor
+    scaling: float
+    acc_attn: Tensor | None = None
+    semantics: ModelSemantics | None = None  # per layer: window, soft-cap, sinks (None: plain attention)
+    query_stats: QueryStats | None = None
+    model: ModelAccess | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[-2]
+
+    def window_probs(self, w: int | None = None) -> Tensor:
+        """Causal attention of the last ``w`` prompt queries over the prompt: [L, Hq, w, n]."""
+        q = self.queries if w is None else self.queries[..., -w:, :]
+        return causal_window_probs(q, self.keys, self.semantics or self.scaling)
+
+
+__all__ = ["ModelAccess", "PrefillNeeds", "PrefillState", "QueryStats", "WindowObserver"]

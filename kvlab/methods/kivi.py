@@ -1,0 +1,344 @@
+"""KIVI: asymmetric low-bit quantization of the KV cache — keys per channel, values per token.
+
+Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. "KIVI: A Tuning-Free Asymmetric 2bit Quantization
+for KV Cache", ICML 2024, https://arxiv.org/abs/2402.02750 — Sec. 3 and Algorithm 1: keys have
+outlier *channels*, so they are quantized per channel, in groups of ``group`` consecutive tokens;
+values are quantized per token, in groups of ``group`` channels along head_dim; both with a
+min/scale (asymmetric) code of ``bits`` bits. The most recent tokens stay in full precision (the
+residual) and are quantized ``group`` tokens at a time as decoding pushes them out.
+
+Here the residual holds between ``residual`` and ``residual + group - 1`` tokens (keys and values
+alike): when it reaches ``residual + group`` tokens, its oldest ``group`` are quantized. Storage is
+packed codes (``kernels.quant``; 3-bit codes packed 8 in 3 bytes), float16 scales and minimums, and the
+full-precision residual; positions are implicit (every token is kept). The budget picks the
+highest bit-width whose quantized cache fits, then the longest residual that still fits, both
+held at every decode step (the residual grows by up to ``group - 1`` full-precision tokens between
+flushes); a group left at its default shrinks to 16 or 8 on prompts too short for anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.quant import (
+    QuantizedGroups,
+    cat_groups,
+    dequantize_groups,
+    packed_bytes,
+    quantize_groups,
+    weighted_token_sum,
+)
+from kernels.tensor_ops import group_queries, ungroup
+from kvlab.core.budgets import exact_bytes
+from kvlab.core.model import ModelInfo
+from kvlab.core.semantics import grouped_softmax
+from kvlab.methods import budget_search
+from kvlab.methods.base import Compressor
+from kvlab.methods.dense import _Growable
+from kvlab.methods.handover import PrefillState
+from kvlab.methods.params import Param, ParamError
+
+KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
+
+
+def extend_groups(a: QuantizedGroups | None, b: QuantizedGroups) -> QuantizedGroups:
+    """Append ``b``'s groups after ``a``'s along the quantized dim (``a`` must hold whole groups)."""
+    if a is None:
+        return b
+    assert a.length % a.group == 0 and (a.bits, a.group, a.dim) == (b.bits, b.group, b.dim)
+    return QuantizedGroups(
+        torch.cat([a.codes, b.codes], -2),
+        torch.cat([a.scale, b.scale], -1),
+        torch.cat([a.minimum, b.minimum], -1),
+        a.bits,
+        a.group,
+        a.dim,
+        a.length + b.length,
+    )
+
+
+def quantize_kv(k: Tensor, v: Tensor, bits: int, group: int) -> tuple[QuantizedGroups, QuantizedGroups]:
+    """KIVI's asymmetric pair for k, v [..., n, d] (n a multiple of ``group``): keys grouped along
+    tokens (per channel), values grouped along head_dim (per token)."""
+    return quantize_groups(k, bits, group, dim=-2), quantize_groups(v, bits, min(group, v.shape[-1]), dim=-1)
+
+
+def split_layers(q: QuantizedGroups) -> list[QuantizedGroups]:
+    """A tensor quantized with a leading layer dim -> one ``QuantizedGroups`` per layer."""
+    return [
+        QuantizedGroups(c, s, m, q.bits, q.group, q.dim - 1, q.length) for c, s, m in zip(q.codes, q.scale, q.minimum)
+    ]
+
+
+def quantized_len(n: int, residual: int, group: int) -> int:
+    """Tokens in the quantized part when ``n`` are held: whole groups beyond the residual."""
+    return max(0, (n - residual) // group) * group
+
+
+def kivi_held(info: ModelInfo, nq: int, r: int, bits: int, group: int) -> int:
+    """Bytes ``KIVI`` holds with ``nq`` quantized tokens (whole groups) and ``r`` full-precision ones."""
+    d = info.head_dim
+    gv = min(group, d)
+    key = d * (nq // group) * (packed_bytes(group, bits) + 4)  # packed codes + fp16 scale + fp16 min per group
+    val = nq * (-(-d // gv)) * (packed_bytes(gv, bits) + 4)
+    return info.n_layers * info.n_kv_heads * (key + val + r * d * 2 * info.dtype_bytes)
+
+
+def kivi_bytes(info: ModelInfo, n: int, bits: int, group: int, residual: int) -> int:
+    """The bytes ``KIVI`` will hold for ``n`` tokens (for planning; the run counts its tensors)."""
+    nq = quantized_len(n, residual, group)
+    return kivi_held(info, nq, n - nq, bits, group)
+
+
+def residual_after(n: int, residual: int, group: int, steps: int) -> int:
+    """Full-precision tokens held ``steps`` decode steps after compressing ``n``: the residual grows by
+    one a step and drops by ``group`` when it reaches ``residual + group``."""
+    t = n - quantized_len(n, residual, group) + steps
+    return t if t < residual + group else residual + (t - residual) % group
+
+
+def kivi_worst_ratio(info: ModelInfo, budget, n: int, bits: int, group: int, residual: int, horizon: int) -> float:
+    """The largest ratio of held to allowed bytes from prefill to ``horizon`` decode steps (streaming).
+
+    Between flushes the held bytes grow by a full token a step, faster than any budget's allowance, so
+    the ratio peaks at prefill, just before a flush (the first or the last one) or at the horizon."""
+    first = residual + group - 1 - (n - quantized_len(n, residual, group))
+    steps = {0, horizon}
+    if first <= horizon:
+        steps |= {first, first + (horizon - first) // group * group}
+    worst = 0.0
+    for j in steps:
+        r = residual_after(n, residual, group, j)
+        held = kivi_held(info, n + j - r, r, bits, group)
+        worst = max(worst, held / max(1.0, budget.allowed_bytes(info, n, j, True)))
+    return worst
+
+
+def solve_kivi(info: ModelInfo, n: int, budget, group: int, bits: int | None, residual: int | None, horizon: int):
+    """(bits, residual) for ``budget`` on an ``n``-token prompt, held for ``horizon`` decode steps: the
+    highest bits that fit with no residual, then the longest residual that still fits (unless given).
+    Returns None when nothing fits (the caller refuses or degrades the group)."""
+
+    def fits(b: int, r: int) -> bool:
+        return kivi_worst_ratio(info, budget, n, b, group, r, horizon) <= 1.0
+
+    for b in (bits,) if bits else KIVI_BITS:
+        if residual is not None:
+            if fits(b, residual):
+                return b, residual
+            continue
+        if fits(b, 0):
+            lo, hi = 0, n  # bytes grow with the residual: binary search the largest that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(b, mid) else (lo, mid - 1)
+            return b, lo
+    return None
+
+
+@dataclass
+class KiviLayer:
+    """One layer: quantized keys (per channel) and values (per token) of the oldest tokens, then
+    the full-precision residual [Hkv, r, d]."""
+
+    kq: QuantizedGroups | None
+    vq: QuantizedGroups | None
+    rk: _Growable
+    rv: _Growable
+
+    def __deepcopy__(self, memo: dict) -> KiviLayer:
+        """A fork: the quantized part itself (a flush replaces it, never writes it), its own residual."""
+        twin = KiviLayer(self.kq, self.vq, copy.deepcopy(self.rk, memo), copy.deepcopy(self.rv, memo))
+        memo[id(self)] = twin
+        return twin
+
+    def quantized(self) -> tuple[QuantizedGroups, QuantizedGroups] | None:
+        """The quantized (keys, values), None while nothing is quantized (a flush makes both)."""
+        if self.kq is None or self.vq is None:
+            return None
+        return self.kq, self.vq
+
+    def dequantized(self) -> tuple[Tensor, Tensor]:
+        """Keys and values of every token held, float32 [Hkv, n, d] (quantized part first). The codes are
+        dequantized in float32, not in the residual's 16-bit cache dtype (that would round them a second
+        time); the residual is widened, which is lossless."""
+        k, v = self.rk.view().float(), self.rv.view().float()
+        quantized = self.quantized()
+        if quantized is None:
+            return k, v
+        kq, vq = quantized
+        return torch.cat([dequantize_groups(kq), k], -2), torch.cat([dequantize_groups(vq), v], -2)
+
+    def flush(self, bits: int, group: int) -> None:
+        """Quantize the residual's oldest ``group`` tokens."""
+        k, v = self.rk.view(), self.rv.view()
+        kq, vq = quantize_kv(k[..., :group, :], v[..., :group, :], bits, group)
+        self.kq = extend_groups(self.kq, kq)  # keys: more groups along tokens
+        self.vq = vq if self.vq is None else cat_groups([self.vq, vq], dim=-2)  # values: more token rows
+        self.rk, self.rv = _Growable(k[..., group:, :].clone()), _Growable(v[..., group:, :].clone())
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for name, q in (("keys", self.kq), ("values", self.vq)):
+            if q is not None:
+                for kind, t in q.tensors():
+                    yield f"{name}_{kind}", t
+        yield "residual_keys", self.rk.view()
+        yield "residual_values", self.rv.view()
+
+
+class KIVI(Compressor):
+    name = "kivi"
+    title = "KIVI"
+    group = "baseline"
+    paper = "Liu et al., KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, ICML 2024 (arXiv:2402.02750)"
+    summary = "Quantizes keys per channel and values per token to 2-4 bits; recent tokens stay full precision."
+    streaming = True  # holds its bits-per-token while decoding (the residual is flushed in groups)
+    params = (
+        Param(
+            "bits",
+            None,
+            "bits per code: 2, 3 or 4 (KIVI-2 / KIVI-4 in the paper; chosen from the budget when not given)",
+        ),
+        Param(
+            "group",
+            32,
+            "group size: tokens per key group (per channel), channels per value group (per token)",
+            minimum=1,
+        ),
+        Param(
+            "residual", None, "recent tokens kept in full precision (paper: 128; chosen from the budget when not given)"
+        ),
+    )
+
+    def plan(self, n_prompt: int) -> dict:
+        c, info = self.cfg, self.info
+        bits = None if c["bits"] is None else int(c["bits"])
+        if bits is not None and bits not in KIVI_BITS:
+            raise ParamError(f"kivi: parameter bits={bits} is not one of 2, 3, 4")
+        residual = None if c["residual"] is None else max(0, int(c["residual"]))
+        self.group_size = int(c["group"])
+        if self.is_full:
+            self.bits, self.residual = bits or KIVI_BITS[0], n_prompt if residual is None else residual
+        else:
+            self.bits, self.residual, self.group_size = self._fit(n_prompt, bits, residual)
+        predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
+        return {
+            "bits": self.bits,
+            "group": self.group_size,
+            "residual": self.residual,
+            "quantized_tokens": quantized_len(n_prompt, self.residual, self.group_size),
+            "planned_fraction": round(predicted / exact_bytes(info, n_prompt), 4),
+            "fits_budget": self.is_full or budget_search.fits_budget(self, n_prompt),
+        }
+
+    def _fit(self, n: int, bits: int | None, residual: int | None) -> tuple[int, int, int]:
+        """(bits, residual, group) that hold the budget up to the horizon. A group not given shrinks
+        (32 -> 16 -> 8) when nothing fits at the given one: short prompts then quantize at all, at a
+        higher cost per token in scales and minimums. Nothing fits: the smallest setting (refused)."""
+        given = self.group_size
+        groups = [given] + ([g for g in (16, 8) if g < given] if "group" not in self.params_given else [])
+        for g in groups:
+            fit = solve_kivi(self.info, n, self.budget, g, bits, residual, self.horizon(n))
+            if fit is not None:
+                return (*fit, g)
+        return bits or KIVI_BITS[-1], residual or 0, given
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        return kivi_worst_ratio(
+            self.info, self.budget, n_prompt, self.bits, self.group_size, self.residual, self.horizon(n_prompt)
+        )
+
+    def compress(self, state: PrefillState) -> None:
+        n, g = state.n_tokens, self.group_size
+        nq = quantized_len(n, self.residual, g)
+        keys, values = state.keys, state.values
+        kqs: list[QuantizedGroups | None]
+        vqs: list[QuantizedGroups | None]
+        if nq:
+            kq, vq = quantize_kv(keys[..., :nq, :], values[..., :nq, :], self.bits, g)
+            kqs, vqs = [*split_layers(kq)], [*split_layers(vq)]
+        else:
+            kqs = vqs = [None] * keys.shape[0]
+        self.layers = [
+            KiviLayer(
+                kqs[i], vqs[i], _Growable(self.as_cached(keys[i, :, nq:])), _Growable(self.as_cached(values[i, :, nq:]))
+            )
+            for i in range(keys.shape[0])
+        ]
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        cache = self.layers[layer]
+        cache.rk.append(k)
+        cache.rv.append(v)
+        if cache.rk.n >= self.residual + self.group_size:
+            cache.flush(self.bits, self.group_size)
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        """Softmax attention over the dequantized keys; the quantized values' probability-weighted
+        sum is read from their codes (``weighted_token_sum``), never dequantized whole. q [Hq, t, d]."""
+        st = self.layers[layer]
+        rk, rv = st.rk.view(), st.rv.view()
+        quantized = st.quantized()
+        k = rk.float()  # float32
+        if quantized is not None:
+            k = torch.cat([dequantize_groups(quantized[0]), k], -2)
+        hkv, sem = rk.shape[0], self.sem[layer]
+        # every token is held in order: the layer's soft-cap, window and sinks (``semantics.grouped_softmax``)
+        pg = grouped_softmax(group_queries(q.float() * sem.scaling, hkv) @ k.transpose(-1, -2), sem, q.shape[0])
+        if quantized is None:
+            return ungroup(torch.matmul(pg, rv.float()), q.shape[0]).to(q.dtype)
+        nq = k.shape[-2] - rk.shape[-2]
+        out = weighted_token_sum(pg[..., :nq], quantized[1]) + torch.matmul(pg[..., nq:], rv.float())
+        return ungroup(out, q.shape[0]).to(q.dtype)
+
+    @staticmethod
+    def attend_many(comps: list[KIVI], layer: int, q: Tensor) -> list[Tensor]:
+        """``attend`` of several rows in one call: q [R, Hq, 1, d], row i through ``comps[i]`` -> R x [Hq, 1, d].
+
+        Rows that hold the same quantized part (forks of one compressed context: the questions asked
+        after compression) dequantize its keys once and score them with all their queries in one
+        product; its values' probability-weighted sum is one call for all of them. The maths is
+        ``attend``'s, row by row (the quantized and residual keys scored apart, not concatenated).
+        """
+        layers, hq = [c.layers[layer] for c in comps], q.shape[1]
+        outs: dict[int, Tensor] = {}  # row -> its output
+        # id of the quantized keys -> (the first row's quantized keys and values, the rows holding them)
+        sharing: dict[int, tuple[tuple[QuantizedGroups, QuantizedGroups], list[int]]] = {}
+        for i, st in enumerate(layers):
+            held = st.quantized()
+            if held is None:
+                outs[i] = comps[i].attend(layer, q[i])
+            else:
+                sharing.setdefault(id(held[0]), (held, []))[1].append(i)
+        for (kq, vq), rows in sharing.values():
+            keys = dequantize_groups(kq)  # [Hkv, nq, d] float32
+            hkv, nq = keys.shape[0], keys.shape[-2]
+            qg = [group_queries(q[i].float() * comps[i].sem[layer].scaling, hkv) for i in rows]  # [Hkv, g, d] each
+            quantized = torch.matmul(torch.cat(qg, 1), keys.transpose(-1, -2)).chunk(len(rows), dim=1)
+            probs = []
+            for i, qi, lq in zip(rows, qg, quantized):
+                recent = torch.matmul(qi, layers[i].rk.view().float().transpose(-1, -2))
+                probs.append(grouped_softmax(torch.cat([lq, recent], -1), comps[i].sem[layer], hq))  # [Hkv, g, n]
+            summed = weighted_token_sum(torch.cat([p[..., :nq] for p in probs], 1), vq).chunk(len(rows), dim=1)
+            for i, p, s in zip(rows, probs, summed):
+                out = s + torch.matmul(p[..., nq:], layers[i].rv.view().float())
+                outs[i] = ungroup(out, hq).to(q.dtype)
+        return [outs[i] for i in range(len(comps))]
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for layer in self.layers:
+            yield from layer.tensors()
+
+    def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
+        """Softmax over the dequantized keys (every token, in order). q [Hq, 1, d] -> [Hq, n]."""
+        k, _ = self.layers[layer].dequantized()
+        sem = self.sem[layer]
+        return ungroup(
+            grouped_softmax(group_queries(q.float() * sem.scaling, k.shape[0]) @ k.transpose(-1, -2), sem, q.shape[0]),
+            q.shape[0],
+        )[:, 0]

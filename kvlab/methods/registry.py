@@ -1,0 +1,113 @@
+"""The registry of compression methods, by name: an explicit list of the classes each method file
+defines, and the resolvers that build named variants on demand (``snapkv+kivi2``, ``ada-tova``,
+``qjl@paper``). Nothing registers itself on import; a new method is added to ``METHODS`` here.
+
+``register``/``unregister`` add and remove a class at run time (a user's own method, a test's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvlab.methods import adakv, paper_presets, with_kivi, with_qjl
+from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
+from kvlab.methods.base import Compressor
+from kvlab.methods.exact import Exact
+from kvlab.methods.expected_attention import ExpectedAttention
+from kvlab.methods.h2o import H2O
+from kvlab.methods.keydiff import KeyDiff
+from kvlab.methods.kivi import KIVI
+from kvlab.methods.knorm import KNorm
+from kvlab.methods.kvzip import KVzip
+from kvlab.methods.pyramidkv import PyramidKV
+from kvlab.methods.qjl import QJL
+from kvlab.methods.scissorhands import Scissorhands
+from kvlab.methods.snapkv import SnapKV
+from kvlab.methods.streaming import StreamingLLM
+from kvlab.methods.subgen import SubGen, SubGenKCenter, SubGenKCenterWeighted
+from kvlab.methods.tova import TOVA
+from kvlab.methods.uniform import Uniform
+
+Lookup = Callable[[str], type[Compressor]]
+
+# Every method the page and the CLI list, and the compositions listed with them.
+METHODS: tuple[type[Compressor], ...] = (
+    Exact,
+    Uniform,
+    StreamingLLM,
+    H2O,
+    SnapKV,
+    PyramidKV,
+    KIVI,
+    QJL,
+    SubGen,
+    SubGenKCenter,
+    SubGenKCenterWeighted,
+    BalanceKV,
+    BalanceKVStream,
+    Scissorhands,
+    ExpectedAttention,
+    KeyDiff,
+    KNorm,
+    KVzip,
+    TOVA,
+    adakv.adaptive(SnapKV),  # the AdaKV paper's own pairing
+    with_kivi.quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)
+    with_kivi.quantized(SnapKV, 2),
+    with_qjl.qjl_keyed(SnapKV),
+    with_qjl.qjl_keyed(H2O),
+)
+
+# name -> class or None, for names that are not listed: compositions, adaptive heads, paper presets
+RESOLVERS: tuple[Callable[[str, Lookup], type[Compressor] | None], ...] = (
+    with_kivi.resolve,
+    with_qjl.resolve_qjl,
+    adakv.resolve,
+    paper_presets.resolve,
+)
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+class UnknownMethodError(ValueError):
+    pass
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    """Add ``cls`` under its name (a name taken by another class is an error)."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise TypeError(f"method name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove the method ``name`` (no error when it is not there)."""
+    _REGISTRY.pop(name, None)
+
+
+for _cls in METHODS:
+    register(_cls)
+
+_ORDER = {"reference": 0, "paper": 1, "baseline": 2, "recent": 3}
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY, key=lambda n: (_ORDER.get(_REGISTRY[n].group, 9), n))
+
+
+def get(name: str) -> type[Compressor]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        for fn in RESOLVERS:
+            cls = fn(name, get)
+            if cls is not None:
+                return cls
+        raise UnknownMethodError(f"unknown method {name!r}; allowed: {', '.join(names())}") from None
+
+
+def methods() -> dict[str, type[Compressor]]:
+    return {n: _REGISTRY[n] for n in names()}

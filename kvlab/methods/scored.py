@@ -1,0 +1,312 @@
+"""Score-based token selection: streaming eviction by running scores, and prompt-time scorers.
+
+``PromptScored`` (at the end of this file) is the prompt-time kind: a subclass returns one score
+per prompt token, layer and KV head, and the base keeps the best ones the budget allows plus the
+prompt's last tokens (SnapKV, KNorm, KeyDiff).
+
+``ScoredEvictionCompressor`` is the streaming kind (Scissorhands, H2O).
+
+Both keep, per layer and KV head, full-precision tokens plus one score per kept token, protect the
+most recent tokens, and evict the tokens whose score marks them least useful when the cache grows
+past its capacity. They differ in what the score is and in which direction is "worse":
+
+* H2O: accumulated attention (float32); evict the lowest.
+* Scissorhands: how often a token's attention fell below 1/t (int16 counter); evict the highest.
+
+A subclass sets ``score_dtype``, ``evict_highest``, ``reset_after_eviction``, implements
+``initial_scores(state)`` (the scores that rank the prompt tokens for the prefill eviction and the
+scores the survivors carry into decoding, both [L, Hkv, n]) and ``observe(layer, attn)`` (fold one
+decode step's pooled attention [Hkv, n] into the scores), and sets ``self.capacity``,
+``self.recent`` and ``self.full`` in ``plan``.
+Eviction happens in ``append``, before the new token's query attends, so the cache never holds
+more than ``capacity`` tokens, not even during attention.
+
+A chunk of new tokens (``feed``) runs in blocks between evictions: while the cache has room for a
+block, its tokens are appended at once and attend in one causal attention, and each query's row is
+then folded into the scores in order, as that many decode steps would; a token whose append evicts
+goes alone. The score updates are those of feeding the tokens one by one, call for call; only the
+block's attention is one matrix product, which may round a probability's last bit differently.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kernels.tensor_ops import gather_tokens
+from kvlab.core.attention_ops import pool_heads
+from kvlab.methods.dense import DenseCompressor, DenseLayer
+from kvlab.methods.handover import PrefillState
+
+
+def eviction_keep(key: Tensor, n_drop: int, recent: int) -> Tensor:
+    """Indices of the tokens to keep after dropping the ``n_drop`` tokens with the largest ``key``.
+
+    key: [..., H, n] eviction priority (larger = dropped first); the last ``recent`` tokens are
+    never dropped; among equal keys the earlier token goes first. Returns [..., H, n - n_drop]
+    (int64, ascending, so the cache keeps its positional order).
+    """
+    n = key.shape[-1]
+    if n_drop <= 0:
+        return torch.arange(n, device=key.device).expand(*key.shape)
+    candidates = n - recent
+    if n_drop > candidates:
+        raise ValueError(f"cannot drop {n_drop} of {n} tokens while protecting the last {recent}")
+    if n_drop == 1:  # one token (H2O's every step): the first largest key, no sort
+        kept = torch.arange(n - 1, device=key.device)
+        drop = key[..., :candidates].argmax(-1, keepdim=True)
+        return kept + (kept >= drop)
+    order = torch.sort(key[..., :candidates], dim=-1, descending=True, stable=True).indices
+    keep = torch.ones(key.shape, dtype=torch.bool, device=key.device)
+    keep.scatter_(-1, order[..., :n_drop], False)
+    idx = torch.arange(n, device=key.device).expand(*key.shape)
+    return idx[keep].view(*key.shape[:-1], n - n_drop)
+
+
+def pooled_step_attention(probs: Tensor, n_kv_heads: int) -> Tensor:
+    """One decode query's attention [Hq, 1, n] averaged over each KV group's query heads -> [Hkv, n]."""
+    return pool_heads(probs.squeeze(-2), n_kv_heads, head_dim=-2, reduce="mean")
+
+
+class _Room:
+    """Spare room after a [H, n] tensor's tokens: appending zeros costs a copy only when the room runs out."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self):
+        self.buf: Tensor | None = None
+
+    def extend(self, s: Tensor, m: int) -> Tensor:
+        """``s`` [H, n] followed by ``m`` zero columns: a view of ``buf`` (reallocated, with amortized
+        doubling, when ``s`` does not already start it, e.g. after an eviction made a new tensor)."""
+        n, buf = s.shape[-1], self.buf
+        if buf is None or buf.data_ptr() != s.data_ptr() or buf.stride() != s.stride() or n + m > buf.shape[-1]:
+            buf = s.new_empty(s.shape[0], max(16, 2 * (n + m)))
+            buf[:, :n] = s
+            self.buf = buf
+        buf[:, n : n + m] = 0
+        return buf[:, : n + m]
+
+
+class ScoredEvictionCompressor(DenseCompressor):
+    """A dense cache with one score per kept token (per layer and KV head) and score-driven eviction."""
+
+    streaming = True
+    wants_probs = True
+    score_dtype: ClassVar[torch.dtype] = torch.float32
+    evict_highest: ClassVar[bool] = False
+    reset_after_eviction: ClassVar[bool] = False  # survivors start from zero after a decode eviction
+
+    # set by plan(): capacity (tokens per layer and head), recent (never evicted), full (no eviction)
+    capacity: int
+    recent: int
+    full: bool
+    position: int = 0  # true position of the query now attending (the newest token's)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scores: list[Tensor] = []
+        self._score_room: dict[int, _Room] = defaultdict(_Room)  # per layer: where scores grow without a copy
+
+    # ----- what subclasses provide --------------------------------------------------------
+    def initial_scores(self, state: PrefillState) -> tuple[Tensor, Tensor]:
+        """(scores ranking the prompt tokens for the prefill eviction, scores they carry on), each [L, Hkv, n]."""
+        raise NotImplementedError
+
+    def observe(self, layer: int, attn: Tensor) -> None:
+        """Fold this step's pooled attention ``attn`` [Hkv, n] into ``self.scores[layer]``."""
+        raise NotImplementedError
+
+    def prefill_drop(self, n: int, layer: int = 0) -> int:
+        """How many prompt tokens the prefill compression drops (in ``layer``)."""
+        return max(0, n - self.layer_capacity(layer))
+
+    def decode_drop(self, n: int, layer: int = 0) -> int:
+        """How many tokens to drop when an append takes ``layer``'s cache to ``n`` > its capacity."""
+        return n - self.layer_capacity(layer)
+
+    def layer_capacity(self, layer: int) -> int:
+        """Tokens per KV head ``layer`` holds at most (``capacity`` in every layer unless a method spreads it)."""
+        return self.capacity
+
+    def layer_recent(self, layer: int) -> int:
+        """Last tokens of ``layer`` never evicted."""
+        return self.recent
+
+    # ----- the shared cache logic ---------------------------------------------------------
+    def score_bytes(self) -> int:
+        return torch.empty((), dtype=self.score_dtype).element_size()
+
+    def per_token_bytes(self, with_logw: bool = False) -> int:
+        """K, V and position of one kept token plus its score (per layer and KV head)."""
+        return super().per_token_bytes(with_logw) + (0 if self.is_full else self.score_bytes())
+
+    def set_full(self, full: bool) -> None:
+        """No eviction at all: the cache is the exact one (positions 0..n-1 implied, no scores)."""
+        self.full = full
+        self.positions_implicit = full
+        self.wants_probs = not full  # the scores need each step's attention, unless nothing is evicted
+
+    def _priority(self, scores: Tensor) -> Tensor:
+        return scores if self.evict_highest else -scores.float()
+
+    def select(self, state: PrefillState):
+        n_layers, n = state.keys.shape[0], state.n_tokens
+        if self.full:
+            self.scores = []
+            return [None] * n_layers
+        rank, carry = self.initial_scores(state)
+        drops = [self.prefill_drop(n, i) for i in range(n_layers)]
+        recents = [self.layer_recent(i) for i in range(n_layers)]
+        if len(set(drops)) == 1 and len(set(recents)) == 1:  # every layer alike: one call for all
+            together = eviction_keep(self._priority(rank), drops[0], recents[0])
+            self.scores = list(gather_tokens(carry.to(self.score_dtype), together).unbind(0))
+            return together
+        idx = [eviction_keep(self._priority(rank[i]), drops[i], recents[i]) for i in range(n_layers)]
+        self.scores = [gather_tokens(carry[i].to(self.score_dtype), ix) for i, ix in enumerate(idx)]
+        return idx
+
+    def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        self.position = pos + k.shape[1] - 1
+        cache = self.layers[layer]
+        cache.append(k, v, pos)
+        if self.full:
+            return
+        self.scores[layer] = self._score_room[layer].extend(self.scores[layer], k.shape[1])
+        if cache.n > self.layer_capacity(layer):
+            self._evict(layer, self.decode_drop(cache.n, layer))
+
+    def _evict(self, layer: int, n_drop: int) -> None:
+        idx = eviction_keep(self._priority(self.scores[layer]), n_drop, self.layer_recent(layer))
+        self.layers[layer].keep(idx)
+        s = self.scores[layer]
+        self.scores[layer] = s.new_zeros(idx.shape) if self.reset_after_eviction else gather_tokens(s, idx)
+
+    def after_attend(self, layer: int, probs: Tensor) -> None:
+        self.observe(layer, pooled_step_attention(probs, self.info.n_kv_heads))
+
+    def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """A chunk of c new tokens (q [Hq, c, d], k/v [Hkv, c, d] at positions pos..pos+c-1) -> out [Hq, c, d].
+
+        Blocks of tokens that all fit in the cache are appended together and attend in one causal
+        attention; a token whose append evicts goes through ``append`` + ``attend`` alone.
+        """
+        if not self._feeds_blocks(layer):
+            return super().feed(layer, q, k, v, pos)
+        outs, i, c = [], 0, q.shape[-2]
+        while i < c:
+            room = c - i if self.full else self.layer_capacity(layer) - self.layers[layer].n
+            if room > 0:
+                b = min(room, c - i)
+                outs.append(self._feed_block(layer, q[:, i : i + b], k[:, i : i + b], v[:, i : i + b], pos + i))
+                i += b
+            else:  # this token's append evicts
+                self.append(layer, k[:, i : i + 1], v[:, i : i + 1], pos + i)
+                outs.append(self.attend(layer, q[:, i : i + 1]))
+                i += 1
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+    def _feeds_blocks(self, layer: int) -> bool:
+        """True when append, attend and the score update are this class's own over a dense store."""
+        cls = type(self)
+        return (
+            isinstance(self.layers[layer], DenseLayer)
+            and cls.append is ScoredEvictionCompressor.append
+            and cls.attend is DenseCompressor.attend
+            and cls.after_attend is ScoredEvictionCompressor.after_attend
+        )
+
+    def _feed_block(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
+        """b tokens that fit without eviction: q [Hq, b, d], k/v [Hkv, b, d] -> out [Hq, b, d]."""
+        b = q.shape[-2]
+        if not self.full:
+            self.scores[layer] = self._score_room[layer].extend(self.scores[layer], b)
+        if self.full or not self.wants_probs:
+            self.position = pos + b - 1
+            return self._append_attend_block(layer, q, k, v, pos)
+        out, probs = self._append_attend_block(layer, q, k, v, pos, return_probs=True)
+        self._observe_rows(layer, probs, pos)
+        return out
+
+    def _observe_rows(self, layer: int, probs: Tensor, pos: int) -> None:
+        """Fold a block's causal attention probs [Hq, b, n] into the scores one query at a time, in order.
+
+        Query t (position pos + t) is observed as its decode step would be: over the n - b + t + 1
+        tokens it sees (its masked future is left out), with only those tokens' scores in place.
+        """
+        pooled = pool_heads(probs, self.info.n_kv_heads, head_dim=-3, reduce="mean")  # [Hkv, b, n]
+        b, n = pooled.shape[-2:]
+        scores = self.scores[layer]
+        for t in range(b):
+            seen = n - b + t + 1
+            self.position = pos + t
+            view = scores[:, :seen]
+            self.scores[layer] = view
+            self.observe(layer, pooled[:, t, :seen])
+            if self.scores[layer] is not view:  # an observe that replaced the scores instead of adding in place
+                view.copy_(self.scores[layer])
+        self.scores[layer] = scores
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        yield from super().tensors()
+        for s in self.scores:
+            yield "scores", s
+
+
+def with_window(top: Tensor, n: int, window: int) -> Tensor:
+    """Chosen prefix indices [..., Hkv, k] (any order) -> sorted, followed by the window: [..., Hkv, k + window]."""
+    win = torch.arange(n - window, n, device=top.device).expand(*top.shape[:-1], window)
+    return torch.cat([top.sort(-1).values, win], -1)
+
+
+def top_prefix_plus_window(scores: Tensor, keep: int, n: int, window: int) -> Tensor:
+    """Indices [..., Hkv, keep + window]: the ``keep`` best prefix tokens (sorted) then the window."""
+    return with_window(torch.topk(scores, keep, dim=-1).indices, n, window)
+
+
+class PromptScored(DenseCompressor):
+    """A prompt-time scorer: one score per prompt token, layer and KV head picks what is kept.
+
+    A subclass implements ``scores(state)`` -> [L, Hkv, n] (or [L, Hkv, n - window]: the window's
+    columns are never read), higher = keep. ``plan`` turns the budget into ``capacity`` tokens per
+    layer and KV head (``tokens_for_budget``); ``select`` keeps, per layer and KV head, the last
+    ``window`` prompt tokens (``recent_window()``, the ``window`` parameter by default, shrunk to the
+    capacity) and the ``capacity - window`` best-scored tokens before them, in position order. A
+    subclass may set ``layer_keep`` in ``plan`` (tokens kept besides the window, per layer) to spread
+    the same total unevenly over the layers. Prefill-only: generated tokens are all kept.
+    """
+
+    # set by plan(): capacity (tokens per layer and KV head), window (last prompt tokens always kept),
+    # full (nothing dropped)
+    capacity: int
+    window: int
+    full: bool
+    layer_keep: list[int] | None = None  # per layer: tokens kept besides the window (None: capacity - window)
+
+    def scores(self, state: PrefillState) -> Tensor:
+        """[L, Hkv, n] (or [L, Hkv, n - window]) scores of the prompt tokens; higher = keep."""
+        raise NotImplementedError
+
+    def recent_window(self) -> int:
+        """Last prompt tokens kept whatever their score (0: none); the ``window`` parameter if there is one."""
+        return int(self.cfg.get("window", 0))
+
+    def plan(self, n_prompt: int) -> dict:
+        self.full = self.is_full
+        self.capacity = self.tokens_for_budget(n_prompt)
+        self.window = min(self.recent_window(), self.capacity, n_prompt)
+        return {"capacity": self.capacity, "window": self.window, "prefix_kept": self.capacity - self.window}
+
+    def select(self, state: PrefillState):
+        n, n_layers = state.n_tokens, state.keys.shape[0]
+        if self.full or self.capacity >= n:
+            return [None] * n_layers
+        prefix = self.scores(state)[..., : n - self.window]  # [L, Hkv, n - window]
+        if self.layer_keep is None:
+            return top_prefix_plus_window(prefix, self.capacity - self.window, n, self.window)
+        ranked = torch.topk(prefix, max(self.layer_keep), dim=-1).indices  # [L, Hkv, kmax], best first
+        return [with_window(ranked[layer, :, :k], n, self.window) for layer, k in enumerate(self.layer_keep)]

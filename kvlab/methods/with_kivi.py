@@ -1,0 +1,102 @@
+"""``METHOD+kiviB`` (B in 2, 3, 4), e.g. ``scissorhands+kivi4`` or ``snapkv+kivi2``. Scissorhands
+(Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache
+Compression at Test Time", NeurIPS 2023, arXiv:2305.17118, Sec. 5 / Table 4) shows that eviction
+and 4-bit quantization compose; KIVI (Liu et al., arXiv:2402.02750) gives the quantizer: asymmetric
+min/scale codes of ``bits`` bits in groups of ``quant_group``. Because eviction removes single
+tokens, keys and values are both grouped per token (along head_dim) here; KIVI's per-channel key
+groups span several tokens and would not survive an eviction.
+
+The shared store and mixin are in ``composed.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from kernels.quant import QuantizedGroups, cat_groups, dequantize_groups
+from kvlab.methods.composed import (
+    ComposedStore,
+    TokenStore,
+    composable,
+    compose,
+    gather_quantized,
+    quantize_tokens,
+    quantized_token_bytes,
+)
+from kvlab.methods.dense import DenseCompressor, DenseLayer
+from kvlab.methods.params import Param
+
+SUFFIX = "+kivi"
+BITS = (2, 3, 4)
+
+
+@dataclass
+class QuantizedDenseLayer(TokenStore):
+    """A ``DenseLayer`` look-alike whose keys and values are stored as per-token quantized codes."""
+
+    k: QuantizedGroups
+    v: QuantizedGroups
+    bits: int
+    group: int
+
+    @classmethod
+    def from_dense(cls, layer: DenseLayer, bits: int, group: int) -> QuantizedDenseLayer:
+        k, v, _, _ = layer.views()
+        return cls(layer.pos, layer.logw, quantize_tokens(k, bits, group), quantize_tokens(v, bits, group), bits, group)
+
+    def dense_kv(self) -> tuple[Tensor, Tensor]:
+        return dequantize_groups(self.k), dequantize_groups(self.v)
+
+    def _append_kv(self, k: Tensor, v: Tensor) -> None:
+        self.k = cat_groups([self.k, quantize_tokens(k, self.bits, self.group)], dim=-2)
+        self.v = cat_groups([self.v, quantize_tokens(v, self.bits, self.group)], dim=-2)
+
+    def _keep_kv(self, idx: Tensor) -> None:
+        self.k, self.v = gather_quantized(self.k, idx), gather_quantized(self.v, idx)
+
+    def _kv_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for name, q in (("keys", self.k), ("values", self.v)):
+            for kind, t in q.tensors():
+                yield f"{name}_{kind}", t
+
+
+class QuantizedStore(ComposedStore):
+    """Mixin over a ``DenseCompressor``: same selection and eviction, KIVI-style quantized storage."""
+
+    store = QuantizedDenseLayer
+    kv_bits: int = 4
+
+    def kv_bytes(self) -> int:
+        return 2 * quantized_token_bytes(self.info.head_dim, self.kv_bits, int(self.cfg["quant_group"]))
+
+    def store_args(self, layer: int) -> dict:
+        return {"bits": self.kv_bits, "group": int(self.cfg["quant_group"])}
+
+    def store_knobs(self) -> dict:
+        return {"kv_bits": self.kv_bits, "quant_group": int(self.cfg["quant_group"])}
+
+
+def quantized(inner: type[DenseCompressor], bits: int) -> type[DenseCompressor]:
+    """The class ``INNER+kiviBITS``: ``inner``'s selection with quantized storage (made once)."""
+    return compose(
+        inner,
+        QuantizedStore,
+        f"{SUFFIX}{bits}",
+        f"Kivi{bits}",
+        title=f"{inner.title} + KIVI {bits}-bit",
+        summary=f"{inner.title}'s token selection; kept keys/values stored as {bits}-bit codes (per token).",
+        params=(Param("quant_group", 32, "quantization group along head_dim", minimum=1),),
+        kv_bits=bits,
+    )
+
+
+def resolve(name: str, lookup: Callable[[str], type]) -> type | None:
+    """``METHOD+kiviB`` -> its composed class; None for any other name."""
+    base, sep, bits = name.rpartition(SUFFIX)
+    if not sep or not bits.isdigit() or int(bits) not in BITS:
+        return None
+    inner = composable(base, lookup)
+    return None if inner is None else quantized(inner, int(bits))
