@@ -10,7 +10,7 @@ A row whose compressor is a ``DenseCompressor`` attending through its own ``atte
 ``scissorhands``, the compositions' stores read back as dense keys and values) has its visible keys,
 values and log-weights copied into one float32 batch padded to the longest row, the padding masked
 by a -inf bias, the log-weights added as the bias elsewhere; one grouped-query softmax attention runs
-over the whole batch (``kvlab.core.attention_ops.dense_attention``'s maths, row by row). Rows of very different
+over the whole batch (``kvlab.core.semantics.attend``'s maths, row by row). Rows of very different
 lengths go in separate calls (``length_buckets``). Rows whose method wants this step's
 probabilities (``wants_probs``) get their own row of them (padding cut off) through
 ``after_attend``. Every other row goes through ``kvlab.engine.batched_attention.attend_rows``.
@@ -137,7 +137,7 @@ def batched_dense_attention(
     dtype) and probs [R, Hq, t, N] float32 (N the longest row; zero on each row's padding).
     ``scaling`` a ``LayerSemantics``: the layer's soft-cap and sinks as ``semantics.logits`` / ``softmax``.
     """
-    if len(segments) == 1:  # nothing to pad: the row's own tensors, widened as ``dense_attention`` does
+    if len(segments) == 1:  # nothing to pad: the row's own tensors, widened as ``semantics.attend`` does
         k, v, lw = segments[0]
         big_k, big_v, bias = k.float()[None], v.float()[None], None if lw is None else lw.float()[None]
     else:

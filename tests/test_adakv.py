@@ -5,7 +5,7 @@ import pytest
 import torch
 from kv_samples import compressed, new_token
 
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.engine.specs import GenerationSettings, Question, RunSpec
 from kvlab.methods import get
@@ -84,7 +84,7 @@ def test_real_prefill_allocation_and_ragged_cache(lm, prefill_state):
     g = lm.info.n_heads // h
     for head, (ks, vs) in enumerate(zip(held.k.split(held.counts.tolist()), held.v.split(held.counts.tolist()))):
         tk, tv = held.tail.views()[0][head], held.tail.views()[1][head]
-        ref = dense_attention(
+        ref = sm.attend(
             q[head * g : (head + 1) * g], torch.cat([ks, tk])[None], torch.cat([vs, tv])[None], state.scaling
         )
         torch.testing.assert_close(out[head * g : (head + 1) * g], ref, atol=1e-5, rtol=1e-4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from kv_samples import new_token, planned
 
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import BudgetRefused, exact_bytes
 from kvlab.engine.prefill import prefill
 from kvlab.methods import names
@@ -93,7 +93,7 @@ def test_full_budget_is_exact(lm, matrix_state, name):
         comp.append(layer, k, v, n)
         q = state.queries[layer, :, -1:]
         cd = info.torch_cache_dtype  # every cache, exact included, holds 16-bit K/V by default
-        ref = dense_attention(
+        ref = sm.attend(
             q,
             torch.cat([state.keys[layer], k], -2).to(cd),
             torch.cat([state.values[layer], v], -2).to(cd),

@@ -8,7 +8,7 @@ import torch
 
 from kernels.quant import dequantize_groups
 from kernels.tensor_ops import group_queries, ungroup
-from kvlab.core.attention_ops import attention_logits
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget
 from kvlab.core.results import CompareResult, RunResult
 from kvlab.engine.probe import Probe
@@ -77,7 +77,7 @@ def test_qjl_weights_follow_exact_attention_on_real_keys(lm, prefill_state):
     corr = []
     for layer in range(0, lm.info.n_layers, 3):
         q = state.queries[layer][:, -1:]
-        exact = torch.softmax(attention_logits(q.float(), state.keys[layer].float(), state.scaling), -1)[:, 0]
+        exact = torch.softmax(sm.logits(q.float(), state.keys[layer].float(), state.scaling), -1)[:, 0]
         w = qjl.estimated_weights(layer, q)
         assert w.shape == exact.shape
         corr += [float(torch.corrcoef(torch.stack([w[h], exact[h]]))[0, 1]) for h in range(w.shape[0])]
@@ -105,7 +105,7 @@ def test_subgen_weights_spread_each_cluster_over_its_tokens(lm, prefill_state):
     for c in assign[kv].unique()[:20]:
         members = stream[h, assign[kv] == c]
         assert torch.allclose(members, members[0].expand_as(members))
-    exact = torch.softmax(attention_logits(q.float(), state.keys[layer].float(), state.scaling), -1)[:, 0]
+    exact = torch.softmax(sm.logits(q.float(), state.keys[layer].float(), state.scaling), -1)[:, 0]
     top = exact.topk(16, -1).indices
     assert (w.gather(1, top).sum(-1) > 16 / n).all()
 

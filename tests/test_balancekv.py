@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.tensor_ops import gather_tokens, group_queries, ungroup
-from kvlab.core.attention_ops import attention_logits
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget, exact_bytes
 from kvlab.engine.specs import GenerationSettings, RunSpec
 from kvlab.methods import budget_search
@@ -85,7 +85,7 @@ def test_walk_balances_synthetic_kernel():
 def _attend(q, keys, values, idx, logw, scaling):
     """Causal attention of the last w prompt queries over the kept tokens idx [L, H, m] (with log-weights)."""
     n, w, g = keys.shape[-2], q.shape[-2], q.shape[1] // keys.shape[1]
-    logits = attention_logits(q, gather_tokens(keys, idx), scaling, logw)
+    logits = sm.logits(q, gather_tokens(keys, idx), scaling, logw)
     qpos = torch.arange(n - w, n).view(w, 1)
     logits = logits.masked_fill(idx.repeat_interleave(g, 1).unsqueeze(-2) > qpos, float("-inf"))
     return ungroup(group_queries(logits.softmax(-1), keys.shape[1]) @ gather_tokens(values, idx), q.shape[1])
@@ -167,7 +167,7 @@ def test_compressor_uses_log_weights(prefill_state, lm):
 
 def test_streaming_merge_and_reduce(prefill_state, lm):
     """balancekv-stream: generated tokens go through the MergeAndReduce tree (Algorithm 3)."""
-    from kvlab.core.attention_ops import dense_attention
+
     from kvlab.methods.balancekv import BalanceKVStream
     from kvlab.methods.handover import PrefillState
 
@@ -195,12 +195,12 @@ def test_streaming_merge_and_reduce(prefill_state, lm):
     for layer in range(lm.info.n_layers):
         k, v, pos, lw = comp.layers[layer].views()
         sel = pos[0] >= n0
-        a = dense_attention(q[layer], st.keys[layer, :, n0 : n0 + g], st.values[layer, :, n0 : n0 + g], st.scaling)
-        z = dense_attention(q[layer], k[:, sel], v[:, sel], st.scaling, lw[:, sel])
+        a = sm.attend(q[layer], st.keys[layer, :, n0 : n0 + g], st.values[layer, :, n0 : n0 + g], st.scaling)
+        z = sm.attend(q[layer], k[:, sel], v[:, sel], st.scaling, lw[:, sel])
         ours.append(((z - a).norm(dim=-1) / a.norm(dim=-1)).mean().item())
         m = int(sel.sum())
         ui = torch.rand(3, g, generator=rng).argsort(-1)[:, :m].sort(-1).values + n0
-        zu = dense_attention(
+        zu = sm.attend(
             q[layer],
             gather_tokens(st.keys[layer], ui),
             gather_tokens(st.values[layer], ui),

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget, exact_bytes
 from kvlab.methods import budget_search, get
 from kvlab.methods.pyramidkv import pyramid_budgets
@@ -135,11 +136,10 @@ def test_uniform_reweighted_estimate_is_unbiased(lm, prefill_state):
     """Each kept middle token carries log(n_middle / kept): over seeds, the weighted softmax
     denominator and numerator of the kept tokens average to the exact ones (unbiased), and the
     unweighted sample under-counts the middle's mass by that factor."""
-    from kvlab.core.attention_ops import attention_logits
 
     st, layer = prefill_state, 12
     q = st.queries[layer, :, -1:]  # [Hq, 1, d]
-    logits = attention_logits(q.float(), st.keys[layer].float(), st.scaling)[:, 0]  # [Hq, n]
+    logits = sm.logits(q.float(), st.keys[layer].float(), st.scaling)[:, 0]  # [Hq, n]
     shift = logits.amax(-1, keepdim=True)
     exact_den = torch.exp(logits - shift).sum(-1)
     g = lm.info.group_size
@@ -152,7 +152,7 @@ def test_uniform_reweighted_estimate_is_unbiased(lm, prefill_state):
         c.compress(st)
         k, v, pos, lw = c.layers[layer].views()
         assert lw is not None
-        lg = attention_logits(q.float(), k.float(), st.scaling)[:, 0] + lw.repeat_interleave(g, 0)
+        lg = sm.logits(q.float(), k.float(), st.scaling)[:, 0] + lw.repeat_interleave(g, 0)
         w = torch.exp(lg - shift)
         dens.append(w.sum(-1))
         nums.append(torch.einsum("hn,hnd->hd", w, v.float().repeat_interleave(g, 0)))

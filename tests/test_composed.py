@@ -10,7 +10,8 @@ from kv_samples import compressed, new_token
 
 from kernels.quant import dequantize_groups
 from kernels.tensor_ops import group_queries
-from kvlab.core.attention_ops import dense_attention, tensor_bytes
+from kvlab.core import semantics as sm
+from kvlab.core.attention_ops import tensor_bytes
 from kvlab.core.budgets import Budget, exact_bytes
 from kvlab.methods import get, names
 from kvlab.methods.dense import DenseLayer
@@ -116,9 +117,7 @@ def test_logits_are_qjl_estimates_from_the_stored_bits(lm, prefill_state, outlie
     logits = torch.matmul(group_queries(q.float(), k_hat.shape[0]), k_hat.transpose(-1, -2))
     torch.testing.assert_close(logits.reshape(est.shape), est, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(v_hat, dequantize_groups(st.v))
-    torch.testing.assert_close(
-        comp.attend(layer, q), dense_attention(q, k_hat, v_hat, state.scaling), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(comp.attend(layer, q), sm.attend(q, k_hat, v_hat, state.scaling), atol=1e-5, rtol=1e-5)
 
 
 def test_key_estimates_track_exact_logits_and_improve_with_m(lm, prefill_state):
@@ -217,7 +216,7 @@ def test_full_budget_is_the_exact_cache(lm, prefill_state, name):
     q = state.queries[layer, :, -1:]
     cd = lm.info.torch_cache_dtype  # the exact cache as stored: 16-bit K/V, the new token's too
     assert all(t.dtype == cd for kind, t in comp.tensors() if kind in ("keys", "values"))
-    ref = dense_attention(
+    ref = sm.attend(
         q, torch.cat([state.keys[layer], k], -2).to(cd), torch.cat([state.values[layer], v], -2).to(cd), state.scaling
     )
     torch.testing.assert_close(comp.attend(layer, q), ref, atol=1e-5, rtol=1e-4)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab.core import semantics as sm
 from kvlab.methods import budget_search
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,11 +412,10 @@ def test_split_pair_bfloat16_products_error_is_far_below_the_estimators():
 def test_attention_reference_matches_exact_dense_attention():
     from kernels.decode_attention import decode_attention_torch
     from kernels.formats import Segment
-    from kvlab.core.attention_ops import dense_attention
 
     k, v, q = _rand(3, 50, 64, seed=1), _rand(3, 50, 64, seed=2), _rand(9, 1, 64, seed=3)
     lw = torch.rand(3, 50)
-    want = dense_attention(q, k, v, 0.125, lw)
+    want = sm.attend(q, k, v, 0.125, lw)
     parts = [
         Segment(keys=k[:, :20], values=v[:, :20], log_weights=lw[:, :20]),
         Segment(keys=k[:, 20:], values=v[:, 20:], log_weights=lw[:, 20:]),
@@ -423,7 +423,7 @@ def test_attention_reference_matches_exact_dense_attention():
     assert torch.allclose(decode_attention_torch(q, parts, 0.125), want, atol=1e-5)
     idx = torch.tensor([[3, 7, 9]] * 3)
     got = decode_attention_torch(q, [Segment(keys=k, values=v, index=idx)], 0.125)
-    assert torch.allclose(got, dense_attention(q, k[:, [3, 7, 9]], v[:, [3, 7, 9]], 0.125), atol=1e-5)
+    assert torch.allclose(got, sm.attend(q, k[:, [3, 7, 9]], v[:, [3, 7, 9]], 0.125), atol=1e-5)
 
 
 def test_compressed_reference_tracks_exact_attention():
@@ -432,11 +432,10 @@ def test_compressed_reference_tracks_exact_attention():
     from kernels.decode_attention import decode_attention_torch
     from kernels.formats import Segment
     from kernels.quant import quantize_groups
-    from kvlab.core.attention_ops import dense_attention
 
     d = 64
     k, v, q = _rand(2, 300, d, seed=4), _rand(2, 300, d, seed=5), _rand(6, 1, d, seed=6)
-    exact = dense_attention(q, k, v, d**-0.5)
+    exact = sm.attend(q, k, v, d**-0.5)
 
     def rel(m):
         seg = Segment(qjl=K.qjl_quantize_torch(k, _sketch(m, d, 0)), qvalues=quantize_groups(v, 4, 32, -1))

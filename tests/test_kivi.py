@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget, BudgetRefused, exact_bytes
 from kvlab.methods import budget_search, get
 from kvlab.methods.kivi import kivi_bytes
@@ -143,7 +143,7 @@ def test_full_budget_is_exact_and_more_bits_is_closer(lm, prefill_state):
     layer, state = 7, prefill_state
     q = state.queries[layer, :, -1:]
     cd = lm.info.torch_cache_dtype  # the exact cache as stored: 16-bit K/V
-    ref = dense_attention(q, state.keys[layer].to(cd), state.values[layer].to(cd), state.scaling)
+    ref = sm.attend(q, state.keys[layer].to(cd), state.values[layer].to(cd), state.scaling)
     full, knobs = _kivi(lm, state, "1.0")
     assert knobs["quantized_tokens"] == 0 and torch.equal(full.attend(layer, q), ref)
     errs = {}

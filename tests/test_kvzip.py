@@ -16,7 +16,7 @@ import pytest
 import torch
 from kv_samples import new_token, planned
 
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import TOLERANCE, exact_bytes, per_token_bytes
 from kvlab.engine.prefill import prefill
 from kvlab.methods.handover import PrefillNeeds
@@ -99,7 +99,7 @@ def test_budget_in_bytes_with_ragged_heads(lm, short, allocation):
         for h, store in enumerate(comp.heads[layer]):
             kept[h, store.views()[2][0].long()] = True
         cd = info.torch_cache_dtype
-        ref = dense_attention(
+        ref = sm.attend(
             q,
             torch.cat([short.keys[layer], k], -2).to(cd),
             torch.cat([short.values[layer], v], -2).to(cd),

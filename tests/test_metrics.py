@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget
 from kvlab.engine.specs import GenerationSettings, RunSpec
 from kvlab.measure.metrics import (
@@ -39,12 +39,12 @@ def test_shadow_attention_equals_dense_over_everything():
     kg, vg = torch.randn(r, hkv, s, d, generator=g), torch.randn(r, hkv, s, d, generator=g)
     out, probs = shadow_attention(q, kp, vp, kg, vg, 0.25)
     for i in range(r):
-        ref = dense_attention(q[i], torch.cat([kp, kg[i]], 1), torch.cat([vp, vg[i]], 1), 0.25)
+        ref = sm.attend(q[i], torch.cat([kp, kg[i]], 1), torch.cat([vp, vg[i]], 1), 0.25)
         assert torch.allclose(out[i], ref, atol=1e-5)
     assert torch.allclose(probs.sum(-1), torch.ones(r, hq, 1))
     assert relative_error(out, out).abs().max() == 0
     # dropping all but the last key: far from the exact output
-    last = dense_attention(q[0], kg[0, :, -1:], vg[0, :, -1:], 0.25)
+    last = sm.attend(q[0], kg[0, :, -1:], vg[0, :, -1:], 0.25)
     assert relative_error(last, out[0]) > 0.5
 
 

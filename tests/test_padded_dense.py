@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.padded_dense import DenseRows, attend_padded, batched_dense_attention, length_buckets
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget
 from kvlab.engine.planning import make_compressors
 from kvlab.engine.prefill import prefill_for
@@ -39,7 +39,7 @@ def test_padded_batch_equals_dense_attention_per_row():
     q = torch.randn(3, hq, 1, d, generator=g)
     out, probs = batched_dense_attention(q, segs, d**-0.5)
     for i, (k, v, lw) in enumerate(segs):
-        ref, ref_p = dense_attention(q[i], k, v, d**-0.5, lw, return_probs=True)
+        ref, ref_p = sm.attend(q[i], k, v, d**-0.5, lw, return_probs=True)
         n = k.shape[-2]
         torch.testing.assert_close(out[i], ref, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(probs[i, ..., :n], ref_p, atol=1e-7, rtol=1e-5)

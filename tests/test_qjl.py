@@ -10,7 +10,7 @@ import torch
 
 from kernels.qjl import make_sketch
 from kernels.quant import dequantize_groups, group_error_bound
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget, BudgetRefused, exact_bytes, per_token_bytes
 from kvlab.core.model import ModelInfo
 from kvlab.engine.specs import GenerationSettings, RunSpec
@@ -158,10 +158,10 @@ def test_attention_close_to_exact_and_beats_uniform(lm, prefill_state):
     errs, uni = [], []
     for layer in range(0, lm.info.n_layers, 3):
         q = st.queries[layer, :, -8:]
-        a = dense_attention(q, st.keys[layer], st.values[layer], st.scaling)
+        a = sm.attend(q, st.keys[layer], st.values[layer], st.scaling)
         errs.append(_rel_err(c.attend(layer, q), a))
         keep = torch.randperm(n, generator=g)[: n // 4]  # uniform sampling at the same budget
-        uni.append(_rel_err(dense_attention(q, st.keys[layer][:, keep], st.values[layer][:, keep], st.scaling), a))
+        uni.append(_rel_err(sm.attend(q, st.keys[layer][:, keep], st.values[layer][:, keep], st.scaling), a))
     qjl_err, uni_err = sum(errs) / len(errs), sum(uni) / len(uni)
     # on the 16-bit axis 0.25 buys QJL ~4 bits per number (measured 0.58 vs uniform's 0.89)
     assert qjl_err < 0.7 * uni_err, (qjl_err, uni_err)
@@ -170,7 +170,7 @@ def test_attention_close_to_exact_and_beats_uniform(lm, prefill_state):
 def test_more_budget_less_error(lm, prefill_state):
     st = prefill_state
     q, errs = st.queries[12, :, -8:], []
-    a = dense_attention(q, st.keys[12], st.values[12], st.scaling)
+    a = sm.attend(q, st.keys[12], st.values[12], st.scaling)
     for b in ("0.1", "0.25", "0.6"):
         c = _qjl(lm, b, n=st.n_tokens)
         c.compress(st)
@@ -185,7 +185,7 @@ def test_full_budget_is_exact(lm, prefill_state):
     assert c.nbytes() == exact_bytes(lm.info, st.n_tokens)
     q = st.queries[3, :, -2:]
     k, v = st.keys[3].to(lm.info.torch_cache_dtype), st.values[3].to(lm.info.torch_cache_dtype)  # what exact holds
-    assert torch.allclose(c.attend(3, q), dense_attention(q, k, v, st.scaling), atol=1e-5)
+    assert torch.allclose(c.attend(3, q), sm.attend(q, k, v, st.scaling), atol=1e-5)
 
 
 def test_streaming_flush_keeps_window_and_budget(lm, prefill_state):
@@ -272,7 +272,7 @@ def test_any_head_dim_and_gqa_group():
         assert c.layers[1].keys.out_idx.shape[-1] == 3  # head_dim / 16
         out = c.attend(1, q[1])
         assert out.shape == (8, 4, 48)
-        errs.append(_rel_err(out, dense_attention(q[1], k[1], v[1], st.scaling)))
+        errs.append(_rel_err(out, sm.attend(q[1], k[1], v[1], st.scaling)))
     assert errs[1] < errs[0] / 3  # ~ 1/sqrt(m): 16x the sketch, ~4x less error
 
 
@@ -318,7 +318,7 @@ def test_split_query_matches_masked_linear_form_and_lowers_error(lm, prefill_sta
         layer_errs = []
         for layer in (10, 20, lm.info.n_layers - 1):
             q = st.queries[layer, :, -8:]
-            a = dense_attention(q, st.keys[layer], st.values[layer], st.scaling)
+            a = sm.attend(q, st.keys[layer], st.values[layer], st.scaling)
             layer_errs.append(_rel_err(c.attend(layer, q), a))
         errs.append(sum(layer_errs) / 3)
     assert errs[1] < 0.9 * errs[0], errs

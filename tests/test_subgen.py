@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlab.core.attention_ops import dense_attention
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import Budget
 from kvlab.engine.specs import GenerationSettings, RunSpec
 from kvlab.methods import budget_search
@@ -79,7 +79,7 @@ def _subgen_error(s, t, seeds=range(6)):
         scaling = keys.shape[-1] ** -0.5
         gen = torch.Generator().manual_seed(100 + seed)
         st = SubGenState.build(keys, values, torch.full(keys.shape[:2], 1.0), t, s, m_cap=64, gen=gen)
-        exact = dense_attention(q, keys[0], values[0], scaling)
+        exact = sm.attend(q, keys[0], values[0], scaling)
         z = st.attend(0, q, scaling)
         errs.append(((z - exact).norm(dim=-1) / exact.norm(dim=-1)).mean())
     return float(torch.stack(errs).mean())
@@ -107,10 +107,10 @@ def test_kcenter_weighted_centers_approximate_attention():
     k, v, pos, logw = kcenter_compress(keys, values, recent=16, k=8)
     assert k.shape[2] == 24 and torch.equal(pos[0, :, 8:], torch.arange(384, 400).expand(4, -1))
     assert torch.allclose(logw[0, :, :8].exp().sum(-1), torch.full((4,), 384.0))
-    exact = dense_attention(q, keys[0], values[0], scaling)
+    exact = sm.attend(q, keys[0], values[0], scaling)
 
     def err(vals, lw):
-        z = dense_attention(q, k[0], vals[0], scaling, lw)
+        z = sm.attend(q, k[0], vals[0], scaling, lw)
         return float(((z - exact).norm(dim=-1) / exact.norm(dim=-1)).mean())
 
     own = kcenter_compress(keys, values, recent=16, k=8, value="center")[1]
@@ -177,7 +177,7 @@ def test_algorithm1_delta_fits_m_cap_on_the_prompt(lm, prefill_state):
     errs = []
     for layer in range(n_layers):
         q = st.queries[layer, :, -1:]
-        exact = dense_attention(q, st.keys[layer], st.values[layer], st.scaling)
+        exact = sm.attend(q, st.keys[layer], st.values[layer], st.scaling)
         z = c.attend(layer, q)
         errs.append(float(((z - exact).norm(dim=-1) / exact.norm(dim=-1)).mean()))
     print(f"subgen@0.25: m_cap {m_cap}, clusters {float(count.float().mean()):.1f}, err {sum(errs) / len(errs):.3f}")
@@ -281,6 +281,6 @@ def test_local_layers_hold_the_window_and_attend_exactly(lm, long_text, arch):
             if arch == "gemma3":  # exact sliding-window attention of the newest token over all it has seen
                 seen = torch.arange(keys.shape[2])
                 hide = torch.zeros(h, seen.numel()).masked_fill(seen <= n + step - sem[layer].window, float("-inf"))
-                want = dense_attention(q, keys[layer], values[layer], sem[layer], hide)
+                want = sm.attend(q, keys[layer], values[layer], sem[layer], hide)
                 torch.testing.assert_close(c.attend(layer, q), want, rtol=1e-5, atol=1e-6)
     assert c.state is None if arch == "mistral" else c.state.centers.shape[0] == info.n_layers - len(local)

@@ -9,53 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core import semantics as sm
 from kvlab.core.semantics import Keys, LayerSemantics
 
 Sem = LayerSemantics | float  # a layer's semantics, or a bare scaling (plain softmax attention)
-
-
-def attention_logits(q: Tensor, k: Keys, scaling: Sem, logw: Tensor | None = None) -> Tensor:
-    """Logits of every query head against its KV group's keys, as the layer computes them (scaled,
-    soft-capped when ``scaling`` is a ``LayerSemantics`` with a cap).
-
-    q: [..., Hq, t, d]; k: [..., Hkv, n, d]; logw: [..., Hkv, n] added to every logit of that key
-    (a kept token standing for exp(logw) tokens). Returns [..., Hq, t, n].
-    """
-    return sm.logits(q, k, scaling, logw)
-
-
-def mask_future(logits: Tensor, c: int) -> Tensor:
-    """Causal mask for c queries that are the last c keys' tokens: logits [..., c, n]; query i gets
-    -inf on the keys after its own (n - c + i). In place; returns ``logits``."""
-    if c > 1:
-        future = torch.ones(c, c, dtype=torch.bool, device=logits.device).triu(1)
-        logits[..., logits.shape[-1] - c :].masked_fill_(future, float("-inf"))
-    return logits
-
-
-def dense_attention(
-    q: Tensor,
-    k: Keys,
-    v: Tensor,
-    scaling: Sem,
-    logw: Tensor | None = None,
-    return_probs: bool = False,
-    causal_tail: int = 0,
-):
-    """Softmax attention of ``q`` [.., Hq, t, d] over ``k``/``v`` [.., Hkv, n, d] with optional log-weights.
-
-    ``causal_tail`` = t: the t queries are the last t keys' tokens, and query i does not see the
-    keys after its own (a chunk of new tokens attending causally). Returns out [.., Hq, t, dv] (and
-    probs [.., Hq, t, n] when ``return_probs``). Computed in float32; ``scaling`` a ``LayerSemantics``:
-    with its soft-cap and sinks (a window is the caller's: a -inf log-weight hides a key).
-    """
-    hq, hkv = q.shape[-3], k.shape[-3]
-    logits = mask_future(attention_logits(q.float(), k.float(), scaling, logw), causal_tail)
-    probs = sm.softmax(logits, scaling)
-    out = ungroup(torch.matmul(group_queries(probs, hkv), v.float()), hq).to(q.dtype)
-    return (out, probs) if return_probs else out
 
 
 def pool_heads(x: Tensor, n_kv_heads: int, head_dim: int = -3, reduce: str = "sum") -> Tensor:
@@ -78,14 +35,14 @@ def causal_window_probs(queries: Tensor, keys: Tensor, scaling: float | sm.Model
         qpos, kpos = torch.arange(n - w, n, device=keys.device), torch.arange(n, device=keys.device)
         out = []
         for layer, s in enumerate(scaling.layers[: queries.shape[0]]):
-            x = attention_logits(queries[layer].float(), keys[layer].float(), s)
+            x = sm.logits(queries[layer].float(), keys[layer].float(), s)
             bias = sm.window_bias(s, qpos, kpos)
             out.append(sm.softmax(x if bias is None else x + bias, s))
         return torch.stack(out)
     if isinstance(scaling, sm.ModelSemantics):
         scaling = scaling[0].scaling
     # only the last w keys can lie in a query's future
-    logits = mask_future(attention_logits(queries.float(), keys.float(), scaling), queries.shape[-2])
+    logits = sm.mask_future(sm.logits(queries.float(), keys.float(), scaling), queries.shape[-2])
     return torch.softmax(logits, dim=-1)
 
 
@@ -106,7 +63,7 @@ def weights_on_positions(q: Tensor, k: Keys, pos: Tensor, scaling: Sem, logw: Te
 
     q [Hq, 1, d]; k [Hkv, m, d] at positions pos [Hkv, m]; logw [Hkv, m] or None. Returns [Hq, n].
     """
-    probs = sm.softmax(attention_logits(q.float(), k.float(), scaling, logw), scaling)[:, 0]
+    probs = sm.softmax(sm.logits(q.float(), k.float(), scaling, logw), scaling)[:, 0]
     return on_positions(probs, pos)
 
 
@@ -115,9 +72,7 @@ def tensor_bytes(t: Tensor | None) -> int:
 
 
 __all__ = [
-    "attention_logits",
     "causal_window_probs",
-    "dense_attention",
     "on_positions",
     "pool_heads",
     "tensor_bytes",

@@ -176,28 +176,42 @@ def window_bias(sem: LayerSemantics, q_pos: Tensor, k_pos: Tensor) -> Tensor | N
     return torch.zeros(hide.shape, dtype=torch.float32, device=hide.device).masked_fill_(hide, float("-inf"))
 
 
+def mask_future(logits: Tensor, c: int) -> Tensor:
+    """Causal mask for c queries that are the last c keys' tokens: logits [..., c, n]; query i gets
+    -inf on the keys after its own (n - c + i). In place; returns ``logits``."""
+    if c > 1:
+        future = torch.ones(c, c, dtype=torch.bool, device=logits.device).triu(1)
+        logits[..., logits.shape[-1] - c :].masked_fill_(future, float("-inf"))
+    return logits
+
+
 def attend(
     q: Tensor,
-    k: Tensor,
+    k: Keys,
     v: Tensor,
     sem: LayerSemantics | float,
     logw: Tensor | None = None,
     return_probs: bool = False,
     bias: Tensor | None = None,
+    causal_tail: int = 0,
 ):
-    """Attention of q [.., Hq, t, d] over k [.., Hkv, n, d] / v [.., Hkv, n, dv], in float32.
+    """The one softmax attention of kvlab: q [.., Hq, t, d] over k [.., Hkv, n, d] / v [.., Hkv, n, dv],
+    in float32, as the layer computes it (scaling, soft-cap, sinks of ``sem``; a bare float: plain).
 
-    logw [.., Hkv, n]: per-key log-weights; bias [.., t, n] or [.., Hkv, t, n]: added to every query
-    head's logits (-inf hides a key: windows, causality). Returns out [.., Hq, t, dv] in q's dtype
-    (and probs [.., Hq, t, n] when ``return_probs``)."""
+    logw [.., Hkv, n]: per-key log-weights (a kept token standing for exp(logw) tokens; -inf hides
+    it); bias [.., t, n] or [.., Hkv, t, n]: added to every query head's logits (-inf hides a key:
+    windows, causality); ``causal_tail`` = t: the t queries are the last t keys' tokens and query i
+    does not see the keys after its own (a chunk of new tokens attending causally). Returns out
+    [.., Hq, t, dv] in q's dtype (and probs [.., Hq, t, n] when ``return_probs``)."""
     hq, hkv = q.shape[-3], k.shape[-3]
     x = logits(q.float(), k.float(), sem, logw)
     if bias is not None:
         if bias.dim() >= 3 and bias.shape[-3] == hkv and hkv != hq:
             bias = bias.repeat_interleave(hq // hkv, dim=-3)
         x = x + bias
-    probs = softmax(x, sem)
-    probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees no key (only possible with sinks off) gets 0
+    probs = softmax(mask_future(x, causal_tail), sem)
+    if bias is not None:  # a bias may hide every key of a query (only with sinks off): that query gets 0
+        probs = torch.nan_to_num(probs, nan=0.0)
     out = ungroup(torch.matmul(group_queries(probs, hkv), v.float()), hq).to(q.dtype)
     return (out, probs) if return_probs else out
 

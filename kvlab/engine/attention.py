@@ -30,8 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvlab.core import semantics as sm
-from kvlab.core.attention_ops import attention_logits, mask_future
-from kvlab.core.semantics import LayerSemantics, attend, window_bias
+from kvlab.core.semantics import LayerSemantics, window_bias
 from kvlab.engine import faults
 from kvlab.engine.batched_attention import attend_rows
 from kvlab.engine.few_rows import torch_functions_plain
@@ -46,7 +45,7 @@ class PrefillCapture:
 
     ``observers`` (``handover.WindowObserver``s) see the attention of the last prompt queries as the prefill
     computes it: those rows are attended in blocks of at most ``BLOCK_BYTES`` of probabilities
-    (``dense_attention``, float32) instead of by SDPA, and each block's probabilities [Hq, rows, e]
+    (``semantics.attend``, float32) instead of by SDPA, and each block's probabilities [Hq, rows, e]
     go to every observer whose window holds them. The rows before run through SDPA as usual. So a
     method that ranks the prompt by this attention (Scissorhands) needs no second pass over it.
     """
@@ -120,7 +119,7 @@ class PrefillCapture:
         log-sum-exp, ``sdpa_with_lse``) they are exp(logits - lse), without a softmax's passes."""
         n = q.shape[-2]
         for s, e in self._blocks(q, first, last):
-            x = mask_future(sm.logits(q[:, s:e].float(), k[:, :e].float(), sem), e - s)
+            x = sm.mask_future(sm.logits(q[:, s:e].float(), k[:, :e].float(), sem), e - s)
             probs = sm.softmax(x, sem) if lse is None else x.sub_(lse[:, s:e, None].float()).exp_()
             self._feed(layer, probs, s, e, n)
 
@@ -134,7 +133,7 @@ class PrefillCapture:
         outs = []
         for s, e in self._blocks(q, first, last):
             bias = window_bias(sem, torch.arange(s, e, device=q.device), torch.arange(e, device=q.device))
-            out, probs = attend(q[:, s:e], k[:, :e], v[:, :e], sem, bias=bias, return_probs=True)
+            out, probs = sm.attend(q[:, s:e], k[:, :e], v[:, :e], sem, bias=bias, return_probs=True)
             if observe:
                 self._feed(layer, probs, s, e, n)
             outs.append(out)
@@ -166,7 +165,7 @@ def accumulated_from_lse(q: Tensor, k: Tensor, lse: Tensor, scaling: float, chun
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         x = torch.baddbmm(-lse[:, s:e, None].float(), q[:, s:e], k[:, :e].transpose(-1, -2), alpha=scaling)
-        acc[:, :e] += mask_future(x, e - s).exp_().sum(-2)
+        acc[:, :e] += sm.mask_future(x, e - s).exp_().sum(-2)
     return acc
 
 
@@ -184,7 +183,7 @@ def accumulated_attention(q: Tensor, k: Tensor, scaling: LayerSemantics | float,
     q, k = q.float(), k.float()
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        logits = attention_logits(q[:, s:e], k[:, :e], sem)  # [Hq, e - s, e]
+        logits = sm.logits(q[:, s:e], k[:, :e], sem)  # [Hq, e - s, e]
         bias = window_bias(sem, kpos[s:e], kpos[:e])
         acc[:, :e] += sm.softmax(logits if bias is None else logits + bias, sem).sum(-2)
     return acc

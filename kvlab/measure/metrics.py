@@ -28,7 +28,6 @@ from torch import Tensor
 
 from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core import semantics as sm
-from kvlab.core.attention_ops import attention_logits, mask_future
 from kvlab.core.semantics import LayerSemantics, window_bias
 from kvlab.engine.probe import Probe
 from kvlab.methods.dense import DenseCompressor
@@ -95,8 +94,8 @@ def shadow_attention(
     """
     hq, hkv, n = q.shape[-3], kp.shape[-3], kp.shape[-2]
     q = q.float()
-    gen = mask_future(attention_logits(q, kg.float(), scaling), q.shape[-2])
-    logits = torch.cat([attention_logits(q, kp, scaling), gen], dim=-1)
+    gen = sm.mask_future(sm.logits(q, kg.float(), scaling), q.shape[-2])
+    logits = torch.cat([sm.logits(q, kp, scaling), gen], dim=-1)
     if isinstance(scaling, LayerSemantics) and scaling.window is not None:
         m, t = logits.shape[-1], q.shape[-2]
         bias = window_bias(scaling, torch.arange(m - t, m, device=q.device), torch.arange(m, device=q.device))

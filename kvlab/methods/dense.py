@@ -17,7 +17,8 @@ from kernels import Segment, use_triton
 from kernels.decode_attention import decode_attention as kernel_decode_attention
 from kernels.tensor_ops import gather_tokens
 from kvlab.core import cancel
-from kvlab.core.attention_ops import dense_attention, weights_on_positions
+from kvlab.core import semantics as sm
+from kvlab.core.attention_ops import weights_on_positions
 from kvlab.core.budgets import TOLERANCE, per_token_bytes
 from kvlab.core.semantics import Keys
 from kvlab.methods.base import Compressor
@@ -238,12 +239,12 @@ class DenseCompressor(Compressor):
         k, v, _, lw = self.visible(layer)
         sem = self.sem[layer]
         if self.wants_probs:
-            out, probs = dense_attention(q, k, v, sem, lw, return_probs=True)
+            out, probs = sm.attend(q, k, v, sem, lw, return_probs=True)
             self.after_attend(layer, probs)
             return out
         if use_triton(q.device) and sem.plain and sem.v_dim == sem.k_dim and isinstance(k, Tensor):  # Triton, CUDA
             return kernel_decode_attention(q, [Segment(keys=k, values=v, log_weights=lw)], self.scaling)
-        return dense_attention(q, k, v, sem, lw)
+        return sm.attend(q, k, v, sem, lw)
 
     def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
         """Vectorized when nothing evicts or scores per step: append all c tokens, one causal attention."""
@@ -259,7 +260,7 @@ class DenseCompressor(Compressor):
         cache.append(k, v, pos)
         keys, values, _, lw = cache.read_views()
         sem = self.sem[layer]
-        return dense_attention(q, keys, values, sem, lw, return_probs=return_probs, causal_tail=q.shape[-2])
+        return sm.attend(q, keys, values, sem, lw, return_probs=return_probs, causal_tail=q.shape[-2])
 
     def _plain_feed(self) -> bool:
         """True when append and attend are the dense store's own (no eviction, no per-step scores)."""

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from kvlab.core import semantics as sm
-from kvlab.core.attention_ops import dense_attention, mask_future, on_positions, pool_heads
+from kvlab.core.attention_ops import on_positions, pool_heads
 from kvlab.core.semantics import LayerSemantics, ModelSemantics
 from kvlab.methods.base import Compressor
 from kvlab.methods.dense import DenseCompressor, DenseLayer
@@ -125,7 +125,7 @@ def chunk_scores(q: Tensor, k: Tensor, sem: LayerSemantics, sink: int, start: in
             bias = sm.window_bias(sem, torch.arange(n + s, n + e, device=dev), kpos)
             x = x if bias is None else x + bias
         else:  # the block's queries are the last e - s of the keys up to its own: causal over those
-            x = mask_future(sm.logits(q[:, s:e].float(), keys[:, : m + e], sem), e - s)  # [Hq, b, m + e]
+            x = sm.mask_future(sm.logits(q[:, s:e].float(), keys[:, : m + e], sem), e - s)  # [Hq, b, m + e]
         best = torch.maximum(best, sm.softmax(x, sem)[..., :m].amax(-2))
     return pool_heads(best, n_kv_heads, head_dim=-2, reduce="max")
 
@@ -280,9 +280,7 @@ class KVzip(DenseCompressor):
         outs = []
         for h, store in enumerate(self.heads[layer]):
             k, v, _, _ = store.views()
-            outs.append(
-                dense_attention(q[h * g : (h + 1) * g], k, v, self.head_sems[layer][h], causal_tail=causal_tail)
-            )
+            outs.append(sm.attend(q[h * g : (h + 1) * g], k, v, self.head_sems[layer][h], causal_tail=causal_tail))
         return torch.cat(outs, dim=0)
 
     def attend(self, layer: int, q: Tensor) -> Tensor:

@@ -59,7 +59,7 @@ from kernels.quant import (
 )
 from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core import cancel
-from kvlab.core.attention_ops import mask_future
+from kvlab.core import semantics as sm
 from kvlab.core.budgets import per_token_bytes
 from kvlab.core.semantics import grouped_softmax
 from kvlab.methods import budget_search
@@ -607,7 +607,7 @@ class QJL(Compressor):
         """One softmax over estimated scores (quantized tokens) and exact scores (window). q [Hq, t, d].
 
         ``causal_tail`` = t: the t queries are the window's last t tokens, each seeing none after
-        its own (``kvlab.core.attention_ops.dense_attention``'s convention). Computed per KV group (the group's
+        its own (``kvlab.core.semantics.attend``'s convention). Computed per KV group (the group's
         query heads as rows). The quantized values are never dequantized as a whole: their
         probability-weighted sum is read from the codes (``weighted_token_sum``).
         """
@@ -658,7 +658,7 @@ class QJL(Compressor):
         qg = group_queries(q.float() * self.scaling, hkv)  # [Hkv, g*t, d]; the estimates are linear in q
         logits = torch.matmul(qg, st.res_k.float().transpose(-1, -2))
         if causal_tail > 1:  # rows are (query head, query) pairs: mask per head
-            mask_future(logits.view(hkv, -1, causal_tail, logits.shape[-1]), causal_tail)
+            sm.mask_future(logits.view(hkv, -1, causal_tail, logits.shape[-1]), causal_tail)
         if st.segments:
             logits = torch.cat([*(self._segment_scores(st, seg, qg) for seg in st.segments), logits], -1)
         return logits

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from kernels.tensor_ops import gather_tokens, group_queries, ungroup
 from kvlab.core import semantics as sm
-from kvlab.core.attention_ops import dense_attention, weights_on_positions
+from kvlab.core.attention_ops import weights_on_positions
 from kvlab.core.budgets import per_token_bytes
 from kvlab.core.semantics import LayerSemantics, ModelSemantics
 from kvlab.methods.base import Compressor
@@ -677,7 +677,7 @@ class SubGen(Compressor):
         dense = self._dense(layer)
         if dense is not None:  # a local store holds only tokens inside the window
             k, v, _, _ = dense.views()
-            return dense_attention(q, k, v, self.sem[layer])
+            return sm.attend(q, k, v, self.sem[layer])
         j = self.slot[layer]
         return self._stream.attend(j, q, self.sem[layer], self.exact.keys[j], self.exact.values[j])
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kernels.tensor_ops import gather_tokens, group_queries, ungroup
-from kvlab.core.attention_ops import attention_logits
+from kvlab.core import semantics as sm
 from kvlab.methods import get
 from kvlab.methods.balancekv import BalanceKV, WalkConfig, algorithm2_config, balance_kv
 from kvlab.methods.uniform import uniform_middle
@@ -64,7 +64,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, lw: Tensor | 
 
     hq, w, hkv = q.shape[0], q.shape[1], k.shape[0]
     qpos = torch.arange(q_first, q_first + w)
-    logits = attention_logits(q.float(), k.float(), scaling, lw)  # [Hq, w, K]
+    logits = sm.logits(q.float(), k.float(), scaling, lw)  # [Hq, w, K]
     future = (pos.unsqueeze(1) > qpos.view(1, w, 1)).repeat_interleave(hq // hkv, 0)  # [Hq, w, K]
     probs = torch.softmax(logits.masked_fill(future, float("-inf")), -1)
     return ungroup(torch.matmul(group_queries(probs, hkv), v.float()), hq)

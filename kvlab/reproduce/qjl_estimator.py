@@ -20,7 +20,7 @@ import time
 import torch
 
 from kernels.qjl import make_sketch
-from kvlab.core.attention_ops import attention_logits
+from kvlab.core import semantics as sm
 from kvlab.methods.qjl import dense_key_estimate, sketch_keys
 from kvlab.reproduce.common import Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
@@ -63,7 +63,7 @@ def measure(q: torch.Tensor, k: torch.Tensor, m: int, sketches: int, orthogonali
 
     d = q.shape[-1]
     gen = torch.Generator().manual_seed(seed)
-    true = attention_logits(q, k, 1.0)  # [Hq, t, p]
+    true = sm.logits(q, k, 1.0)  # [Hq, t, p]
     total = torch.zeros_like(true, dtype=torch.float64)
     total_sq = torch.zeros_like(total)
     done, chunk = 0, max(1, 2**22 // (k.numel() // d * max(m, d)))
@@ -72,7 +72,7 @@ def measure(q: torch.Tensor, k: torch.Tensor, m: int, sketches: int, orthogonali
         s = make_sketch(r, m, d, gen, orthogonalize)  # [r, m, d]
         bits, norms = sketch_keys(k.unsqueeze(0).expand(r, *k.shape), s)  # [r, Hkv, p, m/8]
         k_hat = dense_key_estimate(s.unsqueeze(1), bits, norms)  # [r, Hkv, p, d]
-        est = attention_logits(q.unsqueeze(0), k_hat, 1.0).double()  # [r, Hq, t, p]
+        est = sm.logits(q.unsqueeze(0), k_hat, 1.0).double()  # [r, Hq, t, p]
         total += est.sum(0)
         total_sq += (est**2).sum(0)
         done += r

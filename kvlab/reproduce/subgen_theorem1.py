@@ -18,7 +18,7 @@ import time
 import torch
 
 from kernels.tensor_ops import group_queries, ungroup
-from kvlab.core.attention_ops import attention_logits
+from kvlab.core import semantics as sm
 from kvlab.methods.clustering import Clustering, cluster_stream
 from kvlab.methods.subgen import SubGenState
 from kvlab.reproduce.common import Claim, Report, Row, fmt
@@ -49,7 +49,7 @@ def theorem_errors(state, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     for layer in range(keys.shape[0]):
         k, v, ql = keys[layer].float(), values[layer].float(), q[layer].float()
         hq, hkv = ql.shape[0], k.shape[0]
-        probs = torch.softmax(attention_logits(ql, k, scaling, None), -1)  # [Hq, w, n]
+        probs = torch.softmax(sm.logits(ql, k, scaling, None), -1)  # [Hq, w, n]
         exact = ungroup(torch.matmul(group_queries(probs, hkv), v), hq)
         z = state.attend(layer, ql, scaling).float()
         err = (z - exact).norm(dim=-1)  # [Hq, w]
