@@ -14,6 +14,7 @@ from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
 from kvlab.methods.exact import Exact
 from kvlab.methods.expected_attention import ExpectedAttention
+from kvlab.methods.fp8 import FP8
 from kvlab.methods.h2o import H2O
 from kvlab.methods.keydiff import KeyDiff
 from kvlab.methods.kivi import KIVI
@@ -51,6 +52,7 @@ METHODS: tuple[type[Compressor], ...] = (
     KNorm,
     KVzip,
     TOVA,
+    FP8,
     adakv.adaptive(SnapKV),  # the AdaKV paper's own pairing
     with_kivi.quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)
     with_kivi.quantized(SnapKV, 2),
@@ -91,7 +93,7 @@ def unregister(name: str) -> None:
 for _cls in METHODS:
     register(_cls)
 
-_ORDER = {"reference": 0, "paper": 1, "baseline": 2, "recent": 3}
+_ORDER = {"reference": 0, "paper": 1, "baseline": 2, "recent": 3, "quantizer": 4}
 
 
 def names() -> list[str]:
