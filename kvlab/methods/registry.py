@@ -27,6 +27,7 @@ from kvlab.methods.snapkv import SnapKV
 from kvlab.methods.streaming import StreamingLLM
 from kvlab.methods.subgen import SubGen, SubGenKCenter, SubGenKCenterWeighted
 from kvlab.methods.tova import TOVA
+from kvlab.methods.turboquant import TurboQuant
 from kvlab.methods.uniform import Uniform
 
 Lookup = Callable[[str], type[Compressor]]
@@ -53,6 +54,7 @@ METHODS: tuple[type[Compressor], ...] = (
     KVzip,
     TOVA,
     FP8,
+    TurboQuant,
     adakv.adaptive(SnapKV),  # the AdaKV paper's own pairing
     with_kivi.quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)
     with_kivi.quantized(SnapKV, 2),

@@ -189,7 +189,9 @@ class TokenQuantizer(Compressor):
             cancel.checkpoint()
             codes = {}
             if n_coded:  # one layer at a time: the float intermediates stay the size of one layer's cache
-                enc = self.encode(slice(i, i + 1), keys[i : i + 1, :, :n_coded], values[i : i + 1, :, :n_coded], extra)
+                enc = self.encode(
+                    slice(i, i + 1), keys[i : i + 1, :, :n_coded], values[i : i + 1, :, :n_coded], extra[i : i + 1]
+                )
                 codes = {k: t[0] for k, t in enc.items()}
             st = CodedLayer(
                 codes, self.as_cached(keys[i, :, n_coded:]), self.as_cached(values[i, :, n_coded:]), n, extra[i]
