@@ -20,6 +20,7 @@ from kvlab.methods.keydiff import KeyDiff
 from kvlab.methods.kivi import KIVI
 from kvlab.methods.knorm import KNorm
 from kvlab.methods.kvzip import KVzip
+from kvlab.methods.polarquant import PolarQuant
 from kvlab.methods.pyramidkv import PyramidKV
 from kvlab.methods.qjl import QJL
 from kvlab.methods.scissorhands import Scissorhands
@@ -55,6 +56,7 @@ METHODS: tuple[type[Compressor], ...] = (
     TOVA,
     FP8,
     TurboQuant,
+    PolarQuant,
     adakv.adaptive(SnapKV),  # the AdaKV paper's own pairing
     with_kivi.quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)
     with_kivi.quantized(SnapKV, 2),

@@ -83,7 +83,7 @@ def lloyd_max(x: np.ndarray, cdf: np.ndarray, moment: np.ndarray, levels: int, t
     return c, (c[1:] + c[:-1]) / 2
 
 
-def _cumulative(x: np.ndarray, w: np.ndarray, dt: float) -> tuple[np.ndarray, np.ndarray]:
+def cumulative_moments(x: np.ndarray, w: np.ndarray, dt: float) -> tuple[np.ndarray, np.ndarray]:
     """Cumulative mass and first moment (trapezoid rule) of weights w on the grid x, normalised."""
     mass = np.concatenate([[0.0], np.cumsum((w[1:] + w[:-1]) / 2 * dt)])
     xw = x * w
@@ -102,7 +102,7 @@ def beta_codebook(dim: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"a TurboQuant instance needs at least 2 channels, not {dim}")
     t = np.linspace(-np.pi / 2, np.pi / 2, GRID + 1)
     x = np.sin(t)
-    cdf, moment = _cumulative(x, np.cos(t) ** (dim - 2), t[1] - t[0])
+    cdf, moment = cumulative_moments(x, np.cos(t) ** (dim - 2), t[1] - t[0])
     return lloyd_max(x, cdf, moment, 1 << bits)
 
 
@@ -111,7 +111,7 @@ def codebook_mse(dim: int, bits: int) -> float:
     error, E[x^2] - sum_i P(cell i) c_i^2 with E[x^2] = 1 / dim (Theorem 1's proof)."""
     c, b = beta_codebook(dim, bits)
     t = np.linspace(-np.pi / 2, np.pi / 2, GRID + 1)
-    cdf, _ = _cumulative(np.sin(t), np.cos(t) ** (dim - 2), t[1] - t[0])
+    cdf, _ = cumulative_moments(np.sin(t), np.cos(t) ** (dim - 2), t[1] - t[0])
     p = np.diff(np.interp(np.concatenate([[-1.0], b, [1.0]]), np.sin(t), cdf))
     return float(dim * (1.0 / dim - (p * c**2).sum()))
 
@@ -421,4 +421,13 @@ def _to(inst: Instance, device) -> Instance:
     )
 
 
-__all__ = ["Instance", "TurboQuant", "beta_codebook", "channel_order", "codebook_mse", "lloyd_max", "split_bits"]
+__all__ = [
+    "Instance",
+    "TurboQuant",
+    "beta_codebook",
+    "channel_order",
+    "codebook_mse",
+    "cumulative_moments",
+    "lloyd_max",
+    "split_bits",
+]
