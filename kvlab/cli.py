@@ -1,6 +1,8 @@
 """Command line: ``python -m kvlab compare|sweep|methods|reproduce``.
 
-Bad arguments exit with status 2 and one line that says what was wrong and what is allowed.
+Bad arguments exit with status 2 and one line that says what was wrong and what is allowed; so
+does a model that cannot be loaded or that kvlab refuses (no such folder, an unsupported
+architecture, a failed self-check).
 
 The one module of kvlab whose kvlab imports wait inside functions: each subcommand imports what it
 runs when it runs, so that ``kvlab --help``, ``kvlab methods`` and a bad argument answer without
@@ -310,8 +312,7 @@ def cmd_compare(args) -> int:
     try:
         lm = load_model(args.model, args.device, args.dtype, args.trust_remote_code, cache_dtype=args.cache_dtype)
     except ModelLoadError as exc:
-        print(f"kvlab: error: {exc}", file=sys.stderr)
-        return 1
+        raise CliError(str(exc)) from None
     load_s = time.perf_counter() - t0
     if args.task:
         from kvlab.tasks import TaskError, make_task
@@ -484,3 +485,14 @@ def main(argv: list[str] | None = None) -> int:
     except TimeLimit as exc:  # KVLAB_TIME_LIMIT_S met before the first token
         print(f"kvlab: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if not _refused_model(exc):
+            raise
+        print(f"kvlab: error: {exc}", file=sys.stderr)  # a sweep's, a calibration's or a reproduction's model
+        return 2
+
+
+def _refused_model(exc: Exception) -> bool:
+    """Whether ``exc`` is a ``ModelLoadError`` (its module is imported only once a command loaded a model)."""
+    model = sys.modules.get("kvlab.core.model")
+    return model is not None and isinstance(exc, model.ModelLoadError)

@@ -90,3 +90,39 @@ def test_cache_dtype_flag_sets_the_memory_axis(tmp_path, capsys):
     n = data["prompt_tokens"]
     assert data["model"]["cache_dtype"] == "float32"
     assert data["runs"][0]["kv_bytes"] == 30 * 3 * n * 64 * 2 * 4
+
+
+def test_a_missing_model_folder_exits_2_with_one_line(capsys):
+    code, out, err = _run(["compare", "--prompt", "hi", "--model", "/nonexistent"], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "no such folder: '/nonexistent'" in err, err
+    assert "Repo id" not in err
+
+
+def _tiny_refused(kind: str, folder):
+    """A tiny random-weight model of an architecture kvlab refuses, saved with ``save_pretrained``."""
+    import transformers as tf
+
+    if kind == "encoder-decoder":
+        config = tf.T5Config(vocab_size=128, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        model = tf.T5ForConditionalGeneration(config)
+    else:
+        config = tf.MambaConfig(vocab_size=128, hidden_size=16, state_size=4, num_hidden_layers=1)
+        model = tf.MambaForCausalLM(config)
+    model.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("kind, why", [("encoder-decoder", "encoder-decoder"), ("state-space", "state-space")])
+def test_a_refused_architecture_exits_2_with_one_line(kind, why, tmp_path, capsys):
+    _tiny_refused(kind, tmp_path / kind)
+    capsys.readouterr()  # save_pretrained's progress bar
+    code, out, err = _run(["compare", "--prompt", "hi", "--model", str(tmp_path / kind)], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "kvlab cannot run" in err and why in err, err
+
+
+def test_a_sweep_with_a_missing_model_exits_2_with_one_line(tmp_path, capsys):
+    args = ["sweep", "--model", "./no/such/model", "--methods", "exact", "--out", str(tmp_path), "--quiet"]
+    code, out, err = _run(args, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and "no such folder: './no/such/model'" in err, err

@@ -56,6 +56,21 @@ def page(**kw) -> Callable:
     return call
 
 
+def on_space(call: Callable) -> Callable:
+    """The same call on a page started as a Hugging Face Space starts it (``SPACE_ID`` set): the fixed list."""
+
+    def on(dash):
+        from kvlab.ui import Dashboard, Limits
+        from kvlab.ui.config import fixed_models, model_choice_allowed
+
+        limits = Limits(allow_model_choice=model_choice_allowed({"SPACE_ID": "someone/kvlab"}), models=fixed_models({}))
+        space = Dashboard(dash.lm, limits)
+        space.tasks = dash.tasks
+        return call(space)
+
+    return on
+
+
 def settings(**kw) -> Callable:
     """The engine's answer to generation settings the page does not expose (CLI ``--sample`` flags, the API)."""
 
@@ -162,6 +177,8 @@ CASES = [
     Case("attention map", "head `-1`", page(record_maps=True, map_head=-1)),
     Case("attention map", "layer `'abc'` (API)", page(record_maps=True, map_layer="abc")),
     Case("model", "`../../etc/passwd`", page(model="../../etc/passwd")),
+    Case("model", "`<img src=x onerror=alert(1)>`", page(model=XSS)),
+    Case("model", "`../../etc/passwd` on a Space (a fixed list)", on_space(page(model="../../etc/passwd"))),
     Case("temperature", "`0` with sampling (CLI / API)", settings(temperature=0.0)),
     Case("temperature", "NaN with sampling (CLI / API)", settings(temperature=float("nan"))),
     Case("top-p", "`0` (CLI / API)", settings(top_p=0.0)),
@@ -212,9 +229,10 @@ def _answer(case: Case, dash) -> str:
 @pytest.fixture(scope="module")
 def dash(lm):
     pytest.importorskip("gradio")
-    from kvlab.ui import Dashboard, presets
+    from kvlab.ui import Dashboard, Limits, presets
+    from kvlab.ui.config import model_choice_allowed
 
-    dash = Dashboard(lm)
+    dash = Dashboard(lm, Limits(allow_model_choice=model_choice_allowed({})))  # a local run, whatever the env
     dash.tasks = presets(lm)[1]  # as the page sets them
     return dash
 
@@ -229,8 +247,9 @@ def test_the_docs_table_says_what_the_page_answers(dash, i):
 
 if __name__ == "__main__":
     from kvlab.engine.loader import load_model
-    from kvlab.ui import Dashboard, presets
+    from kvlab.ui import Dashboard, Limits, presets
+    from kvlab.ui.config import model_choice_allowed
 
-    board = Dashboard(lm := load_model("embedded"))
+    board = Dashboard(lm := load_model("embedded"), Limits(allow_model_choice=model_choice_allowed({})))
     board.tasks = presets(lm)[1]
     sys.stdout.write(table(board) + "\n")

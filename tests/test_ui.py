@@ -71,7 +71,7 @@ def compared(client):
 
 def test_api_names_are_exposed(client):
     names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
-    assert {"/compare", "/view_errors", "/view_attention", "/export", "/load_json", "/preset"} <= names
+    assert {"/compare", "/load_model", "/view_errors", "/view_attention", "/export", "/load_json", "/preset"} <= names
 
 
 def test_compare_returns_cards_and_figures(compared):
@@ -169,7 +169,7 @@ def test_bad_input_gives_clear_messages(client):
         (("embedded", "hi", [], [], "0.25", 4, 0, table, False, 3, 0), "no method selected"),
         (("embedded", "hi", [], ["streaming"], "1.5", 4, 0, table, False, 3, 0), "outside (0, 1]"),
         (("embedded", "hi", [], ["streaming"], "0.25", 100000, 0, table, False, 3, 0), "greater than maximum"),
-        (("some/other-model", "hi", [], ["streaming"], "0.25", 4, 0, table, False, 3, 0), "embedded model only"),
+        (("/no/such/model", "hi", [], ["streaming"], "0.25", 4, 0, table, False, 3, 0), "no such folder"),
     ]
     for args, needle in cases:
         with pytest.raises(Exception) as info:

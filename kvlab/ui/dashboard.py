@@ -7,6 +7,7 @@ the sweeps use.
 
 from __future__ import annotations
 
+import gc
 import html
 import re
 import threading
@@ -24,7 +25,7 @@ from kvlab.core.results import QUERY_AGNOSTIC, CompareResult, RunResult
 from kvlab.engine import faults
 from kvlab.engine.admission import AdmissionError, AdmissionLimits, Estimate, admit, estimate
 from kvlab.engine.comparison import Engine
-from kvlab.engine.loader import EMBEDDED, load_model
+from kvlab.engine.loader import EMBEDDED, Progress, load_model, spec_of, unload
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.measure.metrics import ProbeSettings
@@ -37,6 +38,7 @@ from kvlab.ui.config import Limits
 from kvlab.ui.export import export_files
 from kvlab.ui.gpu_lease import WorkSize
 from kvlab.ui.methods import params_from_rows
+from kvlab.ui.model_choice import model_line, offered, refused_line
 
 FIGURE_TITLES = (
     "Cache size",
@@ -51,6 +53,7 @@ FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
 
 
 CANCEL_WAIT_S = 30.0  # how long Cancel waits for the model work in progress to end
+KEEP_CHOSEN = 1  # models held besides the page's first one: loading another frees the oldest
 
 
 @dataclass
@@ -188,38 +191,91 @@ def _ended_early(result: CompareResult) -> str:
 
 
 class Dashboard:
-    """The callbacks behind the page; holds the model(s) loaded once at start."""
+    """The callbacks behind the page; holds the model loaded at start and the last one chosen on the page."""
 
     def __init__(self, lm: LoadedModel, limits: Limits | None = None):
         self.lm = lm
         self.limits = limits or Limits()
         self.admission = AdmissionLimits.from_env()
-        self.engines: dict[str, Engine] = {EMBEDDED: Engine(lm)}
+        self.start = spec_of(lm)  # the model the page started with: always held
+        self.engines: dict[str, Engine] = {self.start: Engine(lm)}  # spec -> engine, oldest first
         self.tasks: dict[str, Task] = {}  # preset label -> its task (set by the page)
         self.running: dict[str, cancel.Token] = {}  # session -> its running comparison's token
         self._lock = threading.Lock()
 
     # ----- model work ----------------------------------------------------------------------
-    def engine_for(self, model: str) -> Engine:
-        model = (model or EMBEDDED).strip() or EMBEDDED
-        if model not in self.engines:
-            if not self.limits.allow_model_choice:
-                raise InputError(
-                    "this page runs the embedded model only (set KVLAB_ALLOW_MODEL_CHOICE=1 to allow others)"
-                )
-            try:
-                self.engines[model] = Engine(load_model(model))
-            except ModelLoadError as exc:
-                raise InputError(str(exc)) from None
-        return self.engines[model]
+    def engine_for(self, model, load: bool = True, progress: Progress | None = None) -> Engine:
+        """The engine of ``model`` (a spec: "embedded", a folder, a hub id), loaded first when ``load``.
 
-    def request(self, inputs: PageInputs) -> tuple[Engine, Comparison, int]:
+        Raises ``InputError`` (one line) for a model this page does not offer, one not loaded yet
+        (``load`` False), or one that cannot be loaded or is refused; the models held stay as they were.
+        """
+        spec = model.strip() if isinstance(model, str) else ""
+        spec = spec or EMBEDDED
+        if spec in self.engines:
+            return self.engines[spec]
+        if not self.limits.allow_model_choice and spec not in offered(self.start, self.limits):
+            listed = ", ".join(offered(self.start, self.limits))
+            raise InputError(
+                f"this page offers a fixed list of models ({listed}); set KVLAB_ALLOW_MODEL_CHOICE=1 to allow others"
+            )
+        if not load:
+            raise InputError(f"model {spec!r} is not loaded yet: press Load model (Run loads it too)")
+        try:
+            engine = Engine(load_model(spec, progress=progress))
+        except ModelLoadError as exc:
+            raise InputError(str(exc)) from None
+        self.engines[spec] = engine
+        self._free_older(spec)
+        return engine
+
+    def _free_older(self, keep: str) -> None:
+        """Hold at most ``KEEP_CHOSEN`` models besides the first one (``keep``, just loaded, stays)."""
+        chosen = [s for s in self.engines if s not in (self.start, keep)]
+        for spec in chosen[: max(0, len(chosen) + 1 - KEEP_CHOSEN)]:
+            engine = self.engines.pop(spec)
+            if engine.lm.model is not self.lm.model:
+                unload(engine.lm)
+        gc.collect()
+
+    def offered(self) -> list[str]:
+        """The models the page's model box lists (this machine's, or the fixed list), and those held now."""
+        return offered(self.start, self.limits, list(self.engines))
+
+    def choose_model(self, model, current, progress=gr.Progress()):  # noqa: B008 (gradio injects progress)
+        """The Load model button: load ``model`` with progress and show the self-check's verdict.
+
+        Returns (the model box, the session's model, the model line, the map layer, the map head). A
+        model that cannot be loaded or is refused leaves the box on ``current`` (the session's model,
+        still loaded) and says why in the model line."""
+        current = current if isinstance(current, str) and current.strip() else self.start
+        spec = model.strip() if isinstance(model, str) else ""
+        if not spec:
+            message = "the model box is empty; pick a model or type a folder or a Hugging Face id"
+            return gr.update(value=current), current, refused_line(message, current), gr.skip(), gr.skip()
+        try:
+            engine = self.engine_for(spec, progress=lambda fraction, stage: progress(fraction, desc=stage))
+        except InputError as exc:
+            return gr.update(value=current), current, refused_line(str(exc), current), gr.skip(), gr.skip()
+        info = engine.info
+        return (
+            gr.update(value=spec, choices=self.offered()),
+            spec,
+            model_line(engine.lm),
+            gr.update(value=info.n_layers // 2, maximum=info.n_layers - 1),
+            gr.update(value=0, maximum=info.n_heads - 1),
+        )
+
+    def request(
+        self, inputs: PageInputs, load: bool = True, progress: Progress | None = None
+    ) -> tuple[Engine, Comparison, int]:
         """The page's inputs as a ``Comparison``, checked against the page's limits.
 
         Returns the engine of the chosen model, the comparison and the prompt's token count. A
         preset's task (its answer, its scoring) applies while the prompt is that preset's text
         exactly (compared here, when the run starts) and no question is asked. ``question``: asked
-        after compressing the prompt (query-agnostic); the prompt is then a context.
+        after compressing the prompt (query-agnostic); the prompt is then a context. ``load``: load the
+        chosen model when it is not held yet (with ``progress``), else refuse it.
         """
         prompt = inputs.prompt
         if not isinstance(prompt, str) or not prompt.strip():
@@ -240,7 +296,7 @@ class Dashboard:
         max_new = whole_number(inputs.max_new, "max new tokens", 0)
         if not 1 <= max_new <= self.limits.max_new_tokens:
             raise InputError(f"max new tokens must be in 1..{self.limits.max_new_tokens}")
-        engine = self.engine_for(inputs.model)
+        engine = self.engine_for(inputs.model, load, progress)
         measure = None
         if inputs.record_maps:
             head = whole_number(inputs.map_head, "the attention-map head", 0)
@@ -281,7 +337,7 @@ class Dashboard:
 
         ``values``: the page's inputs in ``PageInputs`` order."""
         try:
-            engine, comparison, n = self.request(PageInputs.of(values))
+            engine, comparison, n = self.request(PageInputs.of(values), load=False)
         except InputError as exc:
             return f"⚠ {markdown_text(str(exc))}"
         est = self.estimate(engine, comparison, n)
@@ -294,7 +350,8 @@ class Dashboard:
         ``values`` are ``compare``'s arguments: the page's inputs first, in ``PageInputs`` order (then
         what Gradio adds: progress, the request)."""
         inputs = PageInputs.of(values)
-        engine = self.engine_for(inputs.model)
+        held = self.engines.get(inputs.model.strip() if isinstance(inputs.model, str) else "")
+        engine = held or self.engines[self.start]  # a model not held yet: sized by the first one's tokenizer
         methods = 1 + len(inputs.papers or []) + len(inputs.baselines or []) + len(inputs.recent or [])
         runs = methods * max(1, len(set(parse_budgets(inputs.budgets))))
         text = inputs.prompt if isinstance(inputs.prompt, str) else ""
@@ -342,7 +399,9 @@ class Dashboard:
         live: LiveProbe | None = None
         result: CompareResult | None = None
         try:
-            engine, comparison, n = self.request(inputs)
+            engine, comparison, n = self.request(
+                inputs, progress=lambda fraction, stage: progress(fraction, desc=f"loading the model: {stage}")
+            )
             specs = comparison.check()
             live = LiveProbe(len(specs), greedy=not comparison.settings.do_sample)
             last_yield = 0.0
@@ -438,7 +497,9 @@ class Dashboard:
 
     # ----- views (no recomputation) --------------------------------------------------------
     def _lm_for(self, result: CompareResult) -> LoadedModel | None:
-        return self.lm if result.model.get("id") == self.lm.info.id else None
+        """The held model that produced ``result`` (its tokenizer shows the kept-token strip), if any."""
+        held = [e.lm for e in list(self.engines.values())]
+        return next((lm for lm in held if lm.info.id == result.model.get("id")), None)
 
     def render(self, data: dict | None, layer_choice, strip_label):
         """Everything below the progress bar, from the stored result JSON."""

@@ -1,16 +1,16 @@
-"""The page: setup, progress and cards, then one tab per view (memory, errors, attention, quality vs
-memory, export / import, needle grid, about). Every event has an ``api_name``; model work runs one at a time.
+"""The page: the model box, setup, progress and cards, then one tab per view (memory, errors, attention,
+quality vs memory, export / import, needle grid, about). Every event has an ``api_name``; model work
+(loading a model, a comparison) runs one at a time.
 """
 
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, fields
 
 import gradio as gr
 
 from kvlab.core.model import LoadedModel
-from kvlab.engine.loader import EMBEDDED
+from kvlab.engine.loader import spec_of
 from kvlab.ui.about import about_markdown
 from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
@@ -20,6 +20,7 @@ from kvlab.ui.gpu_lease import gpu
 from kvlab.ui.grid_tab import grid_tab
 from kvlab.ui.leaderboard_tab import leaderboard_tab
 from kvlab.ui.methods import default_methods, method_groups, param_rows
+from kvlab.ui.model_choice import box_info, model_line, offered
 from kvlab.ui.prompt_presets import DEFAULT_PRESET, presets
 
 
@@ -27,7 +28,7 @@ from kvlab.ui.prompt_presets import DEFAULT_PRESET, presets
 class Setup:
     """The setup panel's components; those of ``PageInputs`` carry its field names."""
 
-    model: gr.Textbox
+    model: gr.Dropdown  # a spec: offered ones, or (free choice) any folder or hub id typed in
     prompt: gr.Textbox
     papers: gr.CheckboxGroup
     baselines: gr.CheckboxGroup
@@ -44,6 +45,9 @@ class Setup:
     cancel_btn: gr.Button  # stops the running comparison
     question: gr.Textbox  # asked after compressing the prompt (query-agnostic); empty: query-aware
     recent: gr.CheckboxGroup  # the recent methods' group
+    load_btn: gr.Button  # loads the model box's model (with progress) and runs its self-check
+    model_line: gr.HTML  # what is loaded and the self-check's verdict, or why a model was refused
+    model_state: gr.State  # the session's loaded model (what the box goes back to when a load is refused)
 
     def inputs(self) -> list:
         """The inputs of a comparison, named and ordered by ``PageInputs`` (``Dashboard.compare``'s order)."""
@@ -89,8 +93,7 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
     with gr.Blocks(title="kvlab — KV-cache compression side by side", delete_cache=(ttl, ttl)) as demo:
         gr.HTML(
             "<div class='kv-header'><h1>kvlab</h1><p>KV-cache compression methods side by side on a real "
-            f"model: texts, bytes, attention error, attention maps. Model: <b>{html.escape(lm.info.id)}</b> "
-            f"on {html.escape(lm.info.device)}.</p></div>"
+            "model: texts, bytes, attention error, attention maps.</p></div>"
         )
         setup = _setup(lm, dash.limits, preset_texts)
         views = _views()
@@ -99,9 +102,11 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
 
 
 def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
-    """The setup panel: preset, prompt and model on the left; methods, budgets and settings on the right."""
+    """The setup panel: the model box on top; preset, prompt and question on the left; methods, budgets and
+    settings on the right."""
     groups = method_groups()
     papers0, baselines0 = default_methods()
+    model, load_btn, line, model_state = model_box(lm, lim)
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             preset = gr.Dropdown(
@@ -122,17 +127,6 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                 elem_id="kv-question",
                 info="optional: the prompt above is then a context, compressed without the question "
                 "(query-agnostic); empty: the question is inside the compressed prompt (query-aware)",
-            )
-            model = gr.Textbox(
-                value=EMBEDDED,
-                label="Model",
-                interactive=lim.allow_model_choice,
-                info="'embedded' (SmolLM2-135M-Instruct)"
-                + (
-                    ", a Hugging Face id or a local folder"
-                    if lim.allow_model_choice
-                    else "; other models: set KVLAB_ALLOW_MODEL_CHOICE=1"
-                ),
             )
         with gr.Column(scale=2):
             papers = gr.CheckboxGroup(
@@ -202,8 +196,37 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
         )
     return Setup(
         model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
-        run_btn, plan, cancel_btn, question, recent,
+        run_btn, plan, cancel_btn, question, recent, load_btn, line, model_state,
     )  # fmt: skip
+
+
+def model_box(lm: LoadedModel, lim: Limits) -> tuple[gr.Dropdown, gr.Button, gr.HTML, gr.State]:
+    """The model box with its Load button, the line that says what is loaded, and the session's model.
+
+    Free choice: this machine's models listed, any folder or hub id accepted; else the fixed list."""
+    start = spec_of(lm)
+    choices = offered(start, lim)
+    with gr.Row(equal_height=False, elem_id="kv-model-row"):
+        model = gr.Dropdown(
+            choices,
+            value=start,
+            label="Model",
+            info=box_info(lim),
+            allow_custom_value=lim.allow_model_choice,
+            interactive=lim.allow_model_choice or len(choices) > 1,
+            filterable=True,
+            elem_id="kv-model",
+            scale=5,
+        )
+        load_btn = gr.Button(
+            "Load model",
+            elem_id="kv-load-model",
+            scale=1,
+            min_width=120,
+            visible=lim.allow_model_choice or len(choices) > 1,
+        )
+    line = gr.HTML(model_line(lm), elem_id="kv-model-line")
+    return model, load_btn, line, gr.State(start)
 
 
 def _views() -> Views:
@@ -266,6 +289,24 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
         trigger_mode="always_last",
         show_progress="hidden",
     )  # fmt: skip
+    loading = s.load_btn.click(
+        dash.choose_model,
+        [s.model, s.model_state],
+        [s.model, s.model_state, s.model_line, s.map_layer, s.map_head],
+        api_name="load_model",
+        concurrency_limit=1,
+        concurrency_id="model",
+    )
+    loading.then(dash.plan, s.inputs(), s.plan, api_name=False, show_progress="hidden")
+    if dash.limits.allow_model_choice:  # models downloaded or converted since the page was built
+        gr.on(
+            [demo.load],
+            lambda: gr.update(choices=dash.offered()),
+            None,
+            s.model,
+            api_name=False,
+            show_progress="hidden",
+        )
     run = setup.run_btn.click(
         gpu(dash.compare, dash.work),
         setup.inputs(),
