@@ -6,7 +6,9 @@ teacher-forced fidelity, attention maps), and a query-agnostic one (context comp
 fed after). Each run is reduced to its generated tokens, its bytes per step (and by kind), its
 finish reason and its measurements rounded to 6 significant digits, and hashed. Writes
 ``bench/results/behaviour_hash.json``; ``--check FILE`` compares against an earlier file and
-exits non-zero on any difference.
+exits non-zero on any difference. With ``--check``, only the methods of that file run (a method
+added since is left out and named): every method shares the lockstep batch, so a new row moves
+the last bits of the others' measurements.
 
     python -m bench.behaviour_hash [--check bench/results/behaviour_hash.json]
 """
@@ -77,6 +79,13 @@ def main() -> int:
 
     lm = load_model()
     methods = [m for m in names() if m != "exact"] + PRESETS
+    before = json.loads(Path(args.check).read_text()) if args.check else None
+    if before is not None:  # compare like with like: the methods of the earlier file, in today's order
+        known = {key.split(" ")[1] for key in before["runs"]}
+        added = [m for m in methods if m not in known]
+        methods = [m for m in methods if m in known]
+        if added:
+            print(f"not in {args.check}, left out: {', '.join(added)}", flush=True)
     gen = GenerationSettings(max_new_tokens=args.new)
     out: dict[str, dict] = {}
     for label, comparison in [
@@ -97,8 +106,7 @@ def main() -> int:
     total = digest({k: v["hash"] for k, v in out.items()})
     print("all runs:", total)
     doc = {"all": total, "runs": out}
-    if args.check:
-        before = json.loads(Path(args.check).read_text())
+    if before is not None:
         diff = sorted(k for k in set(before["runs"]) | set(out) if before["runs"].get(k) != out.get(k))
         for k in diff:
             print("DIFFERS:", k, before["runs"].get(k), "->", out.get(k))

@@ -1,7 +1,7 @@
 """Reference paths the tests compare the engine's fast paths against (not used by the product).
 
 * ``stepwise_questions``: a question asked after compression is fed one decode step per token
-  (``lockstep.feed_stepwise``) instead of in one chunked forward, the path the chunk must equal;
+  (``rows.feed_stepwise``) instead of in one chunked forward, the path the chunk must equal;
 * ``per_row_attention``: every row of a decode step attends alone (``comp.attend``), the path the
   batched ``attend_many`` calls must equal.
 """
@@ -17,8 +17,8 @@ from torch import Tensor
 from kvlab.core.model import LoadedModel
 from kvlab.engine import faults, questions
 from kvlab.engine.attention import LockstepDecode
-from kvlab.engine.lockstep import feed_stepwise
 from kvlab.engine.probe import Probe
+from kvlab.engine.rows import feed_stepwise
 from kvlab.methods import Compressor
 
 

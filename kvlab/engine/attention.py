@@ -238,7 +238,7 @@ class LockstepChunk:
     """Row i of a [B, c] forward feeds its c new tokens through ``compressors[i].feed`` at true position ``pos``.
 
     ``observers`` see the whole batch once per layer: (layer, q [B, Hq, c, d], k, v [B, Hkv, c, d]
-    the chunk's keys/values, out [B, Hq, c, d]). Used with a ``LockstepCache(chunk=True)``, which
+    the chunk's keys/values, out [B, Hq, c, d]). Used with a ``cache.RoutedCache``, which
     leaves the appending to the compressors' ``feed``.
     """
 

@@ -12,7 +12,6 @@ caches the latent and expands it after the cache) is thereby routed like any oth
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import cast
 
 from torch import Tensor
@@ -54,24 +53,12 @@ class PrefillCache(Cache):
         return key_states, value_states
 
 
-class LockstepCache(Cache):
-    """Batch row i -> compressors[i]; row i's new token sits at true position ``seen[i]`` (``seen`` an
-    int: the same position for every row). The attention handler appends (``LockstepDecode``, with
-    these positions) or feeds a chunk (``LockstepChunk``, ``chunk=True``)."""
-
-    def __init__(self, compressors: list, n_layers: int, seen: int | Sequence[int], chunk: bool = False):
-        self.positions = [seen] * len(compressors) if isinstance(seen, int) else list(seen)
-        super().__init__(layers=[_RoutedLayer(max(self.positions, default=0)) for _ in range(n_layers)])
-        self.compressors = compressors
-        self.chunk = chunk
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        return key_states, value_states
-
-
-class ExtendCache(Cache):
-    """``seen`` tokens already attended (the exact prompt, which the attention handler holds); the keys
-    and values of a chunk fed after them pass straight through (``prefill.ExactExtension``)."""
+class RoutedCache(Cache):
+    """``seen`` tokens already attended per layer (held by the attention handler: the compressors, or the
+    exact prompt); the new tokens' keys and values pass straight through to the attention function,
+    which routes them (``attention.LockstepDecode``, ``LockstepChunk``, ``prefill.ExactExtension``).
+    With rows at different positions, ``seen`` is the largest: the mask sizes fit every row, and the
+    handler masks each row by itself."""
 
     def __init__(self, n_layers: int, seen: int):
         super().__init__(layers=[_RoutedLayer(seen) for _ in range(n_layers)])

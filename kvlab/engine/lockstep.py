@@ -9,7 +9,6 @@ ask (``Probe.teacher_forced``).
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict
@@ -23,27 +22,12 @@ from kvlab.core.model import LoadedModel, ModelInfo
 from kvlab.core.results import QUERY_AGNOSTIC, QUERY_AWARE, CompareResult, RunResult
 from kvlab.engine import attention as attn
 from kvlab.engine import faults
-from kvlab.engine.cache import LockstepCache
-from kvlab.engine.few_rows import few_row_linears
 from kvlab.engine.probe import LayerObserver, Probe, ProbeRouter, RowObserver
+from kvlab.engine.rows import forward_rows
+from kvlab.engine.sampling import next_token
 from kvlab.engine.specs import Event, GenerationSettings, RunSpec
+from kvlab.engine.teacher_forcing import TeacherForcing
 from kvlab.methods import Compressor
-
-
-def pick(logits: Tensor, gen: GenerationSettings, generator: torch.Generator) -> int:
-    """The next token from ``logits`` [V]: greedy, or sampled with temperature, top-k and top-p."""
-    if not gen.do_sample:
-        return int(torch.argmax(logits))
-    x = logits.float() / gen.temperature
-    if gen.top_k > 0:
-        kth = torch.topk(x, min(gen.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, -1)
-    if gen.top_p < 1:
-        sp, si = torch.sort(probs, descending=True)
-        drop = torch.cumsum(sp, -1) - sp > gen.top_p
-        probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 class Lockstep:
@@ -93,7 +77,7 @@ class Lockstep:
         """Each row's next token from its logits [V]; updates the running runs and returns those that stopped."""
         still = []
         for i, row_logits in zip(rows, logits):
-            t = pick(row_logits, self.gen, self.generators[i])
+            t = next_token(row_logits, self.gen, self.generators[i])
             self.tokens[i].append(t)
             if t in self.eos:
                 self.results[i].finish_reason = "eos"
@@ -137,70 +121,6 @@ def drop_unmeasured(results: list[RunResult]) -> None:
     for r in results:
         if r.finish_reason == "error" and not r.token_ids:
             r.metrics, r.extras = {}, {}
-
-
-class TeacherForcing:
-    """Runs fed the exact run's tokens, for teacher-forced fidelity at little extra cost.
-
-    While a run's tokens equal the exact run's, its free-running row *is* the teacher-forced row.
-    When it first picks a different token (or stops), its compressor (which has seen only the
-    shared tokens so far) is copied and the copy is fed the exact tokens as an extra batch row.
-    """
-
-    def __init__(self, exact: int | None, probes: list[Probe]):
-        self.exact, self.probes = exact, probes
-        self.on = exact is not None and bool(probes)
-        self.aligned: set[int] = set()
-        self.forked: dict[int, Compressor] = {}
-        self.batch: list[int] = []
-        self.started = False
-
-    def after_pick(self, tokens: list[list[int]], comps: list[Compressor], active: list[int]) -> None:
-        """Update after tokens were picked; ``active`` are the runs that decode on."""
-        if not self.on or self.exact is None:
-            return
-        if self.exact not in active:  # the exact continuation is complete: nothing more to force
-            self.on, self.forked, self.aligned = False, {}, set()
-            return
-        if not self.started:
-            self.started = True
-            self.aligned = {i for i in range(len(tokens)) if i != self.exact}
-        ref = tokens[self.exact]
-        for i in sorted(self.aligned):
-            if tokens[i] != ref[: len(tokens[i])] or len(tokens[i]) != len(ref) or i not in active:
-                self.aligned.discard(i)
-                self.forked[i] = copy.deepcopy(comps[i])
-
-    def compressors(self) -> list[Compressor]:
-        """The forked copies, one batch row each (after the free rows), in ``batch_runs`` order."""
-        self.batch = list(self.forked) if self.on else []
-        return [self.forked[i] for i in self.batch]
-
-    def batch_runs(self) -> list[int]:
-        """The run of each teacher-forced row of the last forward, in row order."""
-        return self.batch
-
-    def drop(self, i: int) -> None:
-        """Stop feeding run ``i`` the exact tokens (its method raised); without the exact run, stop altogether."""
-        self.aligned.discard(i)
-        self.forked.pop(i, None)
-        if i == self.exact:
-            self.on, self.forked, self.aligned = False, {}, set()
-
-    def inputs(self, tokens: list[list[int]]) -> list[int]:
-        if not self.on or self.exact is None:
-            return []
-        return [tokens[self.exact][-1]] * len(self.forked)
-
-    def report(self, step: int, tokens: list[list[int]], active: list[int], logits: Tensor) -> None:
-        """``logits`` [B, V]: the free rows (``active``), then the forked rows in order."""
-        if not self.on or self.exact is None:
-            return
-        row = {i: r for r, i in enumerate(active)}
-        forced = {i: logits[row[i]] for i in self.aligned | {self.exact} if i in row}
-        forced.update({i: logits[len(active) + j] for j, i in enumerate(self.batch) if i in self.forked})
-        for p in self.probes:
-            p.on_forced(step, tokens[self.exact][-1], logits[row[self.exact]], forced)
 
 
 class Decoder:
@@ -283,26 +203,17 @@ class Decoder:
         Rows: the running runs (batch row r -> run ``rows.active[r]``), then the teacher-forced copies.
         Run i's new token sits at ``rows.starts[i] + step - 1`` (the tokens already in its cache).
         """
-        model, dev = self.lm.model, self.lm.device
         active = rows.batch = list(rows.active)
         row_comps = [rows.comps[i] for i in active] + rows.forcing.compressors()
         inputs = [rows.tokens[i][-1] for i in active] + rows.forcing.inputs(rows.tokens)
         seen = [rows.starts[i] + step - 1 for i in active + rows.forcing.batch_runs()]
-        cache = LockstepCache(row_comps, self.info.n_layers, seen)
         observers = [RowObserver(p, active) for p in rows.probes if p.attends]
         # probes see one question at a time, so every row sits at the same position then
         layer_obs = [LayerObserver(p, active, seen[0]) for p in rows.probes if p.sees_layers]
         handler = attn.LockstepDecode(
             row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs], positions=seen
         )
-        with attn.active(model, handler), few_row_linears(len(inputs), dev):
-            out = model(
-                input_ids=torch.tensor([[t] for t in inputs], device=dev),
-                position_ids=torch.tensor(seen, device=dev).unsqueeze(-1),
-                past_key_values=cache,
-                use_cache=True,
-            )
-        return out.logits[:, -1]
+        return forward_rows(self.lm, handler, [[t] for t in inputs], seen)
 
     def _failed(self, rows: Lockstep, errors: dict[int, str]) -> Iterator[Event]:
         """End the runs whose compressor raised in the forward (``errors``: batch row -> message).
@@ -332,25 +243,3 @@ class Decoder:
             r.error, r.finish_reason = why, "time_limit"
             yield from self.finish(r, rows.tokens[i], rows.runs[i].label)
         return f"{why}: {len(stopped)} of {len(rows.runs)} runs stopped with the tokens so far"
-
-
-@torch.inference_mode()
-def feed_stepwise(lm: LoadedModel, comps: list[Compressor], seen: int, ids: list[int]) -> Tensor:
-    """Tokens through the decode path, one forward per token: logits [B, V] after the last.
-
-    Row i feeds ``ids`` through ``comps[i]`` at true positions seen..seen+c-1 (no probes).
-    """
-    model, dev, b = lm.model, lm.device, len(comps)
-    for i, t in enumerate(ids):
-        cache = LockstepCache(comps, lm.info.n_layers, seen + i)
-        with attn.active(model, attn.LockstepDecode(comps, positions=[seen + i] * b)), few_row_linears(b, dev):
-            out = model(
-                input_ids=torch.tensor([[t]] * b, device=dev),
-                position_ids=torch.full((b, 1), seen + i, device=dev),
-                past_key_values=cache,
-                use_cache=True,
-            )
-    return out.logits[:, -1]
-
-
-__all__ = ["Decoder", "Lockstep", "TeacherForcing", "drop_unmeasured", "feed_stepwise", "pick"]

@@ -31,7 +31,7 @@ from kvlab.core import semantics as sm
 from kvlab.core.model import LoadedModel
 from kvlab.core.rope import Rotary
 from kvlab.engine import attention as attn
-from kvlab.engine.cache import ExtendCache, PrefillCache
+from kvlab.engine.cache import PrefillCache, RoutedCache
 from kvlab.methods.base import Compressor
 from kvlab.methods.handover import PrefillNeeds, PrefillState, QueryStats, WindowObserver
 
@@ -163,7 +163,7 @@ class ExactExtension:
             self.lm.model(
                 input_ids=torch.tensor([ids], device=dev),
                 position_ids=torch.arange(n, n + c, device=dev).unsqueeze(0),
-                past_key_values=ExtendCache(info.n_layers, n),
+                past_key_values=RoutedCache(info.n_layers, n),
                 use_cache=True,
                 logits_to_keep=1,
             )

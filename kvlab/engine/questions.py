@@ -19,7 +19,6 @@ import time
 from collections.abc import Generator, Iterator
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from kvlab.core.budgets import exact_bytes
@@ -27,11 +26,10 @@ from kvlab.core.model import LoadedModel
 from kvlab.core.results import CompareResult, RunResult
 from kvlab.engine import attention as attn
 from kvlab.engine import faults
-from kvlab.engine.cache import LockstepCache
-from kvlab.engine.few_rows import few_row_linears
 from kvlab.engine.lockstep import Decoder, Lockstep, drop_unmeasured
 from kvlab.engine.planning import Refusals
 from kvlab.engine.probe import LayerObserver, Probe
+from kvlab.engine.rows import forward_rows
 from kvlab.engine.specs import Event, GenerationSettings, Question, RunSpec
 from kvlab.methods import Compressor, PrefillState
 
@@ -156,21 +154,10 @@ def feed_question(lm: LoadedModel, rows: Lockstep, seen: int, ids: list[int]) ->
 def feed_chunk(lm: LoadedModel, comps: list[Compressor], probes: list[Probe], seen: int, ids: list[int]) -> Tensor:
     """Row i feeds ``ids`` through ``comps[i]`` at true positions seen..seen+c-1 in one chunked forward
     (input_ids [B, c], causal inside the chunk; the probes' ``on_chunk``): logits [B, V] after the last."""
-    model, dev = lm.model, lm.device
-    b, c = len(comps), len(ids)
-    cache = LockstepCache(comps, lm.info.n_layers, seen, chunk=True)
-    everyone = list(range(b))
+    everyone = list(range(len(comps)))
     observers = [LayerObserver(p, everyone, seen) for p in probes if p.sees_chunks]
     handler = attn.LockstepChunk(comps, seen, [o.on_chunk for o in observers])
-    with attn.active(model, handler), few_row_linears(b * c, dev):
-        out = model(
-            input_ids=torch.tensor([ids] * b, device=dev),
-            position_ids=torch.arange(seen, seen + c, device=dev).expand(b, c),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    return out.logits[:, -1]
+    return forward_rows(lm, handler, [ids] * len(comps), seen)
 
 
 def _within(lo: float, span: float, progress: float) -> float:

@@ -17,7 +17,7 @@ from typing import cast
 import torch
 
 from kvlab.core.model import MODELS_DOC, LoadedModel, ModelLoadError
-from kvlab.engine.lockstep import feed_stepwise
+from kvlab.engine.rows import feed_stepwise
 from kvlab.engine.prefill import prefill
 from kvlab.methods.registry import get
 
