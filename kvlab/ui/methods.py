@@ -8,8 +8,15 @@ from kvlab.methods import methods
 
 
 def method_groups() -> dict[str, list[tuple[str, str]]]:
-    """Registry methods by group: {"paper": [(label, name)], "baseline": [...], "recent": [...], "reference": [...]}."""
-    out: dict[str, list[tuple[str, str]]] = {"reference": [], "paper": [], "baseline": [], "recent": []}
+    """Registry methods by group: {"paper": [(label, name)], "baseline": [...], "recent": [...], "quantizer": [...],
+    "reference": [...]}."""
+    out: dict[str, list[tuple[str, str]]] = {
+        "reference": [],
+        "paper": [],
+        "baseline": [],
+        "recent": [],
+        "quantizer": [],
+    }
     for name, cls in methods().items():
         out.setdefault(cls.group, []).append((f"{cls.title or name} ({name})" if cls.title else name, name))
     return out
