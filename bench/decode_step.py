@@ -26,7 +26,8 @@ import torch
 
 from bench.compare_lockstep import add_setup_args, emit, setup, warm_up
 from bench.linear_rows import forward_ms
-from bench.padded_dense import attend_padded, schedule
+from bench.padded_dense import attend_padded, paths
+from kvlab.engine.comparison import Engine
 from kvlab.engine.planning import make_compressors
 from kvlab.engine.prefill import prefill_for
 from kvlab.engine.specs import GenerationSettings
@@ -34,8 +35,8 @@ from kvlab.engine.specs import GenerationSettings
 
 def step_ms(engine, ids, specs, new: int, batched: bool) -> float:
     """Mean ms of one lockstep decode step (up to ``new`` - 1 steps after the prefill's first token)."""
-    with schedule("padded" if batched else "per_row"):
-        res = engine.compare(ids, specs, GenerationSettings(max_new_tokens=new))
+    engine = Engine(engine.lm, engine.time_limit_s, paths("padded" if batched else "per_row"))
+    res = engine.compare(ids, specs, GenerationSettings(max_new_tokens=new))
     longest = max(res.runs, key=lambda r: len(r.token_ids))  # decoded every step (others may stop at EOS)
     return longest.timings.decode_s / max(1, len(longest.token_ids) - 1) * 1e3
 

@@ -18,13 +18,11 @@ probabilities (``wants_probs``) get their own row of them (padding cut off) thro
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import Tensor
@@ -33,9 +31,8 @@ from kernels import use_triton
 from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core import semantics as sm
 from kvlab.core.semantics import LayerSemantics
-from kvlab.engine import faults
-from kvlab.engine.attention import LockstepDecode
-from kvlab.engine.batched_attention import attend_left, attend_rows
+from kvlab.engine.batched_attention import attend_each, attend_rows
+from kvlab.engine.rows import DecodePaths
 from kvlab.methods import Compressor
 from kvlab.methods.dense import DenseCompressor
 
@@ -199,29 +196,17 @@ def attend_padded(
             outs[row] = out[i]
             if comp.wants_probs and guard(row, _after_attend, comp, layer, probs[i, ..., : lengths[j]]) is None:
                 outs[row] = None  # the row failed: ``attend`` answers for it
-    return attend_left(compressors, outs, layer, query, guard, attend)
+    return attend_rows(compressors, layer, query, guard, attend, outs=outs)
 
 
-def _padded_row_outputs(self: LockstepDecode, layer: int, query: Tensor) -> list[Tensor]:
-    if query.shape[-2] == 1:
-        return attend_padded(self.compressors, layer, query, faults.guard, faults.attend)
-    return [faults.attend(row, comp, layer, query[row]) for row, comp in enumerate(self.compressors)]
-
-
-def _per_row_outputs(self: LockstepDecode, layer: int, query: Tensor) -> list[Tensor]:
-    return [faults.attend(row, comp, layer, query[row]) for row, comp in enumerate(self.compressors)]
-
-
-@contextlib.contextmanager
-def schedule(name: str) -> Iterator[None]:
-    """While open, the engine's decode steps attend with schedule ``name``: "padded" (the dense rows in
-    padded calls, the others as the engine does), "per_row" (every row through its own ``attend``) or
-    "engine" (unchanged)."""
-    outputs = {"padded": _padded_row_outputs, "per_row": _per_row_outputs}.get(name)
-    if name != "engine" and outputs is None:
+def paths(name: str) -> DecodePaths:
+    """The engine's decode paths with the rows attending by schedule ``name``: "padded" (the dense rows
+    in padded calls, the others as the engine does), "per_row" (every row through its own ``attend``)
+    or "engine" (the engine's own)."""
+    rows = {"padded": attend_padded, "per_row": attend_each, "engine": attend_rows}.get(name)
+    if rows is None:
         raise ValueError(f"unknown schedule {name!r}; allowed: padded, per_row, engine")
-    with mock.patch.object(LockstepDecode, "row_outputs", outputs) if outputs else contextlib.nullcontext():
-        yield
+    return DecodePaths(row_attention=rows)
 
 
-__all__ = ["DenseRows", "attend_padded", "batched_dense_attention", "dense_segment", "length_buckets", "schedule"]
+__all__ = ["DenseRows", "attend_padded", "batched_dense_attention", "dense_segment", "length_buckets", "paths"]

@@ -29,7 +29,7 @@ from kvlab.core.results import PROTOCOLS, QUERY_AGNOSTIC, QUERY_AWARE, CompareRe
 from kvlab.engine import faults
 from kvlab.engine.comparison import Engine, each_in_own_prompt
 from kvlab.engine.probe import Probe
-from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec, expand_runs
+from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec, expand_runs, results_of
 from kvlab.measure.health import HealthProbe
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
 from kvlab.tasks import Task, join_question, prompt_ids, prompt_text, score_result, split_ids
@@ -186,11 +186,7 @@ def compare_all(
     model: LoadedModel | Engine, comparison: Comparison, probes: Sequence[Probe] = ()
 ) -> list[CompareResult]:
     """Run a comparison to the end; one result per question (one item without questions)."""
-    results: list[CompareResult] = []
-    for ev in stream(model, comparison, probes):
-        if ev.kind == "done" and ev.results is not None:
-            results = ev.results
-    return results
+    return results_of(stream(model, comparison, probes))
 
 
 def finish(result: CompareResult, task: Task | None = None) -> CompareResult:

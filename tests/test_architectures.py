@@ -17,11 +17,12 @@ from tiny_models import ARCHITECTURES, WINDOW, build
 from kvlab.core import semantics as sm
 from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.core.model import ModelLoadError
-from kvlab.engine import attention as attn
 from kvlab.engine.comparison import Engine
 from kvlab.engine.loader import from_model, load_model, refuse_unsupported
+from kvlab.engine.selfcheck import self_check
 from kvlab.engine.specs import GenerationSettings, RunSpec
 from kvlab.methods import names
+from kvlab.methods.exact import Exact
 
 PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
@@ -82,17 +83,21 @@ def test_self_check_refuses_a_dropped_window(lm, monkeypatch):
     from_model(*_mistral(lm), "mistral")  # the same model, honoured, loads
 
 
-def test_self_check_refuses_a_broken_decode_handler(lm, monkeypatch):
+class _OffByFivePercent(Exact):
+    """An exact cache whose decode attention is 5% off: the fault of a broken decode handler."""
+
+    attend_many = None  # overrides ``attend``: every row through it
+
+    def attend(self, layer, q):
+        return super().attend(layer, q) * 1.05
+
+
+def test_self_check_refuses_a_broken_decode_path(lm):
     """A decode path whose attention is off by a little is caught and located."""
-    real = attn.LockstepDecode._attend
-
-    def off(self, layer, query, key, value):
-        out, w = real(self, layer, query, key, value)
-        return out * 1.05, w
-
-    monkeypatch.setattr(attn.LockstepDecode, "_attend", off)
+    loaded = from_model(build("llama"), lm.tokenizer, "llama", check=False)
+    assert self_check(loaded).largest < 1e-3  # the model itself passes
     with pytest.raises(ModelLoadError, match="at decode step 1"):
-        from_model(build("llama"), lm.tokenizer, "llama")
+        self_check(loaded, through=_OffByFivePercent)
 
 
 def test_self_check_is_on_by_default_and_cheap(lm):

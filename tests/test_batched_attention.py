@@ -1,16 +1,16 @@
 """The lockstep decode step (rows of a class with ``attend_many`` in one call) against the per-row path.
 
 Every registered method is in one batch, at budgets that give rows of different cache lengths;
-the per-row path (``comp.attend`` row by row, ``reference_paths.per_row_attention``) is the reference.
+the per-row path (``comp.attend`` row by row: ``DecodePaths(row_attention=attend_each)``) is the reference.
 """
 
-import contextlib
-
 import torch
-from reference_paths import per_row_attention
 
 from kvlab.core.budgets import Budget
+from kvlab.engine.batched_attention import attend_each
+from kvlab.engine.comparison import Engine
 from kvlab.engine.probe import Probe
+from kvlab.engine.rows import DecodePaths
 from kvlab.engine.specs import GenerationSettings, RunSpec
 from kvlab.methods import names
 from kvlab.methods.composed import ComposedStore
@@ -51,8 +51,10 @@ class Recorder(Probe):
 
 def _run(engine, ids, batched: bool):
     probe = Recorder()
-    with contextlib.nullcontext() if batched else per_row_attention():
-        res = engine.compare(ids, SPECS, GenerationSettings(max_new_tokens=6), probes=[probe])
+    paths = DecodePaths() if batched else DecodePaths(row_attention=attend_each)
+    res = Engine(engine.lm, engine.time_limit_s, paths).compare(
+        ids, SPECS, GenerationSettings(max_new_tokens=6), probes=[probe]
+    )
     return res, probe
 
 

@@ -5,13 +5,13 @@ import json
 
 import pytest
 import torch
-from reference_paths import stepwise_questions
 
 from kvlab import cli
 from kvlab.core.budgets import Budget
 from kvlab.engine.comparison import Engine
 from kvlab.engine.lockstep import Decoder
 from kvlab.engine.probe import Probe
+from kvlab.engine.rows import DecodePaths
 from kvlab.engine.specs import GenerationSettings, Question, RunSpec
 from kvlab.measure.metrics import ProbeSettings
 from kvlab.methods import get
@@ -71,8 +71,9 @@ def test_one_compression_per_method_and_the_chunk_equals_feeding_token_by_token(
     gen = GenerationSettings(max_new_tokens=6)
     chunked = Engine(lm).compare_all(ctx, _specs(), gen, questions=questions)
     assert sorted(calls) == sorted(METHODS)  # one compression per method for all three questions
-    with stepwise_questions():
-        stepwise = Engine(lm).compare_all(ctx, _specs(), gen, questions=questions)
+    stepwise = Engine(lm, paths=DecodePaths(chunked_questions=False)).compare_all(
+        ctx, _specs(), gen, questions=questions
+    )
     assert len(chunked) == len(stepwise) == 3
     for q, a, b in zip(QUESTIONS, chunked, stepwise):
         assert a.protocol == "query-agnostic" and a.question == q and a.context_tokens == len(ctx)

@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvlab.core import semantics as sm
 from kvlab.core.semantics import LayerSemantics, window_bias
 from kvlab.engine import faults
-from kvlab.engine.batched_attention import attend_rows
+from kvlab.engine.batched_attention import RowAttention, attend_rows
 from kvlab.engine.few_rows import torch_functions_plain
 from kvlab.methods.handover import WindowObserver
 
@@ -199,32 +199,29 @@ class LockstepDecode:
     def __init__(
         self,
         compressors: list,
+        positions: list[int],
         observers: list[Callable] | None = None,
         layer_observers: list[Callable] | None = None,
-        positions: list[int] | None = None,
+        row_attention: RowAttention = attend_rows,
     ):
         self.compressors = compressors
+        self.positions = positions  # row i's new token's true position
         self.observers = observers or []
         self.layer_observers = layer_observers or []
-        self.positions = positions  # row i's new token's true position (None: the caller appends)
+        # how the rows attend (``DecodePaths.row_attention``): the rows of a class with ``attend_many``
+        # in one call (``attend_rows``), or each alone (``attend_each``, the reference path)
+        self.row_attention = row_attention
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         with torch_functions_plain():  # the model's torch-function modes (few_rows) are not for us
-            if self.positions is not None:  # the new token's key/value as attention sees them, at its position
-                for row, comp in enumerate(self.compressors):
-                    faults.append(row, comp, module.layer_idx, key[row], value[row], self.positions[row])
-            return self._attend(module.layer_idx, query, key, value)
+            for row, comp in enumerate(self.compressors):  # the new token's key/value as attention sees them
+                faults.append(row, comp, module.layer_idx, key[row], value[row], self.positions[row])
+            return self.attend(module.layer_idx, query, key, value)
 
-    def row_outputs(self, layer: int, query: Tensor) -> list[Tensor]:
-        """Each row's attention output [Hq, t, d] for ``query`` [B, Hq, t, d]: with one query per row,
-        the rows of a class with ``attend_many`` in one call (``batched_attention.attend_rows``), the
-        others row by row. A row that raises gets zeros (``faults.attend``); the engine then ends its run."""
-        if query.shape[-2] == 1:
-            return attend_rows(self.compressors, layer, query, faults.guard, faults.attend)
-        return [faults.attend(row, comp, layer, query[row]) for row, comp in enumerate(self.compressors)]
-
-    def _attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
-        outs = self.row_outputs(layer, query)
+    def attend(self, layer: int, query: Tensor, key: Tensor, value: Tensor):
+        """Every row's attention output for its one query (query [B, Hq, 1, d]), seen by the observers.
+        A row that raises gets zeros (``faults.attend``); the engine then ends its run."""
+        outs = self.row_attention(self.compressors, layer, query, faults.guard, faults.attend)
         for row, out in enumerate(outs):
             for obs in self.observers:
                 obs(layer, row, query[row], out)

@@ -19,6 +19,9 @@ from torch import Tensor
 from kernels import use_triton
 from kvlab.methods import Compressor
 
+# how a decode step's rows attend: (compressors, layer, query [B, Hq, 1, d], guard, attend) -> B outputs
+RowAttention = Callable[..., list[Tensor]]
+
 
 def _unguarded(row: int, fn: Callable, *args: Any) -> Any:
     return fn(*args)
@@ -34,37 +37,36 @@ def attend_rows(
     query: Tensor,
     guard: Callable = _unguarded,
     attend: Callable = _attend,
+    outs: list[Tensor | None] | None = None,
 ) -> list[Tensor]:
     """Each row's attention output [Hq, 1, d] for one layer: query [B, Hq, 1, d], row i through ``compressors[i]``.
 
     The rows of a class with ``attend_many`` attend in one call per class, the others through
     ``attend(row, comp, layer, q)`` (``comp.attend``). ``guard(row, fn, *args)`` tells a failed row
     (a fault-isolating guard returns None for a row that raised): it goes to ``attend``, which
-    answers zeros for it.
+    answers zeros for it. ``outs``: rows another schedule already attended (None where not), kept.
     """
-    if use_triton(query.device):  # CUDA: each dense row already runs the fused Triton decode kernel
-        return [attend(row, comp, layer, query[row]) for row, comp in enumerate(compressors)]
-    return attend_left(compressors, [None] * len(compressors), layer, query, guard, attend)
+    outs = [None] * len(compressors) if outs is None else list(outs)
+    if not use_triton(query.device):  # CUDA: each dense row already runs the fused Triton decode kernel
+        for rows in _kinds(compressors, outs, guard):
+            outs_k = _attend_many(compressors, rows, layer, query)
+            for row, out in zip(rows, outs_k or ()):
+                outs[row] = out
+    return [
+        out if out is not None else attend(row, comp, layer, query[row])
+        for row, (comp, out) in enumerate(zip(compressors, outs))
+    ]
 
 
-def attend_left(
+def attend_each(
     compressors: list[Compressor],
-    outs: list[Tensor | None],
     layer: int,
     query: Tensor,
     guard: Callable = _unguarded,
     attend: Callable = _attend,
 ) -> list[Tensor]:
-    """``outs`` with the rows still None filled in: ``attend_many`` per class, then each row alone
-    (query [B, Hq, 1, d]; ``guard`` and ``attend`` as in ``attend_rows``)."""
-    for rows in _kinds(compressors, outs, guard):
-        outs_k = _attend_many(compressors, rows, layer, query)
-        for row, out in zip(rows, outs_k or ()):
-            outs[row] = out
-    return [
-        out if out is not None else attend(row, comp, layer, query[row])
-        for row, (comp, out) in enumerate(zip(compressors, outs))
-    ]
+    """Every row through its own ``attend``, one at a time: the path ``attend_rows``' batched calls must equal."""
+    return [attend(row, comp, layer, query[row]) for row, comp in enumerate(compressors)]
 
 
 def _ok(*args: Any) -> bool:
@@ -91,4 +93,4 @@ def _attend_many(compressors: list[Compressor], rows: list[int], layer: int, que
         return None
 
 
-__all__ = ["attend_left", "attend_rows"]
+__all__ = ["RowAttention", "attend_each", "attend_rows"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Iterator
+from typing import Literal
 
 import torch
 
@@ -31,17 +32,26 @@ from kvlab.engine.planning import jsonable, planned
 from kvlab.engine.prefill import prefill_for
 from kvlab.engine.probe import Probe
 from kvlab.engine.questions import Context, ask_after
-from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec
+from kvlab.engine.rows import FAST, DecodePaths
+from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec, results_of
 from kvlab.methods import Compressor, PrefillState
 
 
 class Engine:
-    """``time_limit_s``: a comparison's time limit (None: none; the default reads ``faults.time_limit_s``)."""
+    """Runs comparisons on ``lm``. ``time_limit_s``: a comparison's time limit in seconds (None: none;
+    "environment", the default: ``faults.time_limit_s``, from ``KVLAB_TIME_LIMIT_S`` or the Space).
+    ``paths``: the fast paths by default, or the reference paths they must equal (``DecodePaths``)."""
 
-    def __init__(self, lm: LoadedModel, time_limit_s: float | None = -1.0):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        time_limit_s: float | None | Literal["environment"] = "environment",
+        paths: DecodePaths = FAST,
+    ):
         self.lm = lm
         self.info = lm.info
-        self.time_limit_s = faults.time_limit_s() if time_limit_s == -1.0 else time_limit_s
+        self.time_limit_s = faults.time_limit_s() if time_limit_s == "environment" else time_limit_s
+        self.paths = paths
         cancel.install(lm.model, lm.info.n_layers)  # a cancel or the time limit stops a forward between layers
 
     # ----- compare ------------------------------------------------------------------------
@@ -104,7 +114,7 @@ class Engine:
             raise InputError("no method selected; choose at least one")
         probes = probes or []
         t_start = time.perf_counter()
-        decoder = Decoder(self.lm, self.time_limit_s)
+        decoder = Decoder(self.lm, self.time_limit_s, self.paths)
         # the cache grows by the question's tokens and the generated ones: a plan must hold both
         grows = gen.max_new_tokens - 1 + max((len(q.ids) for q in questions or ()), default=0)
         runs, comps, knobs, refusals = planned(self.info, runs, len(prompt_ids), gen.seed, grows)
@@ -190,11 +200,7 @@ class Engine:
         self, prompt_ids: list[int], runs: list[RunSpec], gen: GenerationSettings | None = None, **kw
     ) -> list[CompareResult]:
         """Every question's result (one item without ``questions=``)."""
-        results: list[CompareResult] = []
-        for ev in self.stream(prompt_ids, runs, gen, **kw):
-            if ev.kind == "done" and ev.results is not None:
-                results = ev.results
-        return results
+        return results_of(self.stream(prompt_ids, runs, gen, **kw))
 
 
 def each_in_own_prompt(

@@ -23,7 +23,7 @@ from kvlab.core.results import QUERY_AGNOSTIC, QUERY_AWARE, CompareResult, RunRe
 from kvlab.engine import attention as attn
 from kvlab.engine import faults
 from kvlab.engine.probe import LayerObserver, Probe, ProbeRouter, RowObserver
-from kvlab.engine.rows import forward_rows
+from kvlab.engine.rows import FAST, DecodePaths, forward_rows
 from kvlab.engine.sampling import next_token
 from kvlab.engine.specs import Event, GenerationSettings, RunSpec
 from kvlab.engine.teacher_forcing import TeacherForcing
@@ -125,10 +125,11 @@ def drop_unmeasured(results: list[RunResult]) -> None:
 
 class Decoder:
     """Decodes a comparison's rows on ``lm``: the first tokens, then one batched forward per step until
-    every run stopped or ``time_limit_s`` (seconds since the comparison began; None: none) passed."""
+    every run stopped or ``time_limit_s`` (seconds since the comparison began; None: none) passed,
+    along ``paths`` (the fast ones by default)."""
 
-    def __init__(self, lm: LoadedModel, time_limit_s: float | None):
-        self.lm, self.info, self.time_limit_s = lm, lm.info, time_limit_s
+    def __init__(self, lm: LoadedModel, time_limit_s: float | None, paths: DecodePaths = FAST):
+        self.lm, self.info, self.time_limit_s, self.paths = lm, lm.info, time_limit_s, paths
 
     def first_tokens(self, rows: Lockstep, logits: Tensor) -> Iterator[Event]:
         """Every run's first token from the shared prefill's logits [V] (a run whose compression failed ends here)."""
@@ -211,7 +212,7 @@ class Decoder:
         # probes see one question at a time, so every row sits at the same position then
         layer_obs = [LayerObserver(p, active, seen[0]) for p in rows.probes if p.sees_layers]
         handler = attn.LockstepDecode(
-            row_comps, [o.on_attend for o in observers], [o.on_layer for o in layer_obs], positions=seen
+            row_comps, seen, [o.on_attend for o in observers], [o.on_layer for o in layer_obs], self.paths.row_attention
         )
         return forward_rows(self.lm, handler, [[t] for t in inputs], seen)
 

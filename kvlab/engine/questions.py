@@ -29,7 +29,7 @@ from kvlab.engine import faults
 from kvlab.engine.lockstep import Decoder, Lockstep, drop_unmeasured
 from kvlab.engine.planning import Refusals
 from kvlab.engine.probe import LayerObserver, Probe
-from kvlab.engine.rows import forward_rows
+from kvlab.engine.rows import feed_stepwise, forward_rows
 from kvlab.engine.specs import Event, GenerationSettings, Question, RunSpec
 from kvlab.methods import Compressor, PrefillState
 
@@ -116,7 +116,7 @@ def ask(
         p.on_prefill(ctx.state, ctx.logits, qcomps)
     rows = Lockstep(runs, qcomps, results, ctx.gen, n + len(q.ids), decoder.lm.eos_ids, probes)
     with faults.collect() as failed:
-        logits = feed_question(decoder.lm, rows, n, q.ids)
+        logits = feed_question(decoder, rows, n, q.ids)
     for i, message in sorted(failed.errors.items()):  # a method that raised on the question
         r = rows.results[i]
         r.error, r.finish_reason = message, "error"
@@ -135,14 +135,18 @@ def ask(
     return rows
 
 
-def feed_question(lm: LoadedModel, rows: Lockstep, seen: int, ids: list[int]) -> Tensor:
-    """Every run's cache takes the question's c tokens at true positions seen..seen+c-1 (``feed_chunk``):
-    logits [B, V] after its last token.
+def feed_question(decoder: Decoder, rows: Lockstep, seen: int, ids: list[int]) -> Tensor:
+    """Every run's cache takes the question's c tokens at true positions seen..seen+c-1 (``feed_chunk``;
+    one decode step per token without ``decoder.paths.chunked_questions``): logits [B, V] after its last token.
 
     Records each run's bytes after the question (``kv_bytes_per_step[1]``) and the forward's time.
     """
+    lm = decoder.lm
     t0 = time.perf_counter()
-    logits = feed_chunk(lm, rows.comps, rows.probes, seen, ids)
+    if decoder.paths.chunked_questions:
+        logits = feed_chunk(lm, rows.comps, rows.probes, seen, ids)
+    else:  # the reference path; the decode path calls no probe's ``on_chunk``
+        logits = feed_stepwise(lm, rows.comps, seen, ids)
     dt = time.perf_counter() - t0
     for r, comp in zip(rows.results, rows.comps):
         r.timings.question_s = dt

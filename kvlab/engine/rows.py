@@ -9,15 +9,35 @@ chunk per row, ``attention.LockstepChunk``) and the token-by-token reference pat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kvlab.core.model import LoadedModel
 from kvlab.engine import attention as attn
+from kvlab.engine.batched_attention import RowAttention, attend_rows
 from kvlab.engine.cache import RoutedCache
 from kvlab.engine.few_rows import few_row_linears
 from kvlab.methods import Compressor
+
+
+@dataclass(frozen=True)
+class DecodePaths:
+    """Which of two paths that give the same results the engine takes (the defaults are the fast ones;
+    the others are the references tests compare them against, and benchmarks time).
+
+    ``row_attention``: how a decode step's rows attend (``batched_attention.attend_rows``: the rows of
+    a class with ``attend_many`` in one call; ``attend_each``: every row alone; or a schedule of
+    one's own with the same signature). ``chunked_questions``: a question asked after compression is
+    fed through every cache in one chunked forward (False: one decode step per token, ``feed_stepwise``).
+    """
+
+    row_attention: RowAttention = attend_rows
+    chunked_questions: bool = True
+
+
+FAST = DecodePaths()  # the default: the batched rows, the chunked question
 
 
 def forward_rows(lm: LoadedModel, handler: object, ids: list[list[int]], first: int | Sequence[int]) -> Tensor:
@@ -50,8 +70,8 @@ def feed_stepwise(lm: LoadedModel, comps: list[Compressor], seen: int, ids: list
     """
     b = len(comps)
     for i, t in enumerate(ids):
-        out = forward_rows(lm, attn.LockstepDecode(comps, positions=[seen + i] * b), [[t]] * b, seen + i)
+        out = forward_rows(lm, attn.LockstepDecode(comps, [seen + i] * b), [[t]] * b, seen + i)
     return out
 
 
-__all__ = ["feed_stepwise", "forward_rows"]
+__all__ = ["FAST", "DecodePaths", "feed_stepwise", "forward_rows"]

@@ -17,8 +17,9 @@ from typing import cast
 import torch
 
 from kvlab.core.model import MODELS_DOC, LoadedModel, ModelLoadError
-from kvlab.engine.rows import feed_stepwise
 from kvlab.engine.prefill import prefill
+from kvlab.engine.rows import feed_stepwise
+from kvlab.methods import Compressor
 from kvlab.methods.registry import get
 
 DECODE_STEPS = 6  # probe tokens after the prefill: the last prompt logits, then 5 decode steps
@@ -50,16 +51,17 @@ def probe_window(lm: LoadedModel) -> int | None:
 
 
 @torch.inference_mode()
-def divergence(lm: LoadedModel) -> tuple[list[float], int]:
+def divergence(lm: LoadedModel, through: type[Compressor] | None = None) -> tuple[list[float], int]:
     """The relative logit difference (largest |difference| / largest |logit|) at the prefill's last token,
-    then after each decode step; and the prefill length."""
+    then after each decode step; and the prefill length. The decode steps run through ``through``'s
+    cache (None: exact; another class puts that path on trial the same way, as a test of the check does)."""
 
     window = probe_window(lm)
     prefix = window + 8 if window else PLAIN_PREFIX
     ids = probe_ids(lm, prefix + DECODE_STEPS)
     lm32 = lm.with_cache_dtype("float32")
     state, last = prefill(lm32, ids[:prefix])
-    exact = get("exact")(lm32.info)
+    exact = (through or get("exact"))(lm32.info)
     exact.plan(prefix)
     exact.compress(state)
     ours = [last]
@@ -91,11 +93,11 @@ class Verdict:
         )
 
 
-def self_check(lm: LoadedModel) -> Verdict:
+def self_check(lm: LoadedModel, through: type[Compressor] | None = None) -> Verdict:
     """Raise ModelLoadError (one line) when kvlab's exact path does not reproduce the model's forward;
-    else return what was measured (``Verdict``)."""
+    else return what was measured (``Verdict``). ``through``: as in ``divergence``."""
     try:
-        errs, prefix = divergence(lm)
+        errs, prefix = divergence(lm, through)
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the exact path refuses the model in one line

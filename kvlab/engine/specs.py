@@ -7,6 +7,7 @@ them and yields ``Event``s.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvlab.core.budgets import Budget
@@ -82,6 +83,15 @@ class Event:
     results: list[CompareResult] | None = None
 
 
+def results_of(events: Iterable[Event]) -> list[CompareResult]:
+    """Run a comparison's events to the end: the results of its ``done`` event (one per question)."""
+    results: list[CompareResult] = []
+    for ev in events:
+        if ev.kind == "done" and ev.results is not None:
+            results = ev.results
+    return results
+
+
 def expand_runs(methods: list[str], budgets: list[Budget], params: dict[str, dict] | None = None) -> list[RunSpec]:
     """Every method at every budget; methods without a budget knob (exact) run once.
 
@@ -109,4 +119,4 @@ def expand_runs(methods: list[str], budgets: list[Budget], params: dict[str, dic
     return specs
 
 
-__all__ = ["Event", "GenerationSettings", "InputError", "Question", "RunSpec", "expand_runs"]
+__all__ = ["Event", "GenerationSettings", "InputError", "Question", "RunSpec", "expand_runs", "results_of"]
