@@ -10,6 +10,7 @@ from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.engine.specs import GenerationSettings, Question, RunSpec
 from kvlab.methods import get
 from kvlab.methods.adakv import joint_allocation, ranked_keep
+from kvlab.methods.params import ParamError
 from kvlab.methods.registry import UnknownMethodError
 
 # three heads of four tokens: head 0 spreads its attention, head 1 puts it on two tokens, head 2 on none
@@ -106,16 +107,15 @@ def test_a_chunk_equals_token_by_token(lm, prefill_state):
 
 def test_names_resolve_and_refuse(lm):
     """``ada-NAME`` wraps any prompt-time scorer; streaming methods, compositions and ``ada-ada-`` do not resolve,
-    and storing the ragged cache compressed is refused at planning."""
+    and storing the ragged cache compressed is refused by name, with the reason."""
     pyr = get("ada-pyramidkv")
     assert pyr is get("ada-pyramidkv") and issubclass(pyr, get("pyramidkv")) and pyr.group == "recent"
     assert issubclass(get("ada-knorm"), get("knorm")) and [p.name for p in get("ada-knorm").params][-1] == "alpha"
     for bad in ("ada-tova", "ada-streaming", "ada-ada-snapkv", "ada-snapkv+kivi2x", "ada-nope"):
         with pytest.raises(UnknownMethodError):
             get(bad)
-    stored = get("ada-snapkv+kivi2")(lm.info, Budget.parse("0.25"))
-    with pytest.raises(TypeError, match="different token counts"):
-        stored.plan(400)
+    with pytest.raises(ParamError, match="ada-snapkv cannot be composed: its heads hold different token counts"):
+        get("ada-snapkv+kivi2")
 
 
 def test_holds_snapkvs_bytes_with_a_question_after_compression(engine, lm, long_text):

@@ -13,8 +13,10 @@ from kv_samples import new_token, planned
 from kvlab.core import semantics as sm
 from kvlab.core.budgets import BudgetRefused, exact_bytes
 from kvlab.engine.prefill import prefill
-from kvlab.methods import names
+from kvlab.methods import get, names
+from kvlab.methods.dense import DenseCompressor
 from kvlab.methods.handover import PrefillNeeds
+from kvlab.methods.scored import ScoredEvictionCompressor
 
 COMPOSED = [
     "streaming+kivi4",
@@ -101,3 +103,20 @@ def test_full_budget_is_exact(lm, matrix_state, name):
         )
         torch.testing.assert_close(comp.attend(layer, q), ref, atol=1e-5, rtol=1e-4, msg=f"{name} layer {layer}")
     assert comp.nbytes() >= exact_bytes(info, n) * 0.999  # nothing dropped
+
+
+@pytest.mark.parametrize("method", METHODS + ["exact"])
+def test_declared_capabilities_match_the_class(method):
+    """The fast feeds are chosen by what a class declares (``plain_feed``, ``feeds_in_blocks``), never by
+    comparing its methods; here, for every method, the declaration is checked against the class itself."""
+    cls = get(method)
+    if issubclass(cls, DenseCompressor):
+        own = cls.append is DenseCompressor.append and cls.attend is DenseCompressor.attend
+        assert cls.plain_feed == own, f"{method}: plain_feed should be {own}"
+    if issubclass(cls, ScoredEvictionCompressor):
+        own = (
+            cls.append is ScoredEvictionCompressor.append
+            and cls.attend is DenseCompressor.attend
+            and cls.after_attend is ScoredEvictionCompressor.after_attend
+        )
+        assert cls.feeds_in_blocks == own, f"{method}: feeds_in_blocks should be {own}"

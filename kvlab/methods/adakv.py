@@ -175,10 +175,10 @@ class AdaKV(PromptScored):
     ``adaptive(Inner)`` is the class for ``Inner``."""
 
     layers: list[RaggedLayer]  # type: ignore[assignment]  # the dense store's interface, ragged
+    plain_feed = False  # its own append
+    no_composition = "its heads hold different token counts; a composition stores every head of a layer alike"
 
     def plan(self, n_prompt: int) -> dict:
-        if type(self).compress is not AdaKV.compress:
-            raise TypeError(f"{self.name} cannot be stored in another form: its heads hold different token counts")
         return {**super().plan(n_prompt), "alpha": float(self.cfg["alpha"])}
 
     def fixed_stream_bytes(self) -> float:

@@ -417,6 +417,7 @@ class BalanceKVStream(BalanceKV):
     """
 
     name = "balancekv-stream"
+    plain_feed = False  # its own append (and attend)
     title = "BalanceKV (streaming)"
     summary = (
         "BalanceKV on the prompt, then MergeAndReduce over generated tokens: every block_size new "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -146,6 +147,10 @@ class DenseCompressor(Compressor):
         return None
 
     positions_implicit: bool = False  # True when kept positions follow from counts alone (set per instance too)
+    # declared: append and attend are the dense store's own (no eviction, no per-step scores), so a chunk
+    # fed after compression is appended at once and attended in one call. A subclass that overrides
+    # ``append`` or ``attend`` sets it False (tests/test_all_methods.py checks every method's declaration).
+    plain_feed: ClassVar[bool] = True
 
     def per_token_bytes(self, with_logw: bool = False) -> int:
         """Bytes one kept token costs in one layer and KV head: K, V, its int32 position (+ log-weight)."""
@@ -263,9 +268,8 @@ class DenseCompressor(Compressor):
         return sm.attend(q, keys, values, sem, lw, return_probs=return_probs, causal_tail=q.shape[-2])
 
     def _plain_feed(self) -> bool:
-        """True when append and attend are the dense store's own (no eviction, no per-step scores)."""
-        cls = type(self)
-        return not self.wants_probs and cls.append is DenseCompressor.append and cls.attend is DenseCompressor.attend
+        """True when append and attend are the dense store's own (``plain_feed``) and no step's attention is wanted."""
+        return not self.wants_probs and self.plain_feed
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:

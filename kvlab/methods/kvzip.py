@@ -188,6 +188,7 @@ def keep_from(store: DenseLayer, first: int) -> None:
 
 class KVzip(DenseCompressor):
     name = "kvzip"
+    plain_feed = False  # its own append (and attend)
     title = "KVzip"
     group = "recent"
     paper = (

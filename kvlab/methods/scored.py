@@ -100,6 +100,10 @@ class ScoredEvictionCompressor(DenseCompressor):
     score_dtype: ClassVar[torch.dtype] = torch.float32
     evict_highest: ClassVar[bool] = False
     reset_after_eviction: ClassVar[bool] = False  # survivors start from zero after a decode eviction
+    plain_feed = False  # appending evicts and attending updates the scores
+    # declared: append, attend and the score update are this class's own, so a fed chunk's tokens that fit
+    # without eviction go in blocks (``_feed_block``). A subclass that overrides one of them sets it False.
+    feeds_in_blocks: ClassVar[bool] = True
 
     # set by plan(): capacity (tokens per layer and head), recent (never evicted), full (no eviction)
     capacity: int
@@ -211,14 +215,9 @@ class ScoredEvictionCompressor(DenseCompressor):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
     def _feeds_blocks(self, layer: int) -> bool:
-        """True when append, attend and the score update are this class's own over a dense store."""
-        cls = type(self)
-        return (
-            isinstance(self.layers[layer], DenseLayer)
-            and cls.append is ScoredEvictionCompressor.append
-            and cls.attend is DenseCompressor.attend
-            and cls.after_attend is ScoredEvictionCompressor.after_attend
-        )
+        """True when this class feeds in blocks (``feeds_in_blocks``) and the layer is a dense store (not a
+        composition's compressed one)."""
+        return self.feeds_in_blocks and isinstance(self.layers[layer], DenseLayer)
 
     def _feed_block(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
         """b tokens that fit without eviction: q [Hq, b, d], k/v [Hkv, b, d] -> out [Hq, b, d]."""

@@ -17,6 +17,7 @@ from kvlab.methods.params import Param
 
 class StreamingLLM(DenseCompressor):
     name = "streaming"
+    plain_feed = False  # its own append (and attend)
     title = "StreamingLLM"
     group = "baseline"
     paper = "Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 (arXiv:2309.17453)"
