@@ -28,6 +28,7 @@ CONFIDENCE = 0.95
 SEED = 0  # the bootstrap's generator: the same values give the same interval, run after run
 RESAMPLES = 9999  # scipy's default
 INCONCLUSIVE = "inconclusive"
+Values = Sequence[float] | np.ndarray  # per-prompt numbers
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Estimate:
         return f"{head} [{f.format(self.low * scale)}, {f.format(self.high * scale)}] (n = {self.n})"
 
 
-def _values(values: Sequence[float]) -> np.ndarray:
+def _values(values: Values) -> np.ndarray:
     x = np.asarray([float(v) for v in values], dtype=np.float64)
     if not np.isfinite(x).all():
         raise ValueError("statistics: the values must be finite numbers (a missing score is not a zero)")
@@ -94,7 +95,7 @@ def _bootstrap(x: np.ndarray, confidence: float, seed: int, resamples: int) -> t
 
 
 def mean_interval(
-    values: Sequence[float], confidence: float = CONFIDENCE, seed: int = SEED, resamples: int = RESAMPLES
+    values: Values, confidence: float = CONFIDENCE, seed: int = SEED, resamples: int = RESAMPLES
 ) -> Estimate | None:
     """The mean of ``values`` with n and a bootstrap interval over them (None when there are none)."""
     x = _values(values)
@@ -118,7 +119,7 @@ def binomial_interval(successes: int, n: int, confidence: float = CONFIDENCE) ->
 
 
 def score_interval(
-    values: Sequence[float], confidence: float = CONFIDENCE, seed: int = SEED, resamples: int = RESAMPLES
+    values: Values, confidence: float = CONFIDENCE, seed: int = SEED, resamples: int = RESAMPLES
 ) -> Estimate | None:
     """Task scores over prompts: the exact binomial interval when each is 0 or 1, else the bootstrap."""
     x = _values(values)
@@ -143,8 +144,8 @@ class PairedDifference:
 
 
 def paired_difference(
-    a: Sequence[float],
-    b: Sequence[float],
+    a: Values,
+    b: Values,
     confidence: float = CONFIDENCE,
     seed: int = SEED,
     resamples: int = RESAMPLES,
@@ -172,6 +173,7 @@ __all__ = [
     "INCONCLUSIVE",
     "Estimate",
     "PairedDifference",
+    "Values",
     "binomial_interval",
     "mean_interval",
     "paired_difference",
