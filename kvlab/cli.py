@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="measure attention error, teacher-forced KL/agreement/perplexity and attention maps",
     )
-    c.add_argument("--methods", default="exact,streaming", help="method names, or all, paper, baselines, recent")
+    c.add_argument(
+        "--methods", default="exact,streaming", help="method names, or all, paper, baselines, recent, quantizers"
+    )
     c.add_argument("--budget", default="0.25", help="fractions in (0,1] or token counts like 512t, comma-separated")
     c.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own (RULER), else 32")
     c.add_argument("--model", default="embedded", help="'embedded', a Hugging Face id, or a local folder")
@@ -122,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--suite", choices=("ruler",), help="a task suite instead of --task: ruler (RULER's eight tasks)")
     s.add_argument("--lengths", default="1k", help="comma-separated prompt lengths in tokens, e.g. 1k,2k")
-    s.add_argument("--methods", default="all", help="comma-separated method names, or all, paper, baselines, recent")
+    s.add_argument(
+        "--methods", default="all", help="comma-separated method names, or all, paper, baselines, recent, quantizers"
+    )
     s.add_argument("--budgets", default=None, help="comma-separated budgets: fractions kept or 512t (default 0.5,0.25)")
     s.add_argument(
         "--ratios",
@@ -233,10 +237,11 @@ def format_table(result) -> str:
 
 
 def method_names(spec: str) -> list[str]:
-    """Comma-separated names; ``all``, ``paper``, ``baselines`` and ``recent`` stand for the registered groups."""
+    """Comma-separated names; ``all``, ``paper``, ``baselines``, ``recent`` and ``quantizers`` stand for the
+    registered groups."""
     from kvlab.methods import methods
 
-    groups = {"all": None, "paper": "paper", "baselines": "baseline", "recent": "recent"}
+    groups = {"all": None, "paper": "paper", "baselines": "baseline", "recent": "recent", "quantizers": "quantizer"}
     out: list[str] = []
     for name in (m.strip() for m in spec.split(",") if m.strip()):
         out += [n for n, c in methods().items() if groups[name] in (None, c.group)] if name in groups else [name]

@@ -18,7 +18,7 @@ def doc_link(path: str) -> str:
 
 def about_markdown() -> str:
     lines = ["## The methods", ""]
-    for group in ("reference", "paper", "baseline", "recent"):
+    for group in ("reference", "paper", "baseline", "recent", "quantizer"):
         members = [(n, c) for n, c in methods().items() if c.group == group]
         if not members:
             continue

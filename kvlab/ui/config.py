@@ -17,6 +17,7 @@ GROUP_TITLES = {
     "paper": "Papers' methods",
     "baseline": "Baselines",
     "recent": "Recent methods",
+    "quantizer": "Quantizers",
     "reference": "Reference",
 }
 _YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

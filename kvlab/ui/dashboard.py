@@ -75,6 +75,12 @@ class PageInputs:
     map_head: int = 0
     question: str = ""
     recent: list | None = None  # the recent methods' group (after ``question``: older clients leave it out)
+    quantizers: list | None = None  # the quantizers' group (last, for the same reason)
+
+    def chosen(self) -> list[str]:
+        """Every method ticked, exact first (it always runs)."""
+        groups = (self.papers, self.baselines, self.recent, self.quantizers)
+        return ["exact"] + [name for group in groups for name in (group or [])]
 
     @classmethod
     def of(cls, values) -> PageInputs:
@@ -286,9 +292,11 @@ class Dashboard:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 raise InputError(f"the {what} holds characters that are not valid Unicode (lone surrogates)") from None
-        chosen = ["exact"] + list(inputs.papers or []) + list(inputs.baselines or []) + list(inputs.recent or [])
+        chosen = inputs.chosen()
         if len(chosen) == 1:
-            raise InputError("no method selected; tick at least one of the papers' methods, baselines or recent ones")
+            raise InputError(
+                "no method selected; tick at least one of the papers' methods, baselines, recent methods or quantizers"
+            )
         try:
             bl = parse_budgets(inputs.budgets)
         except BudgetError as exc:
@@ -352,7 +360,7 @@ class Dashboard:
         inputs = PageInputs.of(values)
         held = self.engines.get(inputs.model.strip() if isinstance(inputs.model, str) else "")
         engine = held or self.engines[self.start]  # a model not held yet: sized by the first one's tokenizer
-        methods = 1 + len(inputs.papers or []) + len(inputs.baselines or []) + len(inputs.recent or [])
+        methods = len(inputs.chosen())
         runs = methods * max(1, len(set(parse_budgets(inputs.budgets))))
         text = inputs.prompt if isinstance(inputs.prompt, str) else ""
         if isinstance(inputs.question, str) and inputs.question.strip():
@@ -374,6 +382,7 @@ class Dashboard:
         map_head=0,
         question="",
         recent=None,
+        quantizers=None,
         progress=gr.Progress(),  # noqa: B008 (gradio injects progress through this default)
         request: gr.Request | None = None,
     ):
@@ -385,7 +394,7 @@ class Dashboard:
         token = self._start(request)
         inputs = PageInputs(
             model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer,
-            map_head, question, recent,
+            map_head, question, recent, quantizers,
         )  # fmt: skip
         try:
             yield from self._compare(inputs, progress, token)

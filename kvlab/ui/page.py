@@ -45,6 +45,7 @@ class Setup:
     cancel_btn: gr.Button  # stops the running comparison
     question: gr.Textbox  # asked after compressing the prompt (query-agnostic); empty: query-aware
     recent: gr.CheckboxGroup  # the recent methods' group
+    quantizers: gr.CheckboxGroup  # the quantizers' group
     load_btn: gr.Button  # loads the model box's model (with progress) and runs its self-check
     model_line: gr.HTML  # what is loaded and the self-check's verdict, or why a model was refused
     model_state: gr.State  # the session's loaded model (what the box goes back to when a load is refused)
@@ -145,6 +146,13 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                 elem_id="kv-recent",
                 visible=bool(groups.get("recent")),
             )
+            quantizers = gr.CheckboxGroup(
+                groups.get("quantizer", []),
+                value=[],
+                label=GROUP_TITLES["quantizer"],
+                elem_id="kv-quantizers",
+                visible=bool(groups.get("quantizer")),
+            )
             with gr.Row():
                 budgets = gr.Textbox(
                     value="0.25",
@@ -196,7 +204,7 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
         )
     return Setup(
         model, prompt, papers, baselines, budgets, max_new, seed, param_table, record_maps, map_layer, map_head, preset,
-        run_btn, plan, cancel_btn, question, recent, load_btn, line, model_state,
+        run_btn, plan, cancel_btn, question, recent, quantizers, load_btn, line, model_state,
     )  # fmt: skip
 
 
@@ -280,8 +288,8 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
     setup.preset.change(lambda name: preset_texts.get(name, ""), setup.preset, setup.prompt, api_name="preset")
     s = setup
     gr.on(
-        [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.recent.change, s.budgets.change,
-         s.max_new.change, s.record_maps.change, s.model.change, s.question.change],
+        [demo.load, s.prompt.change, s.papers.change, s.baselines.change, s.recent.change, s.quantizers.change,
+         s.budgets.change, s.max_new.change, s.record_maps.change, s.model.change, s.question.change],
         dash.plan,
         s.inputs(),
         s.plan,
