@@ -95,7 +95,7 @@ def markdown_table(folder: Path, tasks: list[str]) -> str:
         able = [str(n) for n in lengths if n in res and res[n]["accuracy"] >= ABLE]
         rows.append(f"| `{task}` | " + " | ".join(cells) + f" | {', '.join(able) or 'none'} |")
     literal = {t: {n: round(r["accuracy"], 3) for n, r in res.items()} for t, res in per.items()}
-    return "\n".join(rows) + "\n\nkvlab.calibrated entry:\n" + json.dumps(literal)
+    return "\n".join(rows) + "\n\nkvlab.tasks.exact_accuracy entry:\n" + json.dumps(literal)
 
 
 if __name__ == "__main__":
