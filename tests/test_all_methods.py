@@ -12,7 +12,7 @@ from kv_samples import new_token, planned
 
 from kvlab.core import semantics as sm
 from kvlab.core.budgets import BudgetRefused, exact_bytes
-from kvlab.engine.prefill import prefill
+from kvlab.engine.prefill import prefill, query_stats
 from kvlab.methods import get, names
 from kvlab.methods.dense import DenseCompressor
 from kvlab.methods.handover import PrefillNeeds
@@ -46,9 +46,13 @@ def _build(lm, state, name, budget):
         comp, knobs = planned(lm, name, budget, state.n_tokens)  # the engine's order: plan, then prefill_needs
     except BudgetRefused as exc:
         return None, exc
-    window = comp.prefill_needs(state.n_tokens).query_window
+    needs, n = comp.prefill_needs(state.n_tokens), state.n_tokens
+    window = needs.query_window
     if window > state.queries.shape[-2]:
         pytest.skip(f"{name} needs {window} prompt queries; the fixture captured {state.queries.shape[-2]}")
+    w = needs.query_stats  # its own statistics window, as the engine's prefill computes each one asked
+    if w and w not in state.query_stats_by_window and lm.info.rope is not None:
+        state.query_stats_by_window[w] = query_stats(state.queries[..., n - w :, :], lm.info.rope, n - w)
     comp.compress(state)
     return comp, knobs
 

@@ -16,6 +16,7 @@ from kv_samples import compressed
 
 from kvlab.core.budgets import TOLERANCE, Budget
 from kvlab.engine.prefill import prefill
+from kvlab.engine.probe import Probe
 from kvlab.engine.specs import GenerationSettings, Question, RunSpec
 from kvlab.measure.health import budget_limits
 from kvlab.methods.expected_attention import (
@@ -199,3 +200,35 @@ def test_holds_its_budget_in_bytes_in_both_protocols(engine, lm, long_text):
             for k, (held, limit) in enumerate(zip(run.kv_bytes_per_step, limits)):
                 assert held <= (1 + TOLERANCE) * limit, f"{run.budget} {result.protocol}: {held / limit:.3f} at {k}"
             assert run.kv_bytes_per_step[0] >= 0.9 * limits[0], (run.budget, result.protocol)
+
+
+class _KeptAfterCompression(Probe):
+    """Each run's kept positions per layer, read right after compression."""
+
+    def __init__(self):
+        self.kept = []
+
+    def on_prefill(self, state, logits, compressors):
+        self.kept = [[c.kept_positions(layer).clone() for layer in range(state.keys.shape[0])] for c in compressors]
+
+
+def test_two_statistics_windows_in_one_comparison_each_get_their_own(engine, lm, long_text):
+    """Two configurations with different ``stats_window`` in one comparison (one prefill): each keeps what
+    it keeps when it runs alone, i.e. its statistics are over its own window, not the larger one's."""
+    ids = lm.encode(long_text[:1200])
+    budget = Budget.parse("0.25")
+    configs = [{"stats_window": 8}, {"stats_window": 96}]
+    gen = GenerationSettings(max_new_tokens=1)
+
+    def kept(specs):
+        probe = _KeptAfterCompression()
+        result = engine.compare(ids, specs, gen, probes=[probe])
+        assert all(not r.error for r in result.runs), [r.error for r in result.runs]
+        return probe.kept
+
+    together = kept([RunSpec("expected-attention", budget, c) for c in configs])
+    for cfg, mine in zip(configs, together):
+        (alone,) = kept([RunSpec("expected-attention", budget, cfg)])
+        for layer, (a, b) in enumerate(zip(mine, alone)):
+            assert torch.equal(a, b), (cfg, layer)
+    assert any(not torch.equal(a, b) for a, b in zip(*together))  # the two windows do keep different tokens

@@ -135,10 +135,11 @@ def test_merged_needs():
         [
             PrefillNeeds(query_window=4, observer=a),
             PrefillNeeds(acc_attn=True, query_stats=9, observer=b),
-            PrefillNeeds(query_window=7, model_access=True),
+            PrefillNeeds(query_window=7, model_access=True, query_stats=5),
+            PrefillNeeds(query_stats=9),
         ]
     )
-    assert merged == MergedNeeds(7, True, (a, b), 9, True)
+    assert merged == MergedNeeds(7, True, (a, b), (5, 9), True)  # each distinct statistics window, once
     assert MergedNeeds.of([]) == MergedNeeds()
     with pytest.raises(ValueError, match="must be >= 0"):
         PrefillNeeds(query_window=-1)
@@ -184,6 +185,23 @@ def test_rope_is_the_models_and_query_stats_are_pre_rope(lm):
     centred = pre - pre.mean(-2, keepdim=True)
     torch.testing.assert_close(stats.mean[LAYER], pre.mean(-2), rtol=0, atol=1e-4)
     torch.testing.assert_close(stats.cov[LAYER], centred.transpose(-1, -2) @ centred / w, rtol=1e-4, atol=1e-3)
+
+
+def test_each_statistics_window_gets_its_own_statistics(lm):
+    """Two methods asking for statistics over different windows in one prefill: each window is computed
+    on its own (never the larger one's handed to both), and a window nobody asked for is refused."""
+    ids = lm.encode(PROMPT)
+    n = len(ids)
+    state, _ = prefill(lm, ids, PrefillNeeds(query_stats=16), PrefillNeeds(query_stats=6))
+    pre = _pre_rope_queries(lm, ids)  # [Hq, n, d]
+    assert sorted(state.query_stats_by_window) == [6, 16] and state.query_stats.n == 16
+    for w in (6, 16):
+        stats = state.stats_over(w)
+        assert (stats.n, stats.first_pos) == (w, n - w)
+        torch.testing.assert_close(stats.mean[LAYER], pre[:, n - w :].mean(-2), rtol=0, atol=1e-4)
+    assert not torch.allclose(state.stats_over(6).mean, state.stats_over(16).mean, atol=1e-3)
+    with pytest.raises(LookupError, match="last 10 prompt queries"):
+        state.stats_over(10)
 
 
 def test_extend_equals_a_prefill_of_the_concatenation(lm):

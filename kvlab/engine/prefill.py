@@ -1,8 +1,8 @@
 """The one exact prefill every method of a comparison shares, and what it hands each method.
 
 Each compressor declares what it needs (``Compressor.prefill_needs``, a ``handover.PrefillNeeds``).
-``prefill_for`` merges every compressor's needs (``MergedNeeds``: the largest query window, the
-largest query-statistics window, accumulated attention and model access if any asks, every
+``prefill_for`` merges every compressor's needs (``MergedNeeds``: the largest query window, every
+distinct query-statistics window, accumulated attention and model access if any asks, every
 observer) and runs ONE forward of the prompt through the model with kvlab's attention function
 (``attention.PrefillCapture``). Everything beyond the exact keys and values is computed only when
 some method asked for it:
@@ -12,7 +12,8 @@ some method asked for it:
 * observers see the prefill's attention of the last queries as it is computed;
 * ``state.query_stats`` (``QueryStats``): mean and covariance (float32) of the last w prompt
   queries before RoPE, the captured post-RoPE queries turned back with the model's own rotary
-  embedding (``ModelInfo.rope``; None on a model without one);
+  embedding (``ModelInfo.rope``; None on a model without one); one per distinct window asked
+  (``state.stats_over(w)``), so two methods asking for different windows each get their own;
 * ``state.model`` (``ExactExtension``): the model, for a method that runs tokens of its own after
   the prompt on the exact prefill cache (KVzip's reconstruction of the context).
 """
@@ -45,18 +46,18 @@ class MergedNeeds:
     query_window: int = 0
     acc_attn: bool = False
     observers: tuple[WindowObserver, ...] = ()
-    query_stats: int = 0
+    query_stats: tuple[int, ...] = ()  # every distinct statistics window asked, ascending
     model_access: bool = False
 
     @classmethod
     def of(cls, needs: Iterable[PrefillNeeds]) -> MergedNeeds:
-        """The largest windows, any of the flags, every observer."""
+        """The largest query window, every distinct statistics window, any of the flags, every observer."""
         needs = list(needs)
         return cls(
             query_window=max((x.query_window for x in needs), default=0),
             acc_attn=any(x.acc_attn for x in needs),
             observers=tuple(x.observer for x in needs if x.observer is not None),
-            query_stats=max((x.query_stats for x in needs), default=0),
+            query_stats=tuple(sorted({x.query_stats for x in needs if x.query_stats})),
             model_access=any(x.model_access for x in needs),
         )
 
@@ -67,7 +68,7 @@ def prefill(lm: LoadedModel, ids: list[int], *needs: PrefillNeeds) -> tuple[Pref
     compressor starts from and the last logits [V]."""
     want = MergedNeeds.of(needs)
     model, info, n, dev = lm.model, lm.info, len(ids), lm.device
-    window = min(n, max(want.query_window, want.query_stats))
+    window = min(n, max((want.query_window, *want.query_stats)))
     capture = attn.PrefillCapture(info.n_layers, window, want.acc_attn, observers=want.observers)
     with attn.active(model, capture):
         out = model(
@@ -84,10 +85,13 @@ def prefill(lm: LoadedModel, ids: list[int], *needs: PrefillNeeds) -> tuple[Pref
         captured = keys.new_zeros(info.n_layers, info.n_heads, 0, info.head_dim)
     qw = min(n, want.query_window)
     queries = captured if qw == window else captured[..., window - qw :, :].contiguous()
-    stats = None
-    if want.query_stats and info.rope is not None:
-        w = min(n, want.query_stats)
-        stats = query_stats(captured[..., window - w :, :], info.rope, n - w)
+    by_window: dict[int, QueryStats] = {}
+    if info.rope is not None:
+        for asked in want.query_stats:  # each distinct window on its own: never one window's for another's
+            w = min(n, asked)
+            if w not in by_window:
+                by_window[w] = query_stats(captured[..., window - w :, :], info.rope, n - w)
+    stats = by_window[max(by_window)] if by_window else None
     sem = info.semantics
     assert sem is not None  # ModelInfo sets it
     state = PrefillState(
@@ -99,6 +103,7 @@ def prefill(lm: LoadedModel, ids: list[int], *needs: PrefillNeeds) -> tuple[Pref
         semantics=sem,
         query_stats=stats,
         model=ExactExtension(lm, list(ids), keys, values) if want.model_access else None,
+        query_stats_by_window=by_window,
     )
     return state, out.logits[0, -1]
 

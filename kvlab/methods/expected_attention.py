@@ -167,9 +167,11 @@ class ExpectedAttention(DenseCompressor):
 
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n - n_sink] the paper's score of every token after the sinks."""
-        c, stats, n = self.cfg, state.query_stats, state.n_tokens
-        if stats is None:
-            raise RuntimeError(f"{self.name}: the prefill handed no query statistics (prefill_needs asks for them)")
+        c, n = self.cfg, state.n_tokens
+        try:  # its own window's statistics, never those of another method's window in the same prefill
+            stats = state.stats_over(self.stats_queries(n))
+        except LookupError as exc:
+            raise RuntimeError(f"{self.name}: {exc}") from None
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
         future = torch.arange(n, n + int(c["n_future"]), device=state.keys.device)

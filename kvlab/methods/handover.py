@@ -13,7 +13,7 @@ Shapes: L layers, Hq query heads, Hkv KV heads, n prompt tokens, d head_dim.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import Tensor
@@ -96,7 +96,9 @@ class PrefillState:
     keys, values: [L, Hkv, n, d] post-RoPE; queries: [L, Hq, w, d], the last w prompt queries
     (post-RoPE; w the largest ``query_window`` asked); acc_attn: [L, Hq, n] attention each key
     received summed over all prompt queries; query_stats, model: see ``PrefillNeeds`` (each None
-    unless a method asked for it).
+    unless a method asked for it). ``query_stats`` is over the largest window asked;
+    ``query_stats_by_window`` holds one ``QueryStats`` per distinct window asked (read it through
+    ``stats_over(w)``): two methods asking for different windows each get their own.
     """
 
     keys: Tensor
@@ -107,10 +109,26 @@ class PrefillState:
     semantics: ModelSemantics | None = None  # per layer: window, soft-cap, sinks (None: plain attention)
     query_stats: QueryStats | None = None
     model: ModelAccess | None = None
+    query_stats_by_window: dict[int, QueryStats] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
         return self.keys.shape[-2]
+
+    def stats_over(self, w: int) -> QueryStats:
+        """The query statistics over exactly the last ``w`` prompt queries (``PrefillNeeds.query_stats=w``):
+        each distinct window a method asked for is computed on its own. Raises when the prefill computed
+        none over that window, so a method never reads statistics of another window than its own."""
+        stats = self.query_stats_by_window.get(w)
+        if stats is None and self.query_stats is not None and self.query_stats.n == w:
+            stats = self.query_stats  # a state built by hand with one window
+        if stats is None or stats.n != w or stats.first_pos != self.n_tokens - w:
+            have = sorted(self.query_stats_by_window) or ([self.query_stats.n] if self.query_stats else [])
+            raise LookupError(
+                f"the prefill computed no query statistics over the last {w} prompt queries "
+                f"(windows computed: {have or 'none'}); ask for them in prefill_needs (query_stats={w})"
+            )
+        return stats
 
     def window_probs(self, w: int | None = None) -> Tensor:
         """Causal attention of the last ``w`` prompt queries over the prompt: [L, Hq, w, n]."""
