@@ -36,10 +36,20 @@ def test_keeps_the_smallest_norms_on_a_hand_made_cache(lm):
 
 
 def test_real_prefill_keeps_each_heads_smallest_key_norms(lm, prefill_state):
-    comp, knobs = compressed(lm, prefill_state, "knorm", "0.25")
-    assert knobs["skip_layers"] == 2
+    """By default (kvpress's KnormPress) every layer is compressed alike; ``skip_layers=2`` (the reference
+    code's example) keeps layers 0 and 1 whole and the others share what is left of the same bytes."""
     norms = prefill_state.keys.float().norm(dim=-1)  # [L, Hkv, n]
     n = prefill_state.n_tokens
+    comp, knobs = compressed(lm, prefill_state, "knorm", "0.25")
+    assert knobs["skip_layers"] == 0 and comp.cfg["skip_layers"] == 0
+    for layer in (0, 1, 2, lm.info.n_layers - 1):
+        kept = comp.kept_positions(layer).long()
+        assert kept.shape == (lm.info.n_kv_heads, knobs["capacity"]) and knobs["capacity"] < n // 3
+        assert torch.equal(kept, torch.topk(-norms[layer], knobs["capacity"], dim=-1).indices.sort(-1).values)
+    assert comp.nbytes() <= 0.25 * exact_bytes(lm.info, n)
+
+    comp, knobs = compressed(lm, prefill_state, "knorm", "0.25", skip_layers=2)
+    assert knobs["skip_layers"] == 2
     for layer in (0, 1, 2, lm.info.n_layers - 1):
         kept = comp.kept_positions(layer).long()
         cap = knobs["layer_capacity"][layer]

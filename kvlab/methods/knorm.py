@@ -5,8 +5,10 @@ Compression", EMNLP 2024, https://arxiv.org/abs/2406.11430 — across most layer
 L2 norm and the attention it later receives are anti-correlated, so the cache keeps, per layer
 and head, the tokens whose keys have the lowest norm (and their values), without looking at any
 attention weight. The reference code (github.com/alessiodevoto/l2compress, ``l2_compress``) sorts
-each head's tokens by key norm after a forward pass and keeps the lowest ``keep_ratio``; its
-example leaves the first two layers (0 and 1) uncompressed.
+each head's tokens by key norm after a forward pass and keeps the lowest ``keep_ratio``. kvpress's
+``KnormPress`` (the scorer ``-keys.norm(dim=-1)`` on every layer) skips no layer, and neither does
+kvlab by default; ``skip_layers=2`` gives the reference code's example, which leaves layers 0 and 1
+uncompressed.
 
 Deviations:
 
@@ -38,7 +40,12 @@ class KNorm(PromptScored):
     )
     summary = "Keeps the prompt tokens whose keys have the smallest L2 norm, per layer and KV head."
     params = (
-        Param("skip_layers", 2, "first layers left uncompressed (reference code: layers 0 and 1)", minimum=0),
+        Param(
+            "skip_layers",
+            0,
+            "first layers left uncompressed (kvpress: none; the reference code's example: 2, layers 0 and 1)",
+            minimum=0,
+        ),
         Param("window", 0, "last prompt tokens kept whatever their norm (paper: none)", minimum=0),
     )
 
