@@ -92,3 +92,45 @@ class Segment:
     def n(self) -> int:
         """Tokens attended."""
         return self.n_rows if self.index is None else self.index.shape[1]
+
+
+@dataclass
+class TurboQuantCodes:
+    """One TurboQuant instance (one channel set of one layer's keys or values; kvlab/methods/turboquant.py)
+    over n tokens, Hkv KV heads and m channels, as the method holds it.
+
+    A vector x is stored as ||x|| and, for u = x / ||x||, the index of the nearest centroid of every
+    coordinate of Pi u (TurboQuant-mse, ``bits`` bits per coordinate; none when ``bits`` is 0). Keys
+    through TurboQuant-prod add the residual r = u - Pi^T c[idx] as 1-bit QJL: sign(S r) and ||r||.
+    """
+
+    norms: Tensor  # float16 [Hkv, n]: ||x||
+    rotation: Tensor  # float32 [m, m]: Pi (the rotated unit vector is Pi u)
+    centroids: Tensor  # float32 [2^bits]: the codebook
+    bits: int  # bits per mse code: 1-4, or 0 (a prod key with no mse part)
+    codes: Tensor | None = None  # uint8 [Hkv, n, ceil(m * bits / 8)], kernels.quant.pack_codes' layout
+    sketch: Tensor | None = None  # float32 [m, m]: S, i.i.d. N(0, 1) (prod)
+    signs: Tensor | None = None  # uint8 [Hkv, n, ceil(m / 8)]: sign(S r), LSB first, bit 1 = (S r) >= 0 (prod)
+    residual_norms: Tensor | None = None  # float16 [Hkv, n]: ||r|| (prod with an mse part)
+
+    def __post_init__(self) -> None:
+        if (self.codes is None) != (self.bits == 0):
+            raise ValueError("TurboQuant codes: packed codes go with bits >= 1, none with bits 0")
+        if (self.sketch is None) != (self.signs is None):
+            raise ValueError("TurboQuant-prod needs the sketch and the sign bits together")
+        if self.signs is not None and self.bits and self.residual_norms is None:
+            raise ValueError("TurboQuant-prod with an mse part needs the residual norms")
+        if self.codes is None and self.signs is None:
+            raise ValueError("TurboQuant codes hold mse codes, QJL signs or both")
+
+    @property
+    def m(self) -> int:
+        return self.rotation.shape[-1]
+
+    @property
+    def n(self) -> int:
+        return self.norms.shape[1]
+
+    @property
+    def prod(self) -> bool:
+        return self.signs is not None

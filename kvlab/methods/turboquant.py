@@ -17,8 +17,9 @@ Distortion Rate", arXiv:2504.19874 (ICLR 2026), https://arxiv.org/abs/2504.19874
   and gamma = ||r|| (float16). A query's logit is the unbiased estimate of Theorem 2,
   ||k|| (<Pi q, c[idx]> + sqrt(pi/2)/m gamma <S q, sign(S r)>): no key is ever reconstructed. The
   QJL part reuses QJL's pieces: the sign packing (``kernels.quant.pack_signs``), the Gaussian sketch
-  (``kernels.qjl.make_sketch``, not orthogonalized, as Definition 1) and its score estimator
-  (``kernels.qjl.qjl_estimate_grouped``, Triton on CUDA). With b = 1 the mse part is empty and the
+  (``kernels.qjl.make_sketch``, not orthogonalized, as Definition 1) and its score estimator. The
+  logits and the values' weighted sum are computed by ``kernels.turboquant`` straight from the codes
+  (Triton on CUDA, its torch reference elsewhere). With b = 1 the mse part is empty and the
   key is QJL of the unit key itself (gamma = 1, not stored).
 * Sec. 4.3, outlier channels: the channels are split into an outlier set and the rest, and two
   independent instances (their own rotations, sketches, codebooks and norms) quantize them, the
@@ -53,8 +54,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.qjl import make_sketch, qjl_estimate_grouped
-from kernels.quant import pack_codes, pack_signs, packed_bytes, unpack_codes, unpack_signs
+from kernels.formats import TurboQuantCodes
+from kernels.qjl import make_sketch
+from kernels.quant import pack_codes, pack_signs, packed_bytes, unpack_signs
+from kernels.turboquant import centroid_rows, turboquant_logits, turboquant_values
 from kvlab.methods.params import Param, ParamError
 from kvlab.methods.token_quant import CodedLayer, Codes, TokenQuantizer
 
@@ -163,30 +166,33 @@ class Instance:
             )
         return out
 
+    def part(self, layer: int, codes: Codes) -> TurboQuantCodes:
+        """This instance's codes of one layer as the kernels read them (``kernels.turboquant``)."""
+        p = self.prefix
+        return TurboQuantCodes(
+            codes[f"{p}_norms"],
+            self.rotation[layer],
+            self.centroids,
+            self.code_bits,
+            codes.get(f"{p}_codes"),
+            self.sketch[layer] if self.sketch is not None else None,
+            codes.get(f"{p}_signs"),
+            codes.get(f"{p}_residual_norms"),
+        )
+
     def rotated(self, layer: int, codes: Codes) -> Tensor:
         """c[idx] [Hkv, n, m] float32: the rotated unit vectors' reconstruction (Algorithm 1, line 9)."""
-        idx = unpack_codes(codes[f"{self.prefix}_codes"], self.code_bits, self.m)
-        return self.centroids[idx.long()]
+        return centroid_rows(self.part(layer, codes))
 
     def logits(self, layer: int, qg: Tensor, codes: Codes) -> Tensor:
-        """qg [Hkv, R, m] -> [Hkv, R, n]: <q, k> estimated, ||k|| (<Pi q, c[idx]> + the QJL residual term)."""
-        norms = codes[f"{self.prefix}_norms"].float()
-        out = None
-        if self.code_bits:
-            qr = torch.matmul(qg, self.rotation[layer].T)  # (Pi q) as rows
-            out = torch.matmul(qr, self.rotated(layer, codes).transpose(-1, -2)) * norms.unsqueeze(-2)
-        if self.prod:
-            assert self.sketch is not None
-            gamma = codes[f"{self.prefix}_residual_norms"].float() * norms if self.code_bits else norms
-            est = _qjl(qg, self.sketch[layer], codes[f"{self.prefix}_signs"], gamma)
-            out = est if out is None else out + est
-        assert out is not None
-        return out
+        """qg [Hkv, R, m] -> [Hkv, R, n]: <q, k> estimated, ||k|| (<Pi q, c[idx]> + the QJL residual term)
+        (``kernels.turboquant``: Triton on CUDA, its torch reference elsewhere)."""
+        return turboquant_logits(qg, self.part(layer, codes))
 
     def values(self, layer: int, p: Tensor, codes: Codes) -> Tensor:
-        """p [Hkv, R, n] -> sum_i p_i ||v_i|| Pi^T c[idx_i], [Hkv, R, m] (mse: the reconstruction's weighted sum)."""
-        pw = p * codes[f"{self.prefix}_norms"].float().unsqueeze(-2)
-        return torch.matmul(torch.matmul(pw, self.rotated(layer, codes)), self.rotation[layer])
+        """p [Hkv, R, n] -> sum_i p_i ||v_i|| Pi^T c[idx_i], [Hkv, R, m] (mse: the reconstruction's weighted sum,
+        rotated back once; ``kernels.turboquant``)."""
+        return turboquant_values(p, self.part(layer, codes))
 
     def dequantize(self, layer: int, codes: Codes) -> Tensor:
         """x_hat [Hkv, n, m]: DeQuant_mse, plus DeQuant_qjl of the residual for prod (Algorithm 2, line 12)."""
@@ -205,15 +211,6 @@ class Instance:
     def shared(self) -> list[tuple[str, Tensor]]:
         out = [("rotation", self.rotation), ("codebook", self.centroids)]
         return out + ([("sketch", self.sketch)] if self.sketch is not None else [])
-
-
-def _qjl(qg: Tensor, sketch: Tensor, signs: Tensor, norms: Tensor) -> Tensor:
-    """sqrt(pi/2)/m * norm * <S q, sign(S r)>: QJL's estimator (Triton on CUDA where its shapes allow)."""
-    m = sketch.shape[0]
-    if qg.device.type != "cuda" or (m % 16 == 0 and qg.shape[-1] % 16 == 0):
-        return qjl_estimate_grouped(qg, sketch, signs, norms)
-    dots = torch.matmul(torch.matmul(qg.float(), sketch.T), unpack_signs(signs, m).transpose(-1, -2))
-    return dots * (norms.unsqueeze(-2) * (SQRT_HALF_PI / m))
 
 
 def channel_order(idx: Tensor, d: int) -> Tensor:
