@@ -124,3 +124,25 @@ def test_one_reconstruction_serves_every_budget(lm, short, monkeypatch):
         kept.append(sum(s.n for heads in comp.heads for s in heads))
     assert len(calls) == len(reconstruction_inputs(access, len(template(access)[0]), 64, template(access)[1]))
     assert kept[0] < kept[1]
+
+
+def test_the_template_opening_is_never_evicted(lm, short):
+    """As in the authors' code, the chat template's opening is kept in every layer and KV head (and paid for
+    from the budget); with ``keep_template`` off it competes, and at a small budget some of it goes."""
+    info, n = lm.info, short.n_tokens
+    prefix = len(template(short.model)[0])
+    assert 0 < prefix < n // 4
+
+    def kept(**params):
+        comp, knobs = planned(lm, "kvzip", "0.25", n, **params)
+        comp.compress(short)
+        held = torch.zeros(info.n_layers, info.n_kv_heads, n, dtype=torch.bool)
+        for layer, heads in enumerate(comp.heads):
+            for h, store in enumerate(heads):
+                held[layer, h, store.views()[2][0].long()] = True
+        assert int(held.sum()) == knobs["capacity"] * info.n_layers * info.n_kv_heads  # the same total
+        return held
+
+    for allocation in ("global", "uniform"):
+        assert bool(kept(allocation=allocation)[..., :prefix].all()), allocation
+    assert not bool(kept(keep_template=False)[..., :prefix].all())

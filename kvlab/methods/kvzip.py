@@ -26,11 +26,13 @@ Deviations from the paper and the authors' code:
 
 * The template prefix (the chat template before the user's text, ``chat_wrap``'s opening, when the
   prompt starts with it: system prompt, user header) is not reconstructed but is among every
-  chunk's keys, as the authors' system prompt is; its pairs are scored like the context's (their
-  largest probability over all chunks) and compete for the budget. The authors never evict their
-  system prompt, whose bytes their ratio leaves out; kvlab's budget counts the whole cache.
-  kvpress keeps 4 sink tokens. A prompt outside the chat template gets no template tokens in its
-  reconstruction input.
+  chunk's keys, as the authors' system prompt is. As in the authors' code (``EvictCache``: the
+  pairs before the context are always valid), it is never evicted (``keep_template``, default on;
+  off: its pairs are scored like the context's, their largest probability over all chunks, and
+  compete for the budget). The authors' ratio leaves the system prompt's bytes out; kvlab's budget
+  counts the whole cache, so the prefix is paid for from the same budget and the context keeps
+  that much less. kvpress keeps 4 sink tokens. A prompt outside the chat template gets no
+  template tokens in its reconstruction input (and has no prefix to keep).
 * What is reconstructed is the whole compressed prompt after that prefix: in the query-aware
   protocol the question, the end of the user turn and the answer prefix are part of it.
 * The reconstruction input is the repeat prompt, then the template's end of user turn and
@@ -208,6 +210,12 @@ class KVzip(DenseCompressor):
             choices=("global", "uniform"),
         ),
         Param("chunk", 2000, "context tokens reconstructed per extra forward (the paper's 2K)", minimum=CARRY),
+        Param(
+            "keep_template",
+            True,
+            "never evict the chat template's opening (system prompt, user header), as the authors' code; "
+            "its pairs are paid for from the budget",
+        ),
     )
 
     capacity: int  # pairs per layer and KV head on average (global) or in each (uniform)
@@ -243,12 +251,24 @@ class KVzip(DenseCompressor):
             done[chunk] = reconstruction_scores(model, self.sem, self.info.n_kv_heads, chunk, self.info.max_positions)
         return done[chunk]
 
+    def template_length(self, state: PrefillState) -> int:
+        """The pairs never evicted: the chat template's opening (0 with ``keep_template`` off, or when the
+        prompt is not in the template)."""
+        if not self.cfg["keep_template"] or state.model is None:
+            return 0
+        return min(len(template(state.model)[0]), state.n_tokens)
+
     def compress(self, state: PrefillState) -> None:
         n_layers, n_kv, n = state.keys.shape[0], state.keys.shape[1], state.n_tokens
         if self.keeps_all(n):
             keep = torch.ones(n_layers, n_kv, n, dtype=torch.bool, device=state.keys.device)
         else:
-            keep = keep_mask(self.scores(state).to(state.keys.device), self.capacity, self.cfg["allocation"])
+            scores = self.scores(state).to(state.keys.device)
+            prefix = self.template_length(state)
+            if prefix:  # the authors never evict the template's opening: it ranks above every context pair
+                scores = scores.clone()
+                scores[..., :prefix] = float("inf")
+            keep = keep_mask(scores, self.capacity, self.cfg["allocation"])
         g = self.info.group_size
         self.layers, self.heads, self.head_sems = [], [], []
         for layer in range(n_layers):
