@@ -10,9 +10,10 @@ path, unsupported architectures are refused in one line, and bf16 on the CPU sta
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 import transformers as tf
-from tiny_models import ARCHITECTURES, WINDOW, build
+from tiny_models import ARCHITECTURES, WINDOW, build, instantiate
 
 from kvlab.core import semantics as sm
 from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
@@ -62,6 +63,25 @@ def test_architecture(arch, lm, prompt):
         assert r.health == [], f"{arch} / {r.method}: {r.health}"
         assert r.kv_bytes <= 0.5 * exact.kv_bytes * (1 + TOLERANCE), f"{arch} / {r.method}"
         assert len(r.token_ids) == NEW_TOKENS
+
+
+def test_head_counts_come_from_the_tensors(lm, prompt):
+    """A DeepSeek-V3 config whose num_key_value_heads (2) is not its heads (4): latent attention expands K/V
+    to every head whatever the field says. With values smaller than keys, transformers' own forward repeats
+    K/V by the field and fails; the self-check says so in one line. kvlab reads the heads from the tensors:
+    on the same weights its exact path generates what the model with an honest config generates."""
+    lying = instantiate(tf.DeepseekV3ForCausalLM, tiny_models._deepseek(num_key_value_heads=2))
+    honest = instantiate(tf.DeepseekV3ForCausalLM, tiny_models._deepseek())
+    assert all(torch.equal(a, b) for a, b in zip(lying.state_dict().values(), honest.state_dict().values()))
+    with pytest.raises(ModelLoadError, match="own forward fails in transformers") as info:
+        from_model(lying, lm.tokenizer, "deepseek-v3-kv2")
+    assert "\n" not in str(info.value)
+    loaded = from_model(lying, lm.tokenizer, "deepseek-v3-kv2", check=False).with_cache_dtype("float32")
+    assert (loaded.info.n_heads, loaded.info.n_kv_heads, loaded.info.v_head_dim) == (4, 4, 32)
+    runs = [RunSpec("exact"), RunSpec("snapkv", Budget.parse("0.5"))]
+    res = Engine(loaded).compare(prompt, runs, GenerationSettings(max_new_tokens=NEW_TOKENS))
+    assert res.runs[0].token_ids == _generate(honest, prompt, NEW_TOKENS)
+    assert not res.runs[1].error and res.runs[1].health == []
 
 
 def _mistral(lm):

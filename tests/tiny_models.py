@@ -31,6 +31,25 @@ def _common(**over) -> dict:
     return {**COMMON, **over}
 
 
+def _deepseek(**over) -> object:
+    """A tiny DeepSeek-V3 (multi-head latent attention: keys of 32 + 16 rotary dimensions, values of 32)."""
+    mla = dict(
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=64,
+    )
+    return tf.DeepseekV3Config(**_common(**{**mla, **over}))
+
+
 CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
     "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common())),
     "llama-mha": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common(num_key_value_heads=4))),
@@ -68,25 +87,9 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
             max_position_embeddings=2048,
         ),
     ),
-    "deepseek-v3": lambda: (
-        tf.DeepseekV3ForCausalLM,
-        tf.DeepseekV3Config(
-            **_common(
-                num_key_value_heads=4,
-                q_lora_rank=64,
-                kv_lora_rank=32,
-                qk_rope_head_dim=16,
-                qk_nope_head_dim=32,
-                v_head_dim=32,
-                n_routed_experts=4,
-                num_experts_per_tok=2,
-                n_group=1,
-                topk_group=1,
-                first_k_dense_replace=1,
-                moe_intermediate_size=64,
-            )
-        ),
-    ),
+    "deepseek-v3": lambda: (tf.DeepseekV3ForCausalLM, _deepseek()),
+    # num_key_value_heads that the model ignores: multi-head latent attention expands K/V to every head
+    "deepseek-v3-kv2": lambda: (tf.DeepseekV3ForCausalLM, _deepseek(num_key_value_heads=2, v_head_dim=48)),
     "falcon": lambda: (
         tf.FalconForCausalLM,
         tf.FalconConfig(
@@ -106,7 +109,14 @@ ARCHITECTURES = tuple(CONFIGS)
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The tiny ``name`` model with seeded random weights, in eval mode (sdpa attention)."""
     cls, config = CONFIGS[name]()
-    config._attn_implementation = "sdpa" if name not in ("gemma2", "gpt-oss") else "eager"
+    return instantiate(cls, config, "sdpa" if name not in ("gemma2", "gpt-oss") else "eager", seed, dtype)
+
+
+def instantiate(
+    cls: type, config, attn: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """``cls(config)`` with seeded random weights (spread for clear greedy margins), in eval mode."""
+    config._attn_implementation = attn
     torch.manual_seed(seed)
     model = cls(config).to(dtype).eval()
     # random init leaves tiny logits; a larger spread gives the greedy tokens a clear margin

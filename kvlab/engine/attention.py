@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ class PrefillCapture:
                 # the observed rows' probabilities: exp(q.k * scaling - lse), no second softmax
                 out, lse = sdpa_with_lse(query, key, value, sem.scaling)
             else:
-                out = sdpa_attention_forward(module, query, key, value, None, scaling=sem.scaling)[0]
+                out = sdpa(module, query, key, value, None, sem.scaling)[0]
             if self.want_acc:
                 self.acc[layer] = (
                     accumulated_attention(query[0], key[0], sem, self.chunk)
@@ -284,8 +285,27 @@ def _reference(module, query: Tensor, key: Tensor, value: Tensor, mask, sem: Lay
     """Attention as the model computes it, for a forward with no kvlab handler: SDPA when the layer is
     plain, else ``semantics.reference_attention`` (causal, with the window, soft-cap and sinks)."""
     if sem.plain:
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=sem.scaling)
+        return sdpa(module, query, key, value, mask, sem.scaling)
     return sm.reference_attention(query, key, value, sem), None
+
+
+class _Groups:
+    """What ``sdpa_attention_forward`` reads of an attention module, with the query heads per KV head
+    taken from the tensors (``num_key_value_groups``) instead of the module's config-derived field."""
+
+    def __init__(self, module, groups: int):
+        self.num_key_value_groups = groups
+        self.is_causal = getattr(module, "is_causal", True)
+        self.layer_idx = getattr(module, "layer_idx", None)
+
+
+def sdpa(module, query: Tensor, key: Tensor, value: Tensor, mask, scaling: float) -> tuple[Tensor, None]:
+    """transformers' SDPA attention with the grouping of query heads read from the tensors: query
+    [B, Hq, t, d], key/value [B, Hkv, n, d|dv]. A module's ``num_key_value_groups`` comes from its config,
+    which a model may not follow (DeepSeek-V3's latent attention expands K/V to every query head
+    whatever ``num_key_value_heads`` says)."""
+    groups = _Groups(module, query.shape[1] // key.shape[1])
+    return sdpa_attention_forward(cast(torch.nn.Module, groups), query, key, value, mask, scaling=scaling)
 
 
 def _no_mask(*args, **kwargs):

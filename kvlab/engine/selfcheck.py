@@ -59,6 +59,15 @@ def divergence(lm: LoadedModel, through: type[Compressor] | None = None) -> tupl
     window = probe_window(lm)
     prefix = window + 8 if window else PLAIN_PREFIX
     ids = probe_ids(lm, prefix + DECODE_STEPS)
+    dev = lm.device
+    try:
+        theirs = lm.model(input_ids=torch.tensor([ids], device=dev)).logits[0, prefix - 1 : -1].float()
+    except Exception as exc:  # noqa: BLE001 - the model's own forward is the reference: without it, nothing to check
+        raise ModelLoadError(
+            f"kvlab cannot run {lm.info.id!r}: the model's own forward fails in transformers "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}), so kvlab's exact path has nothing to "
+            f"be checked against; supported families are listed in {MODELS_DOC}"
+        ) from exc
     lm32 = lm.with_cache_dtype("float32")
     state, last = prefill(lm32, ids[:prefix])
     exact = (through or get("exact"))(lm32.info)
@@ -67,8 +76,6 @@ def divergence(lm: LoadedModel, through: type[Compressor] | None = None) -> tupl
     ours = [last]
     for i, t in enumerate(ids[prefix:-1]):
         ours.append(feed_stepwise(lm32, [exact], prefix + i, [t])[0])
-    dev = lm.device
-    theirs = lm.model(input_ids=torch.tensor([ids], device=dev)).logits[0, prefix - 1 : -1].float()
     ours_t = torch.stack(ours).float()
     diff = (ours_t - theirs).abs().amax(-1) / theirs.abs().amax(-1).clamp_min(1e-6)
     return diff.tolist(), prefix
