@@ -7,7 +7,7 @@ Triton kernel on CUDA tensors and the torch reference elsewhere; ``triton`` forc
 
 from kernels import decode_attention  # the module; its entry point is decode_attention.decode_attention
 from kernels._runtime import BACKENDS, HAVE_TRITON, backend, set_backend, use_triton, using
-from kernels.formats import QJLKeys, Segment
+from kernels.formats import QJLKeys, Segment, TurboQuantCodes
 from kernels.qjl import (
     make_sketch,
     outlier_channels,
@@ -19,12 +19,14 @@ from kernels.qjl import (
     qjl_scores,
     sketch_queries,
 )
+from kernels.turboquant import turboquant_logits, turboquant_values
 
 __all__ = [
     "BACKENDS",
     "HAVE_TRITON",
     "QJLKeys",
     "Segment",
+    "TurboQuantCodes",
     "backend",
     "decode_attention",  # module
     "make_sketch",
@@ -37,6 +39,8 @@ __all__ = [
     "qjl_scores",
     "set_backend",
     "sketch_queries",
+    "turboquant_logits",
+    "turboquant_values",
     "use_triton",
     "using",
 ]

@@ -62,6 +62,28 @@ ATTN_CASES = [
     ("attn_qjl_3bit_group20_g3_d64", dict(g=3, d=64, n=45, kind="qjl", bits=3, value_group=20)),  # codes span bytes
 ]
 
+# TurboQuant: one instance (channels m, bits, keys prod or mse), the method's own encoding; Hkv = 2
+TQ_CASES = [
+    (
+        f"tq_{'prod' if prod else 'mse'}_b{bits}_m{m}_g{g}" + (f"_t{t}" if t > 1 else ""),
+        dict(m=m, bits=bits, prod=prod, g=g, n=n, t=t),
+    )
+    for m, bits, prod, g, n, t in [
+        (64, 3, True, 3, 80, 1),  # 3-bit keys: 2-bit codes + QJL residual
+        (64, 2, True, 3, 80, 1),  # 2-bit keys: 1-bit codes + QJL residual
+        (32, 4, True, 3, 80, 1),  # 3.5 bits on d = 64: the outlier instance, 3-bit codes
+        (48, 2, True, 4, 77, 1),  # 2.25 bits on d = 64: 48 channels (not a power of two)
+        (36, 3, True, 8, 45, 1),  # 36 channels: the sign bits end mid-byte
+        (64, 1, True, 1, 80, 2),  # 1-bit keys: QJL of the unit key alone, two query tokens
+        (64, 3, False, 3, 80, 1),  # keys=mse and values: 3-bit codes
+        (64, 2, False, 3, 200, 1),
+        (32, 4, False, 4, 80, 1),
+        (48, 1, False, 3, 131, 1),
+        (128, 4, False, 1, 70, 1),
+    ]
+]
+TQ_COMPRESSOR_BITS = (2.0, 3.0, 3.5)  # d = 64, Hkv = 2, g = 3: 3.5 splits 32 outlier channels off
+
 
 def _rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -217,6 +239,77 @@ def _case_dense_compressor():
     return {"err": (got - ref).abs().max().item(), "kept": comp.layers[0].n}
 
 
+def _tq_instance(m, bits, prod, seed):
+    """A TurboQuant instance of the method (one "layer": its rotation, sketch and codebook)."""
+    import numpy as np
+
+    from kernels.qjl import make_sketch
+    from kvlab.methods.turboquant import Instance, beta_codebook
+
+    g = torch.Generator().manual_seed(seed)
+    rot = make_sketch(1, m, m, g, orthogonalize=True) / math.sqrt(m)
+    sk = make_sketch(1, m, m, g, orthogonalize=False) if prod else None
+    cb = bits - 1 if prod else bits
+    c, b = beta_codebook(m, cb) if cb else (np.zeros(1), np.zeros(0))
+    return Instance("key", m, bits, prod, rot, sk, torch.tensor(c).float(), torch.tensor(b).float())
+
+
+def _case_tq(m, bits, prod, g, n, t, hkv=2):
+    """One instance's logits (and, for mse, weighted values) through the kernels vs the references."""
+    from kernels import turboquant as T
+
+    inst = _tq_instance(m, bits, prod, seed=m + 10 * bits)
+    x = _rand(1, hkv, n, m, seed=n) * (1 + torch.rand(1, hkv, n, 1, generator=torch.Generator().manual_seed(1)))
+    codes = {k: v[0] for k, v in inst.encode(slice(0, 1), x).items()}
+    part = inst.part(0, codes)
+    qg = _rand(hkv, g * t, m, seed=7) * 2
+    ref, got = T.turboquant_logits_torch(qg, part), T.turboquant_logits_triton(qg, part)
+    out = {"rel_err": ((got - ref).abs().max() / ref.abs().max()).item(), "shape_ok": got.shape == ref.shape}
+    if not prod:
+        p = torch.softmax(_rand(hkv, g * t, n, seed=8) * 3, -1)
+        ref_v = T.turboquant_values_torch(p, part)
+        for splits in (None, 3):
+            got_v = T.turboquant_values_triton(p, part, splits)
+            err = ((got_v - ref_v).abs().max() / ref_v.abs().max()).item()
+            out["values_rel_err"] = max(out.get("values_rel_err", 0.0), err)
+        out["values_shape_ok"] = got_v.shape == (hkv, g * t, m)
+    return out
+
+
+def _case_tq_compressor(bits):
+    """The TurboQuant compressor's decode attention (prefill codes, one streamed token, outliers at 3.5 bits)
+    forced through the kernels vs the torch references; and that the kernels really ran."""
+    import kernels
+    from kernels import turboquant as T
+    from kvlab.core.budgets import Budget
+    from kvlab.core.model import ModelInfo
+    from kvlab.methods.handover import PrefillState
+    from kvlab.methods.registry import get
+
+    info = ModelInfo("synthetic", 2, 6, 2, 64, "float32", "cpu", 4096)  # GQA group 3
+    keys = _rand(2, 2, 80, 64, seed=11)
+    keys[..., 5] *= 8  # loud channels, as real keys have (picked as outliers)
+    state = PrefillState(keys, _rand(2, 2, 80, 64, seed=12), _rand(2, 6, 4, 64, seed=13), 0.125)
+    comp = get("turboquant")(info, Budget.parse("0.5"), {"bits": bits, "residual": 4}, seed=0)
+    budget_search.planned(comp, 80)
+    comp.compress(state)
+    comp.append(1, _rand(2, 1, 64, seed=14), _rand(2, 1, 64, seed=15), 80)  # a streamed token: coded too
+    calls = []
+    orig = T.turboquant_logits_triton, T.turboquant_values_triton
+    T.turboquant_logits_triton = lambda *a: calls.append("logits") or orig[0](*a)
+    T.turboquant_values_triton = lambda *a: calls.append("values") or orig[1](*a)
+    q = _rand(6, 1, 64, seed=16) * 2
+    try:
+        with kernels.using("triton"):
+            got = [comp.attend(layer, q) for layer in range(2)]
+        with kernels.using("torch"):
+            ref = [comp.attend(layer, q) for layer in range(2)]
+    finally:
+        T.turboquant_logits_triton, T.turboquant_values_triton = orig
+    err = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref))
+    return {"rel_err": err, "n_coded": comp.layers[1].n_coded, "calls": len(calls), "outliers": comp.k_split[1]}
+
+
 def run_cases() -> dict:
     """Run every case (in a process with TRITON_INTERPRET=1); errors are reported, not raised."""
     torch.set_num_threads(1)
@@ -224,6 +317,8 @@ def run_cases() -> dict:
     jobs = [(n, _case_quant, kw) for n, kw in QUANT_CASES] + [(n, _case_scores, kw) for n, kw in SCORE_CASES]
     jobs += [(n, _case_attn, kw) for n, kw in ATTN_CASES] + [("dispatch", _case_dispatch, {})]
     jobs += [("qjl_compressor", _case_qjl_compressor, {}), ("dense_compressor", _case_dense_compressor, {})]
+    jobs += [(n, _case_tq, kw) for n, kw in TQ_CASES]
+    jobs += [(f"tq_compressor_{b}", _case_tq_compressor, {"bits": b}) for b in TQ_COMPRESSOR_BITS]
     for name, fn, kw in jobs:
         try:
             results[name] = fn(**kw)
@@ -297,6 +392,25 @@ def test_dense_compressor_attends_through_kernel(interpreted):
     r = _result(interpreted, "dense_compressor")
     assert r["kept"] == 40
     assert r["err"] < 1e-5
+
+
+@pytest.mark.parametrize("name", [c[0] for c in TQ_CASES])
+def test_turboquant_kernels_match_reference(interpreted, name):
+    r = _result(interpreted, name)
+    assert r["shape_ok"]
+    assert r["rel_err"] < 1e-5
+    if "values_rel_err" in r:
+        assert r["values_shape_ok"]
+        assert r["values_rel_err"] < 1e-5
+
+
+@pytest.mark.parametrize("bits", TQ_COMPRESSOR_BITS)
+def test_turboquant_compressor_attends_through_kernels(interpreted, bits):
+    r = _result(interpreted, f"tq_compressor_{bits}")
+    assert r["n_coded"] == 77  # 80 - 4 + 1 streamed - the 4-token window: the codes were attended
+    assert r["calls"] == 2 * (2 if r["outliers"] else 1) * 2  # logits + values per instance, 2 layers
+    assert (r["outliers"] > 0) == (bits % 1 > 0)
+    assert r["rel_err"] < 1e-5
 
 
 # ----- in-process checks of the references and the switch (no Triton launch) ------------------
@@ -445,6 +559,51 @@ def test_compressed_reference_tracks_exact_attention():
     assert rel(4 * d) < rel(16)
 
 
+def test_turboquant_references_are_the_methods_maths(lm, prefill_state):
+    """On a real compressed layer (3.5 bits: an outlier instance beside the main one, for keys and values),
+    the references over each instance's codes are exactly the method's own logits and values, and equal
+    the query against the method's dequantized keys and the weights against its dequantized values."""
+    from kernels.tensor_ops import group_queries
+    from kernels.turboquant import turboquant_logits_torch, turboquant_values_torch
+    from kvlab.core.budgets import Budget
+    from kvlab.methods.registry import get
+
+    comp = get("turboquant")(lm.info, Budget.parse("0.5"), {"bits": 3.5, "residual": 0}, seed=0)
+    budget_search.planned(comp, prefill_state.n_tokens)
+    comp.compress(prefill_state)
+    layer = 3
+    st, inst = comp.layers[layer], comp.instances
+    hkv, d = st.res_k.shape[0], lm.info.head_dim
+    assert st.n_coded == prefill_state.n_tokens and comp.k_split[1] == comp.v_split[1] == d // 2
+
+    def channels(idx):  # the method's split, written out: the regular channels in order, then the outliers
+        out = [sorted(set(h.tolist())) for h in idx]
+        return torch.tensor([[c for c in range(d) if c not in set(o)] + o for o in out])
+
+    q = prefill_state.queries[layer, :, -2:].float()  # two query tokens
+    qg = group_queries(q * comp.sem[layer].scaling, hkv)
+    kch = channels(st.extra["key_outlier_channels"]).unsqueeze(1).expand_as(qg)
+    qs = torch.gather(qg, -1, kch)
+    ref = turboquant_logits_torch(qs[..., : d // 2], inst["key"].part(layer, st.codes))
+    ref = ref + turboquant_logits_torch(qs[..., d // 2 :], inst["outlier_key"].part(layer, st.codes))
+    assert torch.equal(comp.code_logits(layer, qg, st), ref)
+    k_hat, v_hat = comp.dequantize(layer, st)
+    torch.testing.assert_close(ref, qg @ k_hat.transpose(-1, -2), atol=2e-3, rtol=1e-3)
+
+    p = torch.softmax(ref, -1)
+    parts = torch.cat(
+        [
+            turboquant_values_torch(p, inst["value"].part(layer, st.codes)),
+            turboquant_values_torch(p, inst["outlier_value"].part(layer, st.codes)),
+        ],
+        -1,
+    )
+    vch = channels(st.extra["value_outlier_channels"]).unsqueeze(1).expand_as(parts)
+    vref = torch.empty_like(parts).scatter_(-1, vch, parts)
+    assert torch.equal(comp.code_values(layer, p, st), vref)
+    torch.testing.assert_close(vref, p @ v_hat, atol=1e-5, rtol=1e-4)
+
+
 def test_merge_partials_equals_one_softmax():
     from kernels.decode_attention import merge_partials
 
@@ -468,7 +627,7 @@ if __name__ == "__main__" and "--cases" in sys.argv:
 def test_kernels_import_nothing_from_kvlab():
     """The kernels package (formats, references, Triton kernels) stands alone: no ``kvlab`` module is loaded."""
     code = (
-        "import kernels, kernels.qjl, kernels.decode_attention, kernels.formats, sys; "
+        "import kernels, kernels.qjl, kernels.decode_attention, kernels.formats, kernels.turboquant, sys; "
         "assert not any(m == 'kvlab' or m.startswith('kvlab.') for m in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
