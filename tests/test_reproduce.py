@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvlab.reproduce import REPRODUCTIONS, Context, get_reproduction, papers_dir
+from kvlab.reproduce.common import VERDICTS, Row, tally
 
 TINY = {
     "balancekv-fig2": {"n": 320, "sink": 32, "recent": 32, "queries": 16, "rounds": [1, 2], "seeds": 1, "layers": 5},
@@ -61,11 +62,17 @@ def test_each_reproduction_runs_and_writes_json_and_html(name, ctx, reports, tmp
     rep = _run(name, ctx, reports)
     assert rep.rows and all(r.setting and r.kvlab for r in rep.rows)
     table = rep.table()
-    assert table.splitlines()[0].split()[:4] == ["setting", "paper", "kvlab", "holds"]
-    assert "| setting | paper | kvlab | holds |" in rep.markdown()
+    assert table.splitlines()[0].split()[:4] == ["setting", "paper", "kvlab", "n,"]
+    assert "| setting | paper | kvlab | n, 95% interval | verdict |" in rep.markdown()
+    for r in rep.rows:  # the four words, or context; "not testable here" always says why
+        assert (r.kind == "context") == (r.verdict is None), r
+        assert r.verdict in (None, *VERDICTS) and (r.verdict != "not testable here" or r.note)
     paths = rep.write(tmp_path)
     data = json.loads((tmp_path / f"{name}.json").read_text())
     assert data["name"] == name and data["rows"] and data["claims"]
+    assert data["verdict"] in (None, *VERDICTS) and sum(data["tally"]["claims"].values()) == sum(
+        r.kind == "claim" for r in rep.rows
+    )
     assert (tmp_path / f"{name}.html").read_text().count("plotly") > 0
     assert len(paths) == 2
 
@@ -102,7 +109,10 @@ def test_qjl_3bit_uses_the_papers_configuration(ctx, reports):
     # every other run is planned to the paper's QJL's peak: none holds more, and the first row judges the spread
     peaks = [runs[x]["peak_bytes"] for x in ("qjl", "qjl-no-outliers", "kivi-2", "kivi-3", "kivi-4")]
     assert max(peaks) <= 1.002 * runs["qjl"]["peak_bytes"] and min(peaks) >= 0.85 * max(peaks)
-    assert rep.rows[0].holds == (max(peaks) / min(peaks) - 1 <= 0.05)
+    assert rep.rows[0].kind == "context" and ("yes" in rep.rows[0].note) == (max(peaks) / min(peaks) - 1 <= 0.05)
+    assert "not the paper's 3 bits" in rep.rows[0].note
+    assert 0 < runs["qjl"]["bits_outside_window"] < runs["qjl"]["peak_bits"]  # the 16-bit window reported apart
+    assert all(r.kind == "context" for r in rep.rows if "KIVI-3" in r.setting or "KIVI-4" in r.setting)
     assert [runs[f"kivi-{b}"]["params"]["bits"] for b in (2, 3, 4)] == [2, 3, 4]
     assert runs["qjl-no-outliers"]["params"]["m"] > q["m"]  # the outlier sketch's bytes buy a larger main sketch
     passkey = rep.data["tasks"]["passkey"]
@@ -110,13 +120,53 @@ def test_qjl_3bit_uses_the_papers_configuration(ctx, reports):
     assert any(r.setting.startswith("passkey accuracy") for r in rep.rows)
 
 
-def test_clustergen_lines_reports_whether_exact_answers(ctx, reports):
+def test_clustergen_lines_is_not_testable_as_built(ctx, reports):
+    """One-line records always lie inside Sink's window: the claim row says "not testable here", and why."""
     rep = _run("clustergen-lines", ctx, reports)
     exact = rep.rows[0]
-    assert exact.setting == "exact"
+    assert exact.setting == "exact" and exact.kind == "context" and exact.n == TINY["clustergen-lines"]["seeds"]
     direction = rep.rows[-1]
-    if rep.data["accuracy"]["exact"] < 0.8:
-        assert direction.holds is None and "exact itself fails" in direction.note
+    assert direction.kind == "claim" and direction.verdict == "not testable here"
+    assert "exact itself fails" in direction.note or "inside Sink's recent window" in direction.note
+    assert rep.verdict == "not testable here"
+
+
+def test_balancekv_table1_is_inconclusive_when_every_compressed_method_scores_zero():
+    from kvlab.reproduce.balancekv_table1 import BASELINES, _claim_row
+
+    zeros = {m: [0.0, 0.0, 0.0, 0.0] for m in ("balancekv", *BASELINES)}
+    row = _claim_row("balancekv", zeros, ["passkey"], {})
+    assert row.verdict == "inconclusive" and "every compressed method scores 0" in row.note
+    ahead = {**zeros, "balancekv": [1.0] * 4}
+    ahead = {m: v * 3 for m, v in ahead.items()}  # 12 prompts: BalanceKV right on each, every baseline wrong
+    assert _claim_row("balancekv", ahead, ["passkey"], {}).verdict == "holds"
+    mixed = {**ahead, "snapkv": [1.0, 0.0] * 6}  # SnapKV right on half: the interval still excludes zero
+    assert _claim_row("balancekv", mixed, ["passkey"], {}).verdict == "holds"
+    tied = {**ahead, "uniform": [1.0] * 11 + [0.0]}  # uniform nearly as good: inconclusive
+    assert _claim_row("balancekv", tied, ["passkey"], {}).verdict == "inconclusive"
+    behind = {**zeros, "streaming": [1.0] * 4}
+    behind = {m: v * 3 for m, v in behind.items()}
+    assert _claim_row("balancekv", behind, ["passkey"], {}).verdict == "does not hold"
+
+
+def test_the_tally_counts_the_papers_claims_apart_from_controls_and_context():
+    rows = [
+        Row("a", "p", "k", True),
+        Row("b", "p", "k", False),
+        Row("c", "p", "k", verdict="inconclusive"),
+        Row("d", "p", "k", verdict="not testable here", note="no HellaSwag here"),
+        Row("e", "p", "k", True, kind="control"),
+        Row("f", "p", "k", None, "the reference"),
+        Row("g", "p", "k", verdict="holds", n=10, interval=(0.35, 0.93)),
+    ]
+    t = tally([r.__dict__ for r in rows])
+    assert t["claims"] == {"holds": 2, "does not hold": 1, "inconclusive": 1, "not testable here": 1}
+    assert t["controls"]["holds"] == 1 and t["context"] == 1
+    assert rows[-1].spread == "n = 10, [0.35, 0.93]" and rows[4].shown == "control: holds"
+    with pytest.raises(ValueError, match="needs its reason"):
+        Row("h", "p", "k", verdict="not testable here")
+    with pytest.raises(ValueError, match="verdict"):
+        Row("i", "p", "k", verdict="yes")
 
 
 def test_paper_numbers_are_quoted_from_the_papers():
@@ -157,11 +207,16 @@ def test_balancekv_fig2_has_the_random_sign_control_and_algorithm_2(ctx, reports
     assert any("random signs" in r.setting for r in rep.rows)
 
 
-def test_subgen_theorem1_error_falls_with_s(ctx, reports):
+def test_subgen_theorem1_checks_the_bound(ctx, reports):
     rep = _run("subgen-theorem1", ctx, reports)
     s = rep.data["results"]["s"]
-    assert s[256]["eps"] < s[16]["eps"]  # more numerator samples, less error (eps ~ s^-1/2)
+    assert s[256]["eps"] < s[16]["eps"]  # more numerator samples, less error
     assert all(v["eps"] < v["relative"] for v in s.values())  # the theorem's normalisation is the looser one
+    bound = rep.rows[0]  # the claim is the bound at every point measured; the slopes are context
+    points = [v for axis in ("s", "t") for v in rep.data["results"][axis].values()]
+    assert bound.kind == "claim" and bound.holds == all(v["max_eps"] <= v["bound"] for v in points)
+    assert all(v["eps"] <= v["max_eps"] for v in points)
+    assert [r.kind for r in rep.rows[1:]] == ["context"] * 3
 
 
 def test_subgen_sublinear_counts_grow_with_n_and_keys_cluster_better(ctx, reports):
@@ -173,6 +228,7 @@ def test_subgen_sublinear_counts_grow_with_n_and_keys_cluster_better(ctx, report
 
 def test_scissorhands_table4_matches_tokens_then_bytes(ctx, reports):
     rep = _run("scissorhands-table4", ctx, reports)
+    assert rep.verdict == "not testable here" and "HellaSwag" in rep.rows[-1].note  # the paper's metric
     peak = {k: v[0] for k, v in rep.data["held"].items()}
     assert peak["q4"] < 0.6 * peak["sh"]  # 4-bit codes: same tokens, far fewer bytes
     assert abs(peak["shb"] - peak["q4"]) <= 0.05 * peak["q4"]  # matched bytes within 5%

@@ -31,7 +31,7 @@ from kvlab.core import semantics as sm
 from kvlab.methods import get
 from kvlab.methods.balancekv import BalanceKV, WalkConfig, algorithm2_config, balance_kv
 from kvlab.methods.uniform import uniform_middle
-from kvlab.reproduce.common import Claim, Report, Row, fmt
+from kvlab.reproduce.common import CONTROL, Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 
 NAME = "balancekv-fig2"
@@ -212,6 +212,7 @@ def run(ctx: Context) -> Report:
                 f"in {sum(per_rs)}/{len(per_rs)} layers); walk lower than random signs in "
                 f"{sum(per_walk)}/{len(per_walk)} layers",
                 b["all_layers_mean"] < rs["all_layers_mean"],
+                kind=CONTROL,
             )
         )
         per_a2 = [x < uu_ for x, uu_ in zip(a2["per_layer_mean"], u["per_layer_mean"])]
@@ -222,6 +223,7 @@ def run(ctx: Context) -> Report:
                 f"{fmt(a2['all_layers_mean'])} vs uniform {fmt(u['all_layers_mean'])}; lower in "
                 f"{sum(per_a2)}/{len(per_a2)} layers",
                 a2["all_layers_mean"] < u["all_layers_mean"],
+                kind=CONTROL,
             )
         )
     fig = _figure(summary, cfg["rounds"], n_layers)

@@ -1,10 +1,19 @@
 """What every reproduction shares: the paper claims it checks, the table it prints, the files it writes.
 
 A reproduction measures one claim of one paper on the embedded model and returns a ``Report``:
-rows of (setting, the paper's number, kvlab's number, whether the paper's direction holds), the
-raw measurements (JSON) and a plotly figure (HTML). The paper's numbers are ``Claim`` constants:
-each carries the exact text it quotes and where in the paper it is, and a test checks that the
-text is in the paper (``papers/<paper>.txt`` beside the repository).
+rows of (setting, the paper's number, kvlab's number, n and the 95% interval where kvlab's number is
+a mean over prompts or seeds, the verdict), the raw measurements (JSON) and a plotly figure (HTML).
+The paper's numbers are ``Claim`` constants: each carries the exact text it quotes and where in the
+paper it is, and a test checks that the text is in the paper (``papers/<paper>.txt`` beside the
+repository).
+
+A row is one of three kinds. A **claim** row tests the paper's own claim and carries one of four
+verdicts: ``holds``, ``does not hold``, ``inconclusive`` (the data cannot decide: every method ties,
+the interval straddles the line) or ``not testable here`` (the model or the data cannot test it; the
+row's note says why). A **control** row is kvlab's own check (a control method, a threshold the
+paper does not state) with a verdict in the same words; a **context** row gives settings, references
+or bookkeeping and has no verdict. The tally counts claim rows only; controls and context are
+listed apart.
 """
 
 from __future__ import annotations
@@ -49,13 +58,108 @@ class Claim:
         return self.quote in (d / f"{self.paper}.txt").read_text(encoding="utf-8")
 
 
+HOLDS = "holds"
+DOES_NOT_HOLD = "does not hold"
+INCONCLUSIVE = "inconclusive"
+NOT_TESTABLE = "not testable here"
+VERDICTS = (HOLDS, DOES_NOT_HOLD, INCONCLUSIVE, NOT_TESTABLE)
+CLAIM, CONTROL, CONTEXT = "claim", "control", "context"
+KINDS = (CLAIM, CONTROL, CONTEXT)
+
+
 @dataclass
 class Row:
+    """One line of a reproduction's table.
+
+    ``holds`` (True / False) is shorthand for the verdicts "holds" / "does not hold"; a row given
+    neither a direction nor a verdict is context. ``n`` and ``interval`` (kvlab's 95% interval, the
+    same scale as ``kvlab``) where kvlab's number is a mean over prompts or seeds."""
+
     setting: str
     paper: str
     kvlab: str
-    holds: bool | None  # None: no direction to check (context row, or exact itself fails)
+    holds: bool | None = None
     note: str = ""
+    verdict: str | None = None
+    kind: str = CLAIM
+    n: int | None = None
+    interval: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.verdict is None and self.holds is not None:
+            self.verdict = HOLDS if self.holds else DOES_NOT_HOLD
+        if self.verdict is None:
+            self.kind = CONTEXT
+        if self.kind not in KINDS:
+            raise ValueError(f"row kind {self.kind!r}; allowed: {', '.join(KINDS)}")
+        if self.kind == CONTEXT:
+            self.verdict = None
+        elif self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r}; allowed: {', '.join(VERDICTS)}")
+        if self.verdict == NOT_TESTABLE and not self.note:
+            raise ValueError(f"{self.setting!r}: 'not testable here' needs its reason in the note")
+        self.holds = {HOLDS: True, DOES_NOT_HOLD: False}.get(self.verdict or "")
+        if self.interval is not None:
+            self.interval = (float(self.interval[0]), float(self.interval[1]))
+
+    @property
+    def shown(self) -> str:
+        """The verdict column: the verdict, "control: ..." for kvlab's own controls, "(context)"."""
+        if self.kind == CONTEXT:
+            return "(context)"
+        return f"control: {self.verdict}" if self.kind == CONTROL else str(self.verdict)
+
+    @property
+    def spread(self) -> str:
+        """n and the interval as printed: "n = 10, [0.35, 0.93]", "n = 1", or ""."""
+        if self.n is None:
+            return ""
+        if self.interval is None:
+            return f"n = {self.n}"
+        return f"n = {self.n}, [{fmt(self.interval[0])}, {fmt(self.interval[1])}]"
+
+
+def row_from_json(r: dict) -> Row:
+    """A ``Row`` back from its JSON (rows written before verdicts existed read their ``holds``)."""
+    fields: dict[str, Any] = {k: r[k] for k in Row.__dataclass_fields__ if k in r}
+    if fields.get("interval") is not None:
+        fields["interval"] = tuple(fields["interval"])
+    return Row(**fields)
+
+
+def estimate_fields(est) -> dict:
+    """``Row`` keywords n and interval from a ``kvlab.core.statistics.Estimate`` (or None)."""
+    if est is None:
+        return {}
+    interval = None if est.low is None or est.high is None else (est.low, est.high)
+    return {"n": est.n, "interval": interval}
+
+
+def tally(rows: list[dict]) -> dict:
+    """Counts of a report's rows (as in its JSON): the claims by verdict, kvlab's controls by verdict,
+    and the context rows, each apart."""
+    out: dict = {"claims": {v: 0 for v in VERDICTS}, "controls": {v: 0 for v in VERDICTS}, "context": 0}
+    for r in map(row_from_json, rows):
+        if r.kind == CONTEXT or r.verdict is None:
+            out["context"] += 1
+        else:
+            out["claims" if r.kind == CLAIM else "controls"][r.verdict] += 1
+    return out
+
+
+def overall(rows: list[Row]) -> str | None:
+    """A reproduction's verdict from its claim rows: "not testable here" when none could be tested, else
+    "does not hold" if any claim does not, "inconclusive" if any is, "holds" when every tested one holds."""
+    verdicts = [r.verdict for r in rows if r.kind == CLAIM]
+    if not verdicts:
+        return None
+    tested = [v for v in verdicts if v != NOT_TESTABLE]
+    if not tested:
+        return NOT_TESTABLE
+    for v in (DOES_NOT_HOLD, INCONCLUSIVE):
+        if v in tested:
+            return v
+    return HOLDS
 
 
 @dataclass
@@ -73,14 +177,24 @@ class Report:
 
     @property
     def holds(self) -> bool | None:
-        checked = [r.holds for r in self.rows if r.holds is not None]
-        return None if not checked else all(checked)
+        """True when every tested claim holds, False when any does not; None otherwise."""
+        v = overall(self.rows)
+        return {HOLDS: True, DOES_NOT_HOLD: False}.get(v or "")
+
+    @property
+    def verdict(self) -> str | None:
+        return overall(self.rows)
+
+    def tally(self) -> dict:
+        return tally([asdict(r) for r in self.rows])
 
     def table(self) -> str:
-        head = ("setting", "paper", "kvlab", "holds")
-        body = [(r.setting, r.paper, r.kvlab, _yes(r.holds) + (f" ({r.note})" if r.note else "")) for r in self.rows]
-        widths = [max(len(x[i]) for x in [head, *body]) for i in range(3)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(x[:3], widths)) + "  " + x[3] for x in [head, *body]]
+        head = ("setting", "paper", "kvlab", "n, 95% interval", "verdict")
+        body = [
+            (r.setting, r.paper, r.kvlab, r.spread, r.shown + (f" ({r.note})" if r.note else "")) for r in self.rows
+        ]
+        widths = [max(len(x[i]) for x in [head, *body]) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(x[:4], widths)) + "  " + x[4] for x in [head, *body]]
         return "\n".join(lines)
 
     def markdown(self) -> str:
@@ -93,7 +207,9 @@ class Report:
                 "title": self.title,
                 "command": self.command,
                 "setting": self.setting,
+                "verdict": self.verdict,
                 "holds": self.holds,
+                "tally": self.tally(),
                 "seconds": round(self.seconds, 1),
                 "rows": [asdict(r) for r in self.rows],
                 "claims": [asdict(c) for c in self.claims],
@@ -114,23 +230,25 @@ class Report:
 
 def markdown_table(rows: list[dict]) -> str:
     """A report's rows (as in its JSON) as a Markdown table."""
-    out = ["| setting | paper | kvlab | holds |", "|---|---|---|---|"]
+    out = ["| setting | paper | kvlab | n, 95% interval | verdict |", "|---|---|---|---|---|"]
     for r in rows:
-        note = f" ({_md(r['note'])})" if r.get("note") else ""
-        out.append(f"| {_md(r['setting'])} | {_md(r['paper'])} | {_md(r['kvlab'])} | {_yes(r['holds'])}{note} |")
+        row = row_from_json(r)
+        note = f" ({_md(row.note)})" if row.note else ""
+        out.append(
+            f"| {_md(row.setting)} | {_md(row.paper)} | {_md(row.kvlab)} | {_md(row.spread)} | {row.shown}{note} |"
+        )
     return "\n".join(out)
 
 
 def markdown_section(data: dict) -> str:
-    """One report's JSON as a Markdown section: title, command, setting, time, table."""
+    """One report's JSON as a Markdown section: title, command, setting, time, verdict, table."""
+    t = tally(data["rows"])
+    claims = ", ".join(f"{k} {v}" for k, v in t["claims"].items() if v) or "none"
     return (
         f"### {data['title']}\n\n`{data['command']}` ({data['seconds']:.0f} s)\n\n"
-        f"Setting: {data['setting']}\n\n{markdown_table(data['rows'])}\n"
+        f"Setting: {data['setting']}\n\nVerdict: **{data.get('verdict') or 'no claim tested'}** "
+        f"(claims: {claims})\n\n{markdown_table(data['rows'])}\n"
     )
-
-
-def _yes(h: bool | None) -> str:
-    return "n/a" if h is None else ("yes" if h else "no")
 
 
 def _md(s: str) -> str:

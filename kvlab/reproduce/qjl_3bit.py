@@ -20,7 +20,13 @@ perplexity along the exact run's tokens, and the attention relative error
 its own matched budget.
 
 Bits per number = the exact cache's bits x peak bytes / the exact cache's peak bytes over the run
-(the mean likewise), the full-precision residual included.
+(the mean likewise), the full-precision residual included. The paper's "3 bits per FPN" leaves the
+128-token full-precision window out; on a ~1k-token prompt that window alone is about 2 of the bits
+held, so the table reports both: the bits of the whole cache (what is matched) and the bits of the
+tokens outside the full-precision window, after compression. The paper never compares against KIVI
+at 3 or 4 bits: those runs are reported as context, not tested as claims. Task accuracy is judged
+as the paper's "comparable": the paired 95% interval of exact - QJL over the prompts lies below
+``MARGIN``.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from __future__ import annotations
 import time
 
 from kvlab.core.budgets import Budget
+from kvlab.core.statistics import paired_difference
 from kvlab.engine.specs import RunSpec
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings
-from kvlab.reproduce.common import Claim, Report, Row, fmt
+from kvlab.reproduce.common import CONTEXT, CONTROL, INCONCLUSIVE, Claim, Report, Row, estimate_fields, fmt
 from kvlab.reproduce.context import Context
 from kvlab.reproduce.matched import (
     MATCH_TOLERANCE,
@@ -84,6 +91,7 @@ QUICK = {
     "task_seeds": 1,
 }
 LABELS = ("exact", "qjl", "qjl-no-outliers", "kivi-2", "kivi-3", "kivi-4")
+MARGIN = 0.2  # "comparable" accuracy: exact - QJL below this, with 95% confidence (kvlab's operationalisation)
 
 
 def paper_params(head_dim: int) -> dict[str, dict]:
@@ -148,6 +156,7 @@ def run(ctx: Context) -> Report:
     for label, r in zip(LABELS, result.runs):
         meas[label] = {
             "bits_per_number": 8 * r.kv_bytes_per_step[0] / coords,  # the prompt's cache after compression
+            "bits_outside_window": _bits_outside_window(r, info, n),
             **memory(r, info),
             "kl_mean": r.metrics.get("kl_mean"),
             "top1_agreement": r.metrics.get("top1_agreement"),
@@ -164,12 +173,16 @@ def run(ctx: Context) -> Report:
     matched = f"matched on the peak bytes (spread {100 * gap:.1f}%)"
     rows = [
         Row(
-            "bits per number, peak over the run (mean), residual included",
-            "3 (QJL, KIVI); 16 exact",
-            ", ".join(f"{x} {meas[x]['peak_bits']:.2f} ({meas[x]['mean_bits']:.2f})" for x in compressed)
+            "bits per number: whole cache at its peak (mean), window included; outside the full-precision window",
+            "3 (QJL, KIVI), the window left out; 16 exact",
+            ", ".join(
+                f"{x} {meas[x]['peak_bits']:.2f} ({meas[x]['mean_bits']:.2f}); {fmt(meas[x]['bits_outside_window'])}"
+                for x in compressed
+            )
             + f"; budget {frac}; peaks {', '.join(format(meas[x]['peak_kib'], ',.0f') for x in compressed)} KiB",
-            gap <= MATCH_TOLERANCE,
-            f"the peaks within {100 * MATCH_TOLERANCE:.0f}% of each other",
+            note=f"matched on the peak bytes, spread {100 * gap:.1f}% (within {100 * MATCH_TOLERANCE:.0f}%: "
+            f"{'yes' if gap <= MATCH_TOLERANCE else 'no'}); not the paper's 3 bits: the 128-token window costs "
+            "the rest",
         ),
         Row(
             "QJL vs exact: teacher-forced top-1 / KL / perplexity",
@@ -177,18 +190,31 @@ def run(ctx: Context) -> Report:
             f"top-1 {fmt(q['top1_agreement'])}, KL {fmt(q['kl_mean'])}, ppl {fmt(q['perplexity'])} "
             f"vs exact {fmt(e['perplexity'])}",
             _ok(q["top1_agreement"]) >= 0.9 and _ok(q["perplexity"], 1e9) <= 1.1 * _ok(e["perplexity"], 0),
-            "top-1 >= 0.9 and ppl within 10%",
+            "kvlab's threshold: top-1 >= 0.9 and ppl within 10% (one prompt)",
+            kind=CONTROL,
+        ),
+        Row(
+            "QJL vs KIVI-2 at the same bytes: KL",
+            "QJL >= KIVI (Table 1 NarrativeQA: 21.83 vs 20.96)",
+            f"KL QJL {fmt(q['kl_mean'])} vs kivi-2 {fmt(meas['kivi-2']['kl_mean'])}; top-1 "
+            f"{fmt(q['top1_agreement'])} vs {fmt(meas['kivi-2']['top1_agreement'])}",
+            _ok(q["kl_mean"], 1e9) <= _ok(meas["kivi-2"]["kl_mean"], 1e9) if not meas["kivi-2"]["error"] else None,
+            f"{matched}; at {q['peak_bits']:.1f} bits per number, not 3; one prompt"
+            if not meas["kivi-2"]["error"]
+            else f"kivi-2 did not run: {meas['kivi-2']['error']}",
+            verdict=None if not meas["kivi-2"]["error"] else INCONCLUSIVE,
         ),
         *(
             Row(
                 f"QJL vs {x.upper()} at the same bytes: KL",
-                "QJL >= KIVI (Table 1 NarrativeQA: 21.83 vs 20.96)",
-                f"KL QJL {fmt(q['kl_mean'])} vs {x} {fmt(meas[x]['kl_mean'])}; top-1 {fmt(q['top1_agreement'])} "
-                f"vs {fmt(meas[x]['top1_agreement'])}",
-                _ok(q["kl_mean"], 1e9) <= _ok(meas[x]["kl_mean"], 1e9) if not meas[x]["error"] else None,
-                matched if not meas[x]["error"] else f"{x} did not run: {meas[x]['error']}",
+                "(the paper compares no KIVI at 3 or 4 bits)",
+                f"KL QJL {fmt(q['kl_mean'])} vs {x} {fmt(meas[x]['kl_mean'])}"
+                if not meas[x]["error"]
+                else f"{x} did not run: {meas[x]['error']}",
+                kind=CONTEXT,
+                note="context: not a claim of the paper",
             )
-            for x in ("kivi-2", "kivi-3", "kivi-4")
+            for x in ("kivi-3", "kivi-4")
         ),
         Row(
             "QJL with vs without outlier sketch at the same bytes: KL",
@@ -196,7 +222,7 @@ def run(ctx: Context) -> Report:
             f"KL with {fmt(q['kl_mean'])} (m={q['params'].get('m')}) vs without "
             f"{fmt(meas['qjl-no-outliers']['kl_mean'])} (m={meas['qjl-no-outliers']['params'].get('m')})",
             _ok(q["kl_mean"], 1e9) <= _ok(meas["qjl-no-outliers"]["kl_mean"], 1e9),
-            matched,
+            f"{matched}; one prompt",
         ),
         Row(
             "attention relative error (mean over steps, layers)",
@@ -205,16 +231,7 @@ def run(ctx: Context) -> Report:
             None,
             "context",
         ),
-        *(
-            Row(
-                f"{name} accuracy ({tasks[name]['tokens']} tokens, {tasks[name]['seeds']} seeds)",
-                "comparable to exact (LongBench, Table 1)",
-                ", ".join(f"{x} {tasks[name]['accuracy'][x]:.2f}" for x in LABELS),
-                _task_holds(tasks[name]["accuracy"]),
-                "QJL within 0.2 of exact, each prompt at its matched bytes; not judged when exact scores < 0.5",
-            )
-            for name in tasks
-        ),
+        *(_task_row(name, tasks[name]) for name in tasks),
     ]
     qp = paper_params(info.head_dim)["qjl"]
     setting = (
@@ -246,6 +263,7 @@ def _task_scores(ctx: Context, cfg: dict) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for name in cfg["tasks"]:
         hits = {x: 0.0 for x in LABELS}
+        per: dict[str, list[float]] = {x: [] for x in LABELS}
         tokens = 0
         for seed in range(cfg["task_seeds"]):
             task = make_task(name, cfg["task_length"], seed, lambda t: ctx.loaded.encode(t))
@@ -256,14 +274,50 @@ def _task_scores(ctx: Context, cfg: dict) -> dict[str, dict]:
             result = finish(ctx.compare(ids, runs, 10), task)
             for x, r in zip(LABELS, result.runs):
                 hits[x] += float(r.metrics.get("task_score") or 0.0)
+                per[x].append(float(r.metrics.get("task_score") or 0.0))
         seeds = cfg["task_seeds"]
-        out[name] = {"tokens": tokens, "seeds": seeds, "accuracy": {x: h / seeds for x, h in hits.items()}}
+        out[name] = {
+            "tokens": tokens,
+            "seeds": seeds,
+            "accuracy": {x: h / seeds for x, h in hits.items()},
+            "per_prompt": per,
+        }
     return out
 
 
-def _task_holds(acc: dict[str, float]) -> bool | None:
-    """QJL scores within 0.2 of exact (None: exact itself fails, so the task says nothing)."""
-    return None if acc["exact"] < 0.5 else acc["qjl"] >= acc["exact"] - 0.2
+def _task_row(name: str, t: dict) -> Row:
+    """QJL's accuracy comparable to exact's: the paired interval of exact - QJL below ``MARGIN`` holds, above
+    it does not, across it is inconclusive; a task exact fails says nothing."""
+    setting = f"{name} accuracy ({t['tokens']} tokens, {t['seeds']} prompts)"
+    paper = "comparable to exact (LongBench, Table 1)"
+    measured = ", ".join(f"{x} {t['accuracy'][x]:.2f}" for x in LABELS)
+    if t["accuracy"]["exact"] < 0.5:
+        return Row(setting, paper, measured, verdict=INCONCLUSIVE, note="exact itself fails: the task says nothing")
+    d = paired_difference(t["per_prompt"]["exact"], t["per_prompt"]["qjl"], names=("exact", "qjl"))
+    assert d is not None
+    est = d.difference
+    measured += f"; exact - qjl {est.text()}"
+    extra = estimate_fields(est)
+    if est.high is not None and est.high < MARGIN:
+        return Row(setting, paper, measured, True, f"the interval lies below {MARGIN}", **extra)
+    if est.low is not None and est.low > MARGIN:
+        return Row(setting, paper, measured, False, f"the interval lies above {MARGIN}", **extra)
+    return Row(
+        setting, paper, measured, verdict=INCONCLUSIVE, note=f"the interval reaches {MARGIN} (or n < 2)", **extra
+    )
+
+
+def _bits_outside_window(r, info, n: int) -> float | None:
+    """Bits per number of the prompt's tokens outside the full-precision window, after compression (None:
+    no window tensors, or the whole prompt in it)."""
+    kinds = r.kv_bytes_breakdown or {}
+    if "residual_keys" not in kinds:
+        return None
+    per_token = info.n_layers * info.n_kv_heads * info.head_dim * info.dtype_bytes  # one token's K (or V)
+    wk, wv = kinds.get("residual_keys", 0) / per_token, kinds.get("residual_values", 0) / per_token
+    numbers = (2 * n - wk - wv) * info.n_layers * info.n_kv_heads * info.head_dim
+    held = r.kv_bytes_per_step[0] - kinds.get("residual_keys", 0) - kinds.get("residual_values", 0)
+    return 8 * held / numbers if numbers > 0 else None
 
 
 def _ok(x, default: float = 0.0) -> float:

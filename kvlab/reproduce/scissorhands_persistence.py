@@ -24,7 +24,7 @@ import time
 import torch
 
 from kvlab.core.attention_ops import causal_window_probs
-from kvlab.reproduce.common import Claim, Report, Row
+from kvlab.reproduce.common import CONTROL, Claim, Report, Row
 from kvlab.reproduce.context import Context
 
 NAME = "scissorhands-persistence"
@@ -119,6 +119,7 @@ def run(ctx: Context) -> Report:
             "(implied: persistence is not chance)",
             f"margin over chance: mean {sum(margin) / n_layers:.3f}, min {min(margin):.3f}",
             min(margin) > 0,
+            kind=CONTROL,
         ),
         Row(
             "margin over chance, normalised: (ratio - chance) / (1 - chance)",
@@ -126,6 +127,7 @@ def run(ctx: Context) -> Report:
             f"ratio {mean(ratios):.3f} vs chance {mean(sizes):.3f}: normalised margin {normalised(ratios, sizes):.2f}",
             normalised(ratios, sizes) >= 0.5,
             "at least half of the way from chance to perfect" if normalised(ratios, sizes) >= 0.5 else "",
+            kind=CONTROL,
         ),
         *(
             Row(

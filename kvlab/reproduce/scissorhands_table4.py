@@ -5,7 +5,11 @@ accuracy does not move (Hellaswag, OPT-6B/13B). Here, teacher-forced perplexity 
 cache, ``scissorhands`` at B = n / 2 tokens, and ``scissorhands+kivi4`` (the same selection, keys and
 values as 4-bit codes per token, groups of 32) at the same B, which holds about a sixth of the
 bytes. A last row matches bytes instead: Scissorhands alone at the peak bytes the 4-bit run held
-(so it keeps about six times fewer tokens): the composition should be the better use of them.
+(so it keeps about six times fewer tokens).
+
+The paper's claim is about HellaSwag accuracy (OPT-6B/13B), which the embedded 135M model and the
+offline data cannot measure: the claim is **not testable here**. The perplexities are reported as
+context, with no threshold of kvlab's own turned into a verdict.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 
 from kvlab.core.budgets import Budget
 from kvlab.engine.specs import RunSpec
-from kvlab.reproduce.common import Claim, Report, Row, fmt
+from kvlab.reproduce.common import NOT_TESTABLE, Claim, Report, Row, fmt
 from kvlab.reproduce.context import Context
 from kvlab.reproduce.scissorhands_fig3 import held, perplexities
 
@@ -34,7 +38,6 @@ CLAIMS = (
 
 FULL = {"length": 640, "max_new_tokens": 32}
 QUICK = {"length": 192, "max_new_tokens": 8}
-SAME = 1.02  # "no compounded error": within 2% of Scissorhands' perplexity
 
 
 def run(ctx: Context) -> Report:
@@ -58,7 +61,6 @@ def run(ctx: Context) -> Report:
     def cell(k):
         return f"{fmt(ppl[k], 4)} (held peak {h[k][0]:.3f}, mean {h[k][1]:.3f} of exact; B = {kept[k]})"
 
-    ok = None if ppl["sh"] is None or ppl["q4"] is None else ppl["q4"] <= SAME * ppl["sh"]
     rows = [
         Row("original (full cache)", "0.702 (OPT-6B), 0.720 (OPT-13B)", fmt(ppl["exact"], 4), None, "the reference"),
         Row("Scissorhands 2x", "0.706, 0.720", cell("sh"), None, "perplexity; the paper: Hellaswag accuracy"),
@@ -66,15 +68,21 @@ def run(ctx: Context) -> Report:
             "Scissorhands 2x + 4-bit (same tokens)",
             "0.704, 0.720: no compounded error",
             cell("q4"),
-            ok,
-            f"within {SAME - 1:.0%} of Scissorhands alone" if ok else f"more than {SAME - 1:.0%} above Scissorhands",
+            note="perplexity of prose, context",
         ),
         Row(
             "Scissorhands alone at the 4-bit run's peak bytes",
-            "(implied: 4 bits on top is the better use of bytes)",
+            "-",
             cell("shb"),
-            None if ppl["q4"] is None or ppl["shb"] is None else ppl["q4"] <= ppl["shb"],
-            "matched bytes: Scissorhands + 4-bit at 2x against Scissorhands alone at the same bytes",
+            note="matched bytes, context (the paper makes no claim at matched bytes)",
+        ),
+        Row(
+            "4-bit on top of Scissorhands 2x adds no error (Table 4)",
+            "0.702 / 0.706 / 0.704 (OPT-6B Hellaswag accuracy)",
+            f"perplexity {fmt(ppl['sh'], 4)} -> {fmt(ppl['q4'], 4)}",
+            verdict=NOT_TESTABLE,
+            note="the paper measures HellaSwag accuracy on OPT-6B/13B; the embedded 135M model cannot do "
+            "HellaSwag and no offline copy of it ships here, and perplexity is not the paper's metric",
         ),
     ]
     setting = (

@@ -8,6 +8,11 @@ with no cluster cap, the theorem's regime) is built over the first n - w tokens 
 (delta = ``rel`` x each stream's median key norm) and the last w prompt queries attend it. The
 measured eps = ||z - a|| / (||softmax||_2 ||V||_op) per query head and query, averaged over them and
 seeds; ||z - a|| / ||a|| (kvlab's usual metric) is shown beside it.
+
+Theorem 1 gives sufficient s and t for an upper bound, not a rate, so it is checked as a bound:
+s = eps^-2 d (the Omega's constant taken as 1) promises eps <= sqrt(d / s), and the largest error of
+any query head and query at each measured (s, t) must stay below it (the t condition only loosens
+the bound further). Never violated: holds. How eps falls with s and t is reported as context.
 """
 
 from __future__ import annotations
@@ -41,11 +46,12 @@ S_FIXED, T_FIXED = 256, 16
 
 
 def theorem_errors(state, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
-    """(eps, relative error) per layer, averaged over query heads and queries.
+    """(eps, relative error, largest eps) per layer: eps and the relative error averaged over query heads and
+    queries, the largest eps of any of them.
 
     q [L, Hq, w, d]; keys/values [L, Hkv, n, d]: what ``state`` (Algorithm 1) was built on."""
 
-    eps, rel = [], []
+    eps, rel, worst = [], [], []
     for layer in range(keys.shape[0]):
         k, v, ql = keys[layer].float(), values[layer].float(), q[layer].float()
         hq, hkv = ql.shape[0], k.shape[0]
@@ -54,9 +60,11 @@ def theorem_errors(state, q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         z = state.attend(layer, ql, scaling).float()
         err = (z - exact).norm(dim=-1)  # [Hq, w]
         v_op = torch.linalg.matrix_norm(v, ord=2).repeat_interleave(hq // hkv).unsqueeze(-1)  # [Hq, 1]
-        eps.append(float((err / (probs.norm(dim=-1) * v_op)).mean()))
+        e = err / (probs.norm(dim=-1) * v_op)
+        eps.append(float(e.mean()))
+        worst.append(float(e.max()))
         rel.append(float((err / exact.norm(dim=-1).clamp_min(1e-12)).mean()))
-    return sum(eps) / len(eps), sum(rel) / len(rel)
+    return sum(eps) / len(eps), sum(rel) / len(rel), max(worst)
 
 
 def build(keys: torch.Tensor, values: torch.Tensor, rel: float, t: int, s: int, seed: int):
@@ -90,40 +98,55 @@ def run(ctx: Context) -> Report:
         for x in grid:
             s, t = (x, T_FIXED) if axis == "s" else (S_FIXED, x)
             ctx.log(f"{NAME}: s={s}, t={t}")
-            e, r = [], []
+            e, r, top = [], [], []
             for seed in range(cfg["seeds"]):
                 st, clusters = build(keys, values, cfg["rel"], t, s, seed)
-                ee, rr = theorem_errors(st, q, keys, values, state.scaling)
+                ee, rr, ww = theorem_errors(st, q, keys, values, state.scaling)
                 e.append(ee)
                 r.append(rr)
-            results[axis][x] = {"eps": sum(e) / len(e), "relative": sum(r) / len(r)}
+                top.append(ww)
+            results[axis][x] = {
+                "eps": sum(e) / len(e),
+                "relative": sum(r) / len(r),
+                "max_eps": max(top),
+                "bound": math.sqrt(d / s),
+            }
     s_grid, t_grid = cfg["s"], cfg["t"]
     s_slope = slope(s_grid, [results["s"][x]["eps"] for x in s_grid])
     t_slope = slope(t_grid, [results["t"][x]["eps"] for x in t_grid])
-    pred = {x: math.sqrt(d / x) for x in s_grid}  # eps at which s = eps^-2 d (the theorem's constant 1)
 
     def cells(axis, grid):
         return ", ".join(f"{x}: {fmt(results[axis][x]['eps'])}" for x in grid)
 
+    points = [(axis, x) for axis, grid in (("s", s_grid), ("t", t_grid)) for x in grid]
+    violated = [(a, x) for a, x in points if results[a][x]["max_eps"] > results[a][x]["bound"]]
+
+    def at(a, x):
+        s_, t_ = (x, T_FIXED) if a == "s" else (S_FIXED, x)
+        return f"s={s_}, t={t_}: {fmt(results[a][x]['max_eps'])} <= {fmt(results[a][x]['bound'])}"
+
     rows = [
         Row(
-            f"eps against s (t = {T_FIXED}): {cells('s', s_grid)}",
-            "eps ~ s^-1/2 (slope -0.5)",
+            "largest eps over every query head and query, against sqrt(d / s), at every (s, t) measured",
+            "||z - a|| <= eps ||softmax||_2 ||V||_op with s = eps^-2 d (Eq. 4, constant 1)",
+            "; ".join(at(a, x) for a, x in points),
+            not violated,
+            "never violated" if not violated else f"violated at {', '.join(f'{a}={x}' for a, x in violated)}",
+            n=len(points) * cfg["seeds"],
+        ),
+        Row(
+            f"mean eps against s (t = {T_FIXED}): {cells('s', s_grid)}",
+            "(Theorem 1 gives sufficient s, not a rate)",
             f"log-log slope {s_slope:.2f}",
-            s_slope < -0.25,
+            note="context: how the error falls with s",
         ),
         Row(
-            f"eps against t (s = {S_FIXED}): {cells('t', t_grid)}",
-            "eps ~ t^-1/2 (slope -0.5)",
+            f"mean eps against t (s = {S_FIXED}): {cells('t', t_grid)}",
+            "(Theorem 1 gives sufficient t, not a rate)",
             f"log-log slope {t_slope:.2f}",
-            t_slope < -0.1,
-            "the numerator's s samples dominate the error once t is a few" if t_slope > -0.25 else "",
-        ),
-        Row(
-            f"eps at s = {s_grid[-1]} against sqrt(d / s) = {fmt(pred[s_grid[-1]])}",
-            "eps <= sqrt(d / s) up to the constant",
-            f"{fmt(results['s'][s_grid[-1]]['eps'])}",
-            results["s"][s_grid[-1]]["eps"] <= pred[s_grid[-1]],
+            note="context: the numerator's s samples dominate the error once t is a few"
+            if t_slope > -0.25
+            else "context",
         ),
         Row(
             "kvlab's ||z - a|| / ||a|| at the same settings (context)",
