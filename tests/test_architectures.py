@@ -1,4 +1,4 @@
-"""The architecture matrix: tiny random-weight models of 15 families, built in-process (no hub).
+"""The architecture matrix: tiny random-weight models of 17 configurations, built in-process (no hub).
 
 For each (``tiny_models``): the load path (attention semantics read from the model, the self-check
 against its own forward) accepts it; ``exact`` with a float32 cache generates ``generate``'s tokens
@@ -27,7 +27,7 @@ from kvlab.methods.exact import Exact
 
 PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
-LOCAL = {"mistral", "gemma2", "gemma3", "gpt-oss"}  # families with sliding-window layers
+LOCAL = {"mistral", "gemma2", "gemma3", "gpt-oss", "llama4"}  # families with sliding-window or chunked layers
 NEEDS_ROPE = {"expected-attention"}  # refuse a model without one rotary embedding shared by every layer
 
 
@@ -53,7 +53,7 @@ def test_architecture(arch, lm, prompt):
     assert exact.token_ids == _generate(model, prompt, NEW_TOKENS)
     # a local layer's exact cache holds its window only
     assert exact.kv_bytes == exact_bytes(info, len(prompt))
-    held = sum(min(len(prompt), s.window or len(prompt)) for s in info.semantics.layers)
+    held = sum(min(len(prompt), s.span or len(prompt)) for s in info.semantics.layers)
     assert exact.kv_bytes == info.n_kv_heads * held * (info.head_dim + info.v_head_dim) * 4
     for r in res.runs[1:]:
         if r.method in NEEDS_ROPE and info.rope is None:  # refused in one line, the reason named
@@ -101,6 +101,22 @@ def test_self_check_refuses_a_dropped_window(lm, monkeypatch):
     assert "\n" not in str(info.value) and "docs/models.md" in str(info.value)
     monkeypatch.undo()
     from_model(*_mistral(lm), "mistral")  # the same model, honoured, loads
+
+
+def test_chunked_attention_is_read_and_checked(lm, monkeypatch):
+    """Llama 4's chunked layers: a query sees only the keys of its own block of ``attention_chunk_size``
+    positions. kvlab reads the blocks from the config (the model passes only a mask, which kvlab does not
+    use); read as global attention instead, the self-check refuses the model past the first block."""
+    assert not refuse_unsupported(build("llama4").config, "llama4")
+    monkeypatch.setattr(sm, "_config_chunk", lambda config, layer: None)
+    with pytest.raises(ModelLoadError, match="differs from the model's own forward"):
+        from_model(build("llama4"), lm.tokenizer, "llama4")
+    monkeypatch.undo()
+    info = from_model(build("llama4"), lm.tokenizer, "llama4").info
+    assert [s.chunk for s in info.semantics.layers] == [WINDOW, WINDOW, WINDOW, None]
+    assert "chunked attention (32-token blocks) on 3 of 4 layers" in info.semantics.features()
+    s = info.semantics[0]
+    assert [s.visible_from(p) for p in (0, 31, 32, 40, 95)] == [0, 0, 32, 32, 64]
 
 
 class _OffByFivePercent(Exact):

@@ -1,8 +1,8 @@
 """Tiny random-weight causal LMs of many architectures, built in-process from transformers' config classes.
 
 Every model has 4 layers, hidden size 128, 4 query heads and 2 KV heads where the architecture has
-grouped-query attention, a sliding window of ``WINDOW`` tokens where it has one, and the embedded model's
-vocabulary (so the embedded tokenizer serves them all). Weights are random (seeded): no hub, no
+grouped-query attention, a sliding window (or attention chunk) of ``WINDOW`` tokens where it has one,
+and the embedded model's vocabulary (so the embedded tokenizer serves them all). Weights are random (seeded): no hub, no
 downloads. ``ARCHITECTURES`` names each one; ``build(name)`` returns the model in eval mode.
 """
 
@@ -90,6 +90,19 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
     "deepseek-v3": lambda: (tf.DeepseekV3ForCausalLM, _deepseek()),
     # num_key_value_heads that the model ignores: multi-head latent attention expands K/V to every head
     "deepseek-v3-kv2": lambda: (tf.DeepseekV3ForCausalLM, _deepseek(num_key_value_heads=2, v_head_dim=48)),
+    # chunked attention (blocks of WINDOW positions) on three layers with RoPE, global without RoPE on the fourth
+    "llama4": lambda: (
+        tf.Llama4ForCausalLM,
+        tf.Llama4TextConfig(
+            **_common(
+                head_dim=32,
+                intermediate_size_mlp=256,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                attention_chunk_size=WINDOW,
+            )
+        ),
+    ),
     "falcon": lambda: (
         tf.FalconForCausalLM,
         tf.FalconConfig(

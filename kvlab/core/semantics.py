@@ -5,7 +5,9 @@ arguments that change what attention computes: ``scaling``, ``sliding_window`` (
 a query at position p sees keys at positions > p - window), ``softcap`` (logits become
 ``softcap * tanh(logits / softcap)``, Gemma 2), ``s_aux`` (one learned sink logit per query head
 that joins every softmax's normaliser but has no value, gpt-oss). The value head size may differ
-from the key head size (multi-head latent attention, DeepSeek-V3).
+from the key head size (multi-head latent attention, DeepSeek-V3). Chunked attention (Llama 4's
+``chunked_attention`` layers) is told by the config and the model's mask alone: a query at position
+p sees only the keys of its own block of ``attention_chunk_size`` positions (p - p % chunk .. p).
 
 ``record`` reads these from one forward of the model (``Recorder``); ``ModelSemantics`` holds one
 ``LayerSemantics`` per layer. Every path that computes attention (prefill, lockstep decode per row
@@ -52,9 +54,10 @@ class UnsupportedAttention(RuntimeError):
 class LayerSemantics:
     """What one layer's attention computes.
 
-    scaling: the factor on q.k; window: sliding window in tokens (None: global); softcap: logit
-    soft-cap (None: none); sinks: [Hq] float32 sink logits (None: none); k_dim / v_dim: key and
-    value head sizes.
+    scaling: the factor on q.k; window: sliding window in tokens (None: none); chunk: block-local
+    attention in blocks of this many positions (None: none); softcap: logit soft-cap (None: none);
+    sinks: [Hq] float32 sink logits (None: none); k_dim / v_dim: key and value head sizes. A layer
+    with a window or a chunk is local: its exact cache holds at most ``span`` tokens.
     """
 
     scaling: float
@@ -63,15 +66,33 @@ class LayerSemantics:
     window: int | None = None
     softcap: float | None = None
     sinks: Tensor | None = field(default=None, compare=False, repr=False)
+    chunk: int | None = None
 
     @property
     def is_local(self) -> bool:
-        return self.window is not None
+        """A sliding window or chunked attention: a query sees only recent keys."""
+        return self.window is not None or self.chunk is not None
+
+    @property
+    def span(self) -> int | None:
+        """The most tokens this layer's exact cache holds (the window, or the chunk); None on a global layer."""
+        spans = [x for x in (self.window, self.chunk) if x is not None]
+        return min(spans) if spans else None
 
     @property
     def plain(self) -> bool:
-        """Softmax(q.k * scaling) over every key: no window, cap or sinks (SDPA computes it)."""
-        return self.window is None and self.softcap is None and self.sinks is None
+        """Softmax(q.k * scaling) over every key: no window, chunk, cap or sinks (SDPA computes it)."""
+        return not self.is_local and self.softcap is None and self.sinks is None
+
+    def visible_from(self, pos: int) -> int:
+        """The first key position a query at position ``pos`` sees (0 on a global layer): the window's
+        first (pos - window + 1) or its chunk's first (pos - pos % chunk), whichever is later."""
+        first = 0
+        if self.window is not None:
+            first = max(first, pos - self.window + 1)
+        if self.chunk is not None:
+            first = max(first, pos - pos % self.chunk)
+        return first
 
     @property
     def nonlinear(self) -> bool:
@@ -79,8 +100,10 @@ class LayerSemantics:
         return self.softcap is not None or self.sinks is not None
 
     def held(self, n_tokens: int) -> int:
-        """Tokens the exact cache of this layer holds after ``n_tokens`` tokens: min(n, window) on a local layer."""
-        return n_tokens if self.window is None else min(n_tokens, self.window)
+        """Tokens the exact cache of this layer holds after ``n_tokens`` tokens: min(n, span) on a local layer
+        (a chunked layer counts a whole chunk, as transformers' cache holds it)."""
+        span = self.span
+        return n_tokens if span is None else min(n_tokens, span)
 
     def cap(self, logits: Tensor) -> Tensor:
         """Soft-capped logits (unchanged when the layer has no cap)."""
@@ -162,15 +185,30 @@ def log_normaliser(x: Tensor, sem: LayerSemantics | float, dim: int = -1) -> Ten
     return torch.logaddexp(lse, sink.expand_as(lse))
 
 
+def hidden(sem: LayerSemantics, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """True where a key is outside a query's window or chunk (not where it is in its future).
+
+    q_pos: [t] or [Hkv, t]; k_pos: [n] or [Hkv, n] (token positions). Returns bool [.., t, n]."""
+    qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
+    hide = torch.zeros(torch.broadcast_shapes(qp.shape, kp.shape), dtype=torch.bool, device=kp.device)
+    if sem.window is not None:
+        hide = hide | (kp <= qp - sem.window)
+    if sem.chunk is not None:
+        hide = hide | (
+            torch.div(kp, sem.chunk, rounding_mode="floor") != torch.div(qp, sem.chunk, rounding_mode="floor")
+        )
+    return hide
+
+
 def window_bias(sem: LayerSemantics, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-    """-inf where a key lies outside a query's window or in its future, else 0.
+    """-inf where a key lies outside a query's window or chunk or in its future, else 0.
 
     q_pos: [t] or [Hkv, t]; k_pos: [n] or [Hkv, n] (token positions). Returns [.., t, n] float32, or
     None on a global layer when no key is in a query's future."""
     qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
     hide = kp > qp
-    if sem.window is not None:
-        hide = hide | (kp <= qp - sem.window)
+    if sem.is_local:
+        hide = hide | hidden(sem, q_pos, k_pos)
     if not bool(hide.any()):
         return None
     return torch.zeros(hide.shape, dtype=torch.float32, device=hide.device).masked_fill_(hide, float("-inf"))
@@ -229,7 +267,7 @@ def grouped_softmax(x: Tensor, sem: LayerSemantics | float, hq: int, n_seen: int
     hkv, rows, n = x.shape[-3:]
     g = hq // hkv
     x = sem.cap(x.float())
-    if sem.window is not None:
+    if sem.is_local:
         last = (n if n_seen is None else n_seen) - 1
         kpos = torch.arange(last - n + 1, last + 1, device=x.device)
         qpos = torch.arange(last - t + 1, last + 1, device=x.device).repeat(g)  # [g*t]
@@ -289,7 +327,8 @@ class ModelSemantics:
 
     @property
     def smallest_window(self) -> int | None:
-        return min((s.window for s in self.layers if s.window is not None), default=None)
+        """The smallest window or chunk of any layer (None: every layer is global)."""
+        return min((s.span for s in self.layers if s.span is not None), default=None)
 
     @property
     def v_dim(self) -> int:
@@ -298,9 +337,12 @@ class ModelSemantics:
     def features(self) -> list[str]:
         """Short names of what differs from plain attention (for docs, refusals and the model card)."""
         out = []
-        if self.has_local:
-            n = sum(s.is_local for s in self.layers)
-            out.append(f"sliding window {self.smallest_window} on {n} of {len(self.layers)} layers")
+        windows = [s.window for s in self.layers if s.window is not None]
+        if windows:
+            out.append(f"sliding window {min(windows)} on {len(windows)} of {len(self.layers)} layers")
+        chunks = [s.chunk for s in self.layers if s.chunk is not None]
+        if chunks:
+            out.append(f"chunked attention ({min(chunks)}-token blocks) on {len(chunks)} of {len(self.layers)} layers")
         if any(s.softcap is not None for s in self.layers):
             out.append("logit soft-cap")
         if any(s.sinks is not None for s in self.layers):
@@ -312,6 +354,7 @@ class ModelSemantics:
     def to_json(self) -> dict:
         return {
             "windows": [s.window for s in self.layers],
+            "chunks": [s.chunk for s in self.layers],
             "softcap": self.layers[0].softcap if self.layers else None,
             "sinks": any(s.sinks is not None for s in self.layers),
             "scaling": self.layers[0].scaling if self.layers else None,
@@ -371,6 +414,7 @@ def from_call(module, query: Tensor, key: Tensor, value: Tensor, scaling: float,
     window = kw.get("sliding_window")
     if window is None:
         window = _config_window(config, module.layer_idx)
+    chunk = _config_chunk(config, module.layer_idx)
     sinks = kw.get("s_aux")
     softcap = kw.get("softcap")
     return LayerSemantics(
@@ -378,6 +422,7 @@ def from_call(module, query: Tensor, key: Tensor, value: Tensor, scaling: float,
         k_dim=key.shape[-1],
         v_dim=value.shape[-1],
         window=int(window) if window else None,
+        chunk=chunk,
         softcap=float(softcap) if softcap else None,
         sinks=None if sinks is None else sinks.detach().float().reshape(-1),
     )
@@ -391,6 +436,18 @@ def _config_window(config, layer: int) -> int | None:
     return None
 
 
+def _config_chunk(config, layer: int) -> int | None:
+    """The block size of ``layer`` when config.layer_types makes it chunked attention (Llama 4): the model
+    passes no argument for it, only a mask, which kvlab builds itself."""
+    types = getattr(config, "layer_types", None)
+    if types and layer < len(types) and types[layer] == "chunked_attention":
+        chunk = getattr(config, "attention_chunk_size", None)
+        if not chunk:
+            raise UnsupportedAttention("a chunked-attention layer without an attention_chunk_size")
+        return int(chunk)
+    return None
+
+
 __all__ = [
     "HONOURED",
     "INERT",
@@ -401,6 +458,7 @@ __all__ = [
     "attend",
     "cap",
     "grouped_softmax",
+    "hidden",
     "log_normaliser",
     "logits",
     "plain_semantics",

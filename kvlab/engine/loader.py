@@ -293,7 +293,7 @@ def local_models() -> list[str]:
 
 
 # layer kinds of ``config.layer_types`` that are softmax attention (anything else: linear attention, state space...)
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def refuse_unsupported(config, spec: str) -> None:

@@ -43,10 +43,12 @@ def probe_ids(lm: LoadedModel, n: int) -> list[int]:
 
 
 def probe_window(lm: LoadedModel) -> int | None:
-    """The smallest sliding window the model's attention calls or its config name (None: none): the
-    probe runs past it even when a window went unseen."""
+    """The smallest sliding window or attention chunk the model's attention calls or its config name (None:
+    none): the probe runs past it even when a window or chunk went unseen."""
     cfg = lm.model.config.get_text_config() if hasattr(lm.model.config, "get_text_config") else lm.model.config
-    windows = [w for w in (lm.info.semantics.smallest_window, getattr(cfg, "sliding_window", None)) if w]
+    chunked = "chunked_attention" in (getattr(cfg, "layer_types", None) or ())
+    chunk = getattr(cfg, "attention_chunk_size", None) if chunked else None
+    windows = [w for w in (lm.info.semantics.smallest_window, getattr(cfg, "sliding_window", None), chunk) if w]
     return min(windows, default=None)
 
 

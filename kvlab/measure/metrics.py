@@ -96,7 +96,7 @@ def shadow_attention(
     q = q.float()
     gen = sm.mask_future(sm.logits(q, kg.float(), scaling), q.shape[-2])
     logits = torch.cat([sm.logits(q, kp, scaling), gen], dim=-1)
-    if isinstance(scaling, LayerSemantics) and scaling.window is not None:
+    if isinstance(scaling, LayerSemantics) and scaling.is_local:
         m, t = logits.shape[-1], q.shape[-2]
         bias = window_bias(scaling, torch.arange(m - t, m, device=q.device), torch.arange(m, device=q.device))
         logits = logits if bias is None else logits + bias

@@ -202,9 +202,9 @@ class DenseCompressor(Compressor):
                 ix = torch.arange(n, device=state.keys.device).expand(h, n)
             pos = ix.to(torch.int32)
             layer_lw = None if lw is None else lw[layer]
-            window = self.sem[layer].window
-            if window is not None and window < n and self._plain_feed():  # a local layer holds its window
-                inside = _in_window(ix, n - window)
+            first = self.sem[layer].visible_from(n - 1)
+            if first > 0 and self._plain_feed():  # a local layer holds what its last query sees
+                inside = _in_window(ix, first)
                 if inside is not None:
                     ix = torch.gather(ix, 1, inside)
                     pos = ix.to(torch.int32)
@@ -221,9 +221,9 @@ class DenseCompressor(Compressor):
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         cache = self.layers[layer]
         cache.append(k, v, pos)
-        window = self.sem[layer].window
-        if window is not None and cache.n > window and self._plain_feed():  # a local layer holds its window
-            inside = _in_window(cache.views()[2], pos + k.shape[-2] - window)
+        s, newest = self.sem[layer], pos + k.shape[-2] - 1
+        if _past_span(s, cache.n, newest, k.shape[-2]) and self._plain_feed():  # a local layer holds what it sees
+            inside = _in_window(cache.views()[2], s.visible_from(newest))
             if inside is not None:
                 cache.keep(inside)
 
@@ -233,10 +233,10 @@ class DenseCompressor(Compressor):
         (``semantics.window_bias``)."""
         k, v, pos, lw = self.layers[layer].read_views()
         s = self.sem[layer]
-        if s.window is not None and pos.numel():
-            newest = pos.max()
-            if bool((pos <= newest - s.window).any()):
-                hide = torch.zeros(pos.shape, device=pos.device).masked_fill_(pos <= newest - s.window, float("-inf"))
+        if s.is_local and pos.numel():
+            out = pos < s.visible_from(int(pos.max()))
+            if bool(out.any()):
+                hide = torch.zeros(pos.shape, device=pos.device).masked_fill_(out, float("-inf"))
                 lw = hide if lw is None else lw + hide
         return k, v, pos, lw
 
@@ -284,6 +284,15 @@ class DenseCompressor(Compressor):
         """Softmax over the kept tokens (with their log-weights), at their positions; 0 where evicted."""
         k, _, pos, lw = self.visible(layer)
         return weights_on_positions(q, k, pos, self.sem[layer], lw)
+
+
+def _past_span(sem: sm.LayerSemantics, held: int, newest: int, m: int) -> bool:
+    """Whether a local layer holding ``held`` tokens may hold some its next query no longer sees, after m new
+    tokens up to position ``newest``: more than its window, or a chunk begun among the new tokens."""
+    if not sem.is_local:
+        return False
+    span = sem.span
+    return (span is not None and held > span) or (sem.chunk is not None and newest % sem.chunk < m)
 
 
 def _in_window(pos: Tensor, first: int) -> Tensor | None:

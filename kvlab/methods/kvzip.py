@@ -272,12 +272,12 @@ class KVzip(DenseCompressor):
         g = self.info.group_size
         self.layers, self.heads, self.head_sems = [], [], []
         for layer in range(n_layers):
-            window = self.sem[layer].window
+            first = self.sem[layer].visible_from(n - 1)
             stores = []
             for h in range(n_kv):
                 idx = torch.nonzero(keep[layer, h]).view(-1)
-                if window is not None and window < n:  # a local layer holds its window only
-                    idx = idx[idx >= n - window]
+                if first > 0:  # a local layer holds what its last query sees (its window or chunk) only
+                    idx = idx[idx >= first]
                 stores.append(
                     DenseLayer.make(
                         self.as_cached(state.keys[layer, h : h + 1, idx]),
@@ -289,11 +289,11 @@ class KVzip(DenseCompressor):
             self.head_sems.append([head_semantics(self.sem[layer], h, g) for h in range(n_kv)])
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
-        window = self.sem[layer].window
+        first = self.sem[layer].visible_from(pos + k.shape[-2] - 1)
         for h, store in enumerate(self.heads[layer]):
             store.append(k[h : h + 1], v[h : h + 1], pos)
-            if window is not None:
-                keep_from(store, pos + k.shape[-2] - window)
+            if first > 0:
+                keep_from(store, first)
 
     def _attend(self, layer: int, q: Tensor, causal_tail: int = 0) -> Tensor:
         """q [Hq, t, d] -> [Hq, t, dv]: each KV head's query group over that head's pairs."""

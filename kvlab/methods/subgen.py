@@ -459,7 +459,7 @@ class SubGen(Compressor):
     full: bool
     local_layers: list[int]  # sliding-window layers: an exact sliding store each
     global_layers: list[int]  # Algorithm 1's layers
-    local_window: dict[int, int]  # a local layer's window
+    local_window: dict[int, int]  # a local layer's window (or chunk)
     local_cap: dict[int, int]  # tokens a local layer holds
     sg_plan: SubGenPlan | None  # Algorithm 1's knobs per global stream (None: no global layer)
     knobs: dict[str, Any]
@@ -476,7 +476,7 @@ class SubGen(Compressor):
         whole window when the budget pays for it beside Algorithm 1 on the global layers, else each
         its own share of the budget (``_local_caps``); Algorithm 1 gets the rest, per global stream."""
         self.full = self.is_full
-        self.local_window = {i: s.window for i, s in enumerate(self.sem.layers) if s.window is not None}
+        self.local_window = {i: s.span for i, s in enumerate(self.sem.layers) if s.span is not None}
         self.local_layers = list(self.local_window)
         self.global_layers = [i for i, s in enumerate(self.sem.layers) if not s.is_local]
         if self.full:
@@ -658,7 +658,8 @@ class SubGen(Compressor):
         if layer in self.local:  # the sliding store drops the token that leaves it
             cache = self.local[layer]
             cache.append(k, v, pos)
-            cap = self.local_cap[layer]
+            newest = pos + k.shape[-2] - 1  # a chunked layer's new chunk leaves the old one's tokens unseen
+            cap = min(self.local_cap[layer], newest - self.sem[layer].visible_from(newest) + 1)
             if cache.n > cap:
                 cache.keep(torch.arange(cache.n - cap, cache.n).expand(k.shape[0], -1))
         elif self.full:

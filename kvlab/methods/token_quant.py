@@ -201,9 +201,10 @@ class TokenQuantizer(Compressor):
         self.extra = extra
 
     def _trim(self, layer: int, st: CodedLayer) -> None:
-        window = self.sem[layer].window
-        if window is not None and st.n_held > window:
-            st.drop_oldest(st.n_held - window)
+        """Drop the held tokens the newest one's query does not see (a local layer's window or chunk)."""
+        sees = st.n_seen - self.sem[layer].visible_from(st.n_seen - 1)
+        if st.n_held > sees:
+            st.drop_oldest(st.n_held - sees)
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         st = self.layers[layer]
