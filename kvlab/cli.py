@@ -141,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
     s.add_argument(
         "--protocol",
-        default="query-aware",
-        choices=("query-aware", "query-agnostic"),
-        help="the task's question inside the compressed prompt (default), or asked after compressing its context",
+        default="query-agnostic",
+        choices=("query-agnostic", "query-aware"),
+        help="the task's question asked after compressing its context alone (default: kvpress's leaderboard), "
+        "or inside the compressed prompt",
     )
     s.add_argument("--model", default="embedded")
     s.add_argument("--device", default="auto")

@@ -9,6 +9,12 @@ runs cells r, r + W, r + 2W, ...; after a barrier, process 0 merges
 all cell files into ``results.json``, ``results.csv`` and ``report.html``; a sweep with task scores at
 fraction budgets also gets the leaderboard (``kvlab.report.leaderboard``): ``leaderboard.csv`` in
 kvpress's columns and ``leaderboard.html``, its figure alone.
+
+The protocol is kvpress's by default: query-agnostic (each task's context compressed alone, its
+question asked after compression); ``protocol="query-aware"`` puts the question inside the
+compressed prompt. Every mean the merge reports comes with n and a 95% interval
+(``kvlab.core.statistics``): ``results.json`` holds each run label's ``summary`` per task (task score,
+text similarity) and the ``leaderboard`` rows with theirs.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 
 from kvlab.core.budgets import parse_budgets
 from kvlab.core.results import memory_figures
+from kvlab.core.statistics import mean_interval, score_interval
 from kvlab.engine.specs import GenerationSettings
 from kvlab.measure.metrics import ProbeSettings
 from kvlab.report import leaderboard
@@ -76,7 +83,7 @@ class SweepConfig:
     model: str = "embedded"
     out: str = "sweep-out"
     depths: list[float] = field(default_factory=list)  # needle depths of a depth x length grid; empty: [depth]
-    protocol: str = "query-aware"  # or "query-agnostic": the task's question asked after compression
+    protocol: str = "query-agnostic"  # kvpress's: the task's question asked after compression; or "query-aware"
 
     @property
     def tasks(self) -> list[str]:
@@ -90,7 +97,7 @@ class SweepConfig:
         """Hash of everything besides the cell that changes a cell's result."""
         skip = ("lengths", "seeds", "out", "depths", "depth")
         parts = {k: v for k, v in asdict(self).items() if k not in skip}
-        if parts["protocol"] == "query-aware":  # the default keeps the keys of cells stored before it existed
+        if parts["protocol"] == "query-aware":  # keeps the keys of cells stored before the protocol existed
             del parts["protocol"]
         return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -265,16 +272,49 @@ def merge(cfg: SweepConfig) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     recs = load_cells(cfg)
-    (out / "results.json").write_text(json.dumps({"config": asdict(cfg), "protocol": cfg.protocol, "cells": recs}))
+    board = leaderboard.rows(recs)
+    protocol = leaderboard.protocol_of(recs) if recs else cfg.protocol
+    data = {
+        "config": asdict(cfg),
+        "protocol": protocol,
+        "summary": summary(recs),
+        "leaderboard": [r.as_dict() for r in board],
+        "cells": recs,
+    }
+    (out / "results.json").write_text(json.dumps(data))
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         w.writerows(rows(recs, cfg.depth))
-    board = leaderboard.rows(recs)
-    if board:  # kvpress's leaderboard columns, and the figure alone
-        leaderboard.write_csv(board, out / "leaderboard.csv")
-        leaderboard.figure(board).write_html(out / "leaderboard.html", include_plotlyjs="inline")
+    if board:  # kvpress's leaderboard columns (then the protocol and the intervals), and the figure alone
+        leaderboard.write_csv(board, out / "leaderboard.csv", protocol)
+        leaderboard.figure(board, protocol=protocol).write_html(out / "leaderboard.html", include_plotlyjs="inline")
     return write_report(cfg, recs, out / "report.html")
+
+
+def summary(recs: list[dict]) -> list[dict]:
+    """Per task and run label: the mean task score and text similarity over the cells, each with n and its
+    95% interval (the exact binomial interval for 0/1 task scores, else a bootstrap over the cells)."""
+    acc: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for rec in recs:
+        for r in rec["runs"]:
+            per = acc.setdefault((rec["cell"]["task"], r["label"]), {"task_score": [], "text_similarity": []})
+            for key in per:
+                v = r["metrics"].get(key)
+                if v is not None:
+                    per[key].append(float(v))
+    out = []
+    for (task, label), per in acc.items():
+        ts, sim = score_interval(per["task_score"]), mean_interval(per["text_similarity"])
+        out.append(
+            {
+                "task": task,
+                "label": label,
+                "task_score": ts.as_dict() if ts else None,
+                "text_similarity": sim.as_dict() if sim else None,
+            }
+        )
+    return out
 
 
 def budget_labels(text: str) -> list[str]:
@@ -282,4 +322,4 @@ def budget_labels(text: str) -> list[str]:
     return [b.label for b in parse_budgets(text)]
 
 
-__all__ = ["Cell", "SweepConfig", "cells", "merge", "rows", "run_cell", "run_sweep"]
+__all__ = ["Cell", "SweepConfig", "cells", "merge", "rows", "run_cell", "run_sweep", "summary"]

@@ -26,6 +26,8 @@ TINY = [
     "--max-new-tokens",
     "8",
     "--no-probes",
+    "--protocol",
+    "query-aware",
     "--quiet",
 ]
 

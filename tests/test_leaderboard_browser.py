@@ -57,6 +57,8 @@ def test_leaderboard_tab_draws_uploaded_sweep(page, app_url, tmp_path):  # noqa:
     legend = page.locator("#kv-board .legend").first.text_content()
     assert "streaming" in legend and "snapkv" in legend and "exact (ratio 0)" in legend
     table = page.locator("#kv-board-table").inner_text()
-    assert "budget (kept)" in table and "snapkv\t0.75\t0.25\t50.0\t50.0\t50.0\t50.0" in table
+    # one prompt per task: n = 1, and a share of 0.5 has no interval from one prompt
+    assert "budget (kept)" in table and "snapkv\t0.75\t0.25\t50.0 n=1\t50.0 n=1\t50.0 n=1\t50.0 n=1" in table
+    assert "query-aware: the question inside the compressed prompt" in page.locator("#kv-board-info").inner_text()
     assert "leaderboard.csv" in page.locator("#kv-board-csv").inner_text()  # the file offered for download
     assert not page.dialogs

@@ -164,14 +164,23 @@ def test_sweep_writes_the_leaderboard(lm, tmp_path):
     rows = list(csv.DictReader(open(out / "leaderboard.csv")))
     assert [r["method"] for r in rows] == ["exact", "streaming"]
     assert [r["ratio"] for r in rows] == ["0", "0.5"]
-    assert list(rows[0]) == ["method", "ratio", "niah_single_1", "vt", "average"]
+    # kvpress's columns first, then the protocol (kvpress's by default) and each mean's n and 95% interval
+    assert list(rows[0])[:6] == ["method", "ratio", "niah_single_1", "vt", "average", "protocol"]
+    assert {r["protocol"] for r in rows} == {"query-agnostic"}
+    assert {"niah_single_1_n", "niah_single_1_low", "niah_single_1_high", "average_n"} <= set(rows[0])
+    assert {r["niah_single_1_n"] for r in rows} == {"1"}  # one prompt: n = 1, and its exact binomial interval
     data = json.loads((out / "results.json").read_text())
+    assert data["protocol"] == "query-agnostic" and {c["protocol"] for c in data["cells"]} == {"query-agnostic"}
     for r, board in zip(rows, leaderboard.rows_from_results(data)):
         assert float(r["average"]) == pytest.approx(board.average, abs=0.01)
         assert float(r["vt"]) == pytest.approx(board.scores["vt"], abs=0.01)
+    needle = {(s["label"], s["task"]): s["task_score"] for s in data["summary"]}[("exact", "niah_single_1")]
+    assert needle["n"] == 1 and needle["method"] == "clopper-pearson" and needle["low"] < needle["high"]
+    assert [b["method"] for b in data["leaderboard"]] == ["exact", "streaming"]
     report = (out / "report.html").read_text()
     assert "Leaderboard" in report and "budget (kept)" in report and "plot-leaderboard" in report
-    assert (out / "leaderboard.html").exists()
+    assert "query-agnostic: the context compressed alone" in report and "95% interval" in report
+    assert "query-agnostic" in (out / "leaderboard.html").read_text()
 
 
 def test_leaderboard_rows_average_per_task():
@@ -188,9 +197,46 @@ def test_leaderboard_rows_average_per_task():
     assert [(r.method, r.ratio, r.budget) for r in rows] == [("exact", 0.0, 1.0), ("snapkv", 0.25, 0.75)]
     assert rows[0].scores == pytest.approx({"vt": 80.0, "cwe": 20.0}) and rows[0].average == pytest.approx(50.0)
     assert rows[1].cells == {"vt": 2, "cwe": 1}  # the token budget has no ratio: left out
-    assert leaderboard.csv_text(rows).splitlines()[2] == "snapkv,0.25,50.00,10.00,30.00"
+    assert leaderboard.csv_text(rows).splitlines()[2].startswith("snapkv,0.25,50.00,10.00,30.00,query-aware,")
     with pytest.raises(leaderboard.LeaderboardError):
         leaderboard.rows_from_results({"cells": [rec("document", 0, [("exact", None, None)])]})
+
+
+def test_leaderboard_means_carry_n_and_their_interval():
+    """Each task's mean has n and a 95% interval: the exact binomial one for 0/1 scores (7 of 10 right ->
+    Clopper-Pearson [34.75, 93.33]), a bootstrap for shares; the average one over prompt indices."""
+    hits = [1, 1, 0, 1, 1, 0, 1, 1, 0, 1]
+    shares = [0.25, 0.5, 0.5, 0.75, 0.25, 0.0, 1.0, 0.5, 0.25, 0.5]
+
+    def rec(seed):
+        runs = [{"label": "qjl@0.25", "budget": "0.25", "metrics": {"task_score": hits[seed]}}]
+        cwe = [{"label": "qjl@0.25", "budget": "0.25", "metrics": {"task_score": shares[seed]}}]
+        return [
+            {
+                "cell": {"task": "niah_single_1", "length": 1024, "seed": seed},
+                "protocol": "query-agnostic",
+                "runs": runs,
+            },
+            {"cell": {"task": "cwe", "length": 1024, "seed": seed}, "protocol": "query-agnostic", "runs": cwe},
+        ]
+
+    recs = [r for seed in range(10) for r in rec(seed)]
+    (row,) = leaderboard.rows(recs)
+    needle, cwe, avg = row.estimate("niah_single_1"), row.estimate("cwe"), row.average_estimate()
+    assert needle.method == "clopper-pearson" and (needle.n, needle.mean) == (10, 0.7)
+    assert needle.low == pytest.approx(0.3475, abs=1e-4) and needle.high == pytest.approx(0.9333, abs=1e-4)
+    assert cwe.method == "bootstrap" and cwe.low < cwe.mean < cwe.high
+    assert avg.n == 10 and avg.mean == pytest.approx(row.average / 100) and avg.low < avg.mean < avg.high
+    line = leaderboard.csv_text([row], leaderboard.protocol_of(recs)).splitlines()[1].split(",")
+    head = leaderboard.csv_text([row]).splitlines()[0].split(",")
+    cell = dict(zip(head, line))
+    assert cell["protocol"] == "query-agnostic" and cell["niah_single_1_n"] == "10"
+    assert (cell["niah_single_1_low"], cell["niah_single_1_high"]) == ("34.75", "93.33")
+    fig = leaderboard.figure([row], protocol="query-agnostic")
+    (trace,) = fig.data
+    assert trace.error_y.array[0] == pytest.approx(100 * avg.high - row.average)
+    assert "query-agnostic" in fig.layout.title.text
+    assert "70.0 [34.8, 93.3] n=10" in leaderboard.table_html([row], "query-agnostic")
 
 
 def test_presets_offer_ruler_tasks_only_where_exact_can(monkeypatch):

@@ -12,7 +12,18 @@ mean over the tasks that method ran. ``exact`` (nothing removed) is the row at r
 
 ``rows`` reads the compact cell records of ``kvlab.sweep`` (or, through ``rows_from_results``, a
 whole ``results.json``); ``write_csv`` writes kvpress's leaderboard columns (method, ratio, one
-score per task, average); ``figure`` draws average score against ratio, one line per method.
+score per task, average) and, after them, the protocol and each mean's n and 95% interval;
+``figure`` draws average score against ratio, one line per method, with the intervals as error
+bars and the protocol in its title.
+
+Every mean comes with n and a 95% interval (``kvlab.core.statistics``): a task's score over its
+prompts has the exact binomial interval when every score is 0 or 1 (single-answer tasks), else a
+bootstrap over the prompts; the average over tasks has a bootstrap interval over prompt indices
+(the i-th prompt of every task averaged), when every task has the same number of prompts.
+
+The protocol is kvpress's question: ``query-agnostic`` (the context compressed alone, the question
+asked after it: kvpress's leaderboard) or ``query-aware`` (the question inside the compressed
+prompt, which flatters the methods that rank by the last queries).
 """
 
 from __future__ import annotations
@@ -25,7 +36,23 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from kvlab.core.statistics import Estimate, mean_interval, score_interval
 from kvlab.report.charts import PALETTE
+
+PROTOCOL_TEXT = {
+    "query-agnostic": "query-agnostic: the context compressed alone, the question asked after (kvpress's protocol)",
+    "query-aware": "query-aware: the question inside the compressed prompt (flatters methods that rank by it)",
+}
+
+
+def protocol_of(recs: list[dict]) -> str:
+    """The protocol the cells ran under: one name, or the names joined with " + " when they differ."""
+    seen = list(dict.fromkeys(str(r.get("protocol", "query-aware")) for r in recs))
+    return " + ".join(seen) if seen else "query-aware"
+
+
+def protocol_text(protocol: str) -> str:
+    return PROTOCOL_TEXT.get(protocol, f"protocol {protocol}")
 
 
 class LeaderboardError(ValueError):
@@ -40,6 +67,7 @@ class Row:
     ratio: float  # fraction of the cache removed (kvpress); 0 for exact
     scores: dict[str, float] = field(default_factory=dict)  # task -> mean score, 0-100
     cells: dict[str, int] = field(default_factory=dict)  # task -> prompts scored
+    samples: dict[str, list[float]] = field(default_factory=dict)  # task -> each prompt's score, 0-1, in cell order
 
     @property
     def budget(self) -> float:
@@ -49,6 +77,31 @@ class Row:
     @property
     def average(self) -> float:
         return sum(self.scores.values()) / len(self.scores)
+
+    def estimate(self, task: str) -> Estimate | None:
+        """The task's mean score (0-1) with n and its 95% interval (None without samples)."""
+        xs = self.samples.get(task)
+        return score_interval(xs) if xs else None
+
+    def average_estimate(self) -> Estimate | None:
+        """The average over tasks with a bootstrap interval over prompt indices (the i-th prompt of every task
+        averaged); None unless every task has the same number of prompts."""
+        per = [self.samples.get(t) or [] for t in self.scores]
+        if not per or len({len(x) for x in per}) != 1 or not per[0]:
+            return None
+        return mean_interval([sum(col) / len(col) for col in zip(*per)])
+
+    def as_dict(self) -> dict:
+        """JSON-able: each task's and the average's mean (0-100), n, 95% interval and method."""
+        tasks = {t: (e.as_dict(100) if (e := self.estimate(t)) else None) for t in self.scores}
+        avg = self.average_estimate()
+        return {
+            "method": self.method,
+            "ratio": self.ratio,
+            "budget": self.budget,
+            "tasks": tasks,
+            "average": avg.as_dict(100) if avg else {"mean": self.average, "n": None, "low": None, "high": None},
+        }
 
 
 def _ratio(budget: str | None) -> float | None:
@@ -74,7 +127,13 @@ def rows(recs: list[dict]) -> list[Row]:
             order += [method] if method not in order else []
             acc[(method, ratio)][task].append(float(score))
     out = [
-        Row(m, ratio, {t: 100 * sum(v) / len(v) for t, v in per.items()}, {t: len(v) for t, v in per.items()})
+        Row(
+            m,
+            ratio,
+            {t: 100 * sum(v) / len(v) for t, v in per.items()},
+            {t: len(v) for t, v in per.items()},
+            {t: list(v) for t, v in per.items()},
+        )
         for (m, ratio), per in acc.items()
     ]
     return sorted(out, key=lambda r: (order.index(r.method), r.ratio))
@@ -99,37 +158,62 @@ def tasks_of(items: list[Row]) -> list[str]:
     return list(dict.fromkeys(t for r in items for t in r.scores))
 
 
-def csv_text(items: list[Row]) -> str:
-    """kvpress's leaderboard columns: method, ratio, one score per task (0-100), average."""
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def csv_text(items: list[Row], protocol: str = "query-aware") -> str:
+    """kvpress's leaderboard columns (method, ratio, one score per task (0-100), average), then the protocol
+    and, per task and for the average, n and the 95% interval (``TASK_n``, ``TASK_low``, ``TASK_high``)."""
     tasks = tasks_of(items)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["method", "ratio", *tasks, "average"])
+    extra = [f"{t}_{k}" for t in [*tasks, "average"] for k in ("n", "low", "high")]
+    w.writerow(["method", "ratio", *tasks, "average", "protocol", *extra])
     for r in items:
         scores = [f"{r.scores[t]:.2f}" if t in r.scores else "" for t in tasks]
-        w.writerow([r.method, f"{r.ratio:g}", *scores, f"{r.average:.2f}"])
+        spread = []
+        for e in [*(r.estimate(t) for t in tasks), r.average_estimate()]:
+            d = e.as_dict(100) if e else {"n": None, "low": None, "high": None}
+            spread += ["" if d["n"] is None else str(d["n"]), _num(d["low"]), _num(d["high"])]
+        w.writerow([r.method, f"{r.ratio:g}", *scores, f"{r.average:.2f}", protocol, *spread])
     return buf.getvalue()
 
 
-def write_csv(items: list[Row], path: str | Path) -> Path:
+def write_csv(items: list[Row], path: str | Path, protocol: str = "query-aware") -> Path:
     path = Path(path)
-    path.write_text(csv_text(items), encoding="utf-8")
+    path.write_text(csv_text(items, protocol), encoding="utf-8")
     return path
 
 
-def table_html(items: list[Row]) -> str:
-    """The leaderboard as an HTML table: ratio with kvlab's budget beside it, scores per task, average."""
+def _cell(e: Estimate | None, mean: float) -> str:
+    """A table cell: ``50.0 [23.7, 76.3] n=10`` (scores 0-100); the mean alone without an interval."""
+    if e is None or e.low is None or e.high is None:
+        return f"{mean:.1f}" + (f" n={e.n}" if e else "")
+    return f"{mean:.1f} [{100 * e.low:.1f}, {100 * e.high:.1f}] n={e.n}"
+
+
+def table_html(items: list[Row], protocol: str | None = None) -> str:
+    """The leaderboard as an HTML table: ratio with kvlab's budget beside it, scores per task, average, each
+    mean with its 95% interval and n; the protocol above it when given."""
     import html
 
     tasks = tasks_of(items)
     head = ["method", "ratio (removed)", "budget (kept)", *tasks, "average"]
     body = []
     for r in sorted(items, key=lambda r: (r.ratio, -r.average)):
-        cells = [r.method, f"{r.ratio:g}", f"{r.budget:g}", *(f"{r.scores[t]:.1f}" if t in r.scores else "—"
-                 for t in tasks), f"{r.average:.1f}"]  # fmt: skip
+        cells = [r.method, f"{r.ratio:g}", f"{r.budget:g}", *(_cell(r.estimate(t), r.scores[t]) if t in r.scores
+                 else "—" for t in tasks), _cell(r.average_estimate(), r.average)]  # fmt: skip
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    caption = (
+        f"<p class='kv-protocol'>Protocol: {html.escape(protocol_text(protocol))}. "
+        "Each score: the mean (0-100) [95% interval] n = prompts.</p>"
+        if protocol
+        else ""
+    )
     return (
-        "<table class='kv-leaderboard'><tr>"
+        caption
+        + "<table class='kv-leaderboard'><tr>"
         + "".join(f"<th>{html.escape(h)}</th>" for h in head)
         + "</tr>"
         + "".join(body)
@@ -140,8 +224,29 @@ def table_html(items: list[Row]) -> str:
 STYLES = (("solid", "circle"), ("dot", "diamond"), ("dashdot", "square"))  # line dash and marker per colour cycle
 
 
-def figure(items: list[Row], title: str = "Leaderboard: score against compression ratio") -> go.Figure:
-    """Average score (0-100) against the compression ratio, one line per method; exact as a dashed line."""
+def _bars(rs: list[Row]) -> dict | None:
+    """Plotly error bars of the rows' averages (their 95% intervals); None when none has one."""
+    ests = [r.average_estimate() for r in rs]
+    if not any(e is not None and e.low is not None for e in ests):
+        return None
+    up = [0.0 if e is None or e.high is None else 100 * e.high - r.average for e, r in zip(ests, rs)]
+    down = [0.0 if e is None or e.low is None else r.average - 100 * e.low for e, r in zip(ests, rs)]
+    return {"type": "data", "array": up, "arrayminus": down, "visible": True, "thickness": 1}
+
+
+def _hover(method: str, r: Row) -> str:
+    e = r.average_estimate()
+    spread = (
+        "" if e is None or e.low is None or e.high is None else f" [{100 * e.low:.1f}, {100 * e.high:.1f}] (n = {e.n})"
+    )
+    return f"{method}<br>ratio {r.ratio:g} (budget {r.budget:g} kept)<br>average {r.average:.1f}{spread}"
+
+
+def figure(
+    items: list[Row], title: str = "Leaderboard: score against compression ratio", protocol: str | None = None
+) -> go.Figure:
+    """Average score (0-100) against the compression ratio, one line per method with its 95% intervals as error
+    bars; exact as a dashed line with its interval as a band; the protocol in the title."""
     fig = go.Figure()
     by_method: dict[str, list[Row]] = defaultdict(list)
     for r in items:
@@ -150,9 +255,17 @@ def figure(items: list[Row], title: str = "Leaderboard: score against compressio
     i = 0
     for method, rs in by_method.items():
         rs = sorted(rs, key=lambda r: r.ratio)
-        hover = [f"{method}<br>ratio {r.ratio:g} (budget {r.budget:g} kept)<br>average {r.average:.1f}" for r in rs]
+        hover = [_hover(method, r) for r in rs]
         if method == "exact" and ratios:
             y = rs[0].average
+            e = rs[0].average_estimate()
+            if e is not None and e.low is not None and e.high is not None:  # exact's interval as a band
+                fig.add_trace(
+                    go.Scatter(x=[ratios[0], ratios[-1], ratios[-1], ratios[0]],
+                               y=[100 * e.low, 100 * e.low, 100 * e.high, 100 * e.high], fill="toself",
+                               fillcolor="rgba(68,68,68,0.12)", line={"width": 0}, hoverinfo="skip",
+                               name="exact, 95% interval", showlegend=False)
+                )  # fmt: skip
             fig.add_trace(
                 go.Scatter(x=[ratios[0], ratios[-1]], y=[y, y], mode="lines", name="exact (ratio 0)",
                            line={"color": "#444", "dash": "dash"}, hovertext=hover * 2, hoverinfo="text")
@@ -162,9 +275,12 @@ def figure(items: list[Row], title: str = "Leaderboard: score against compressio
         fig.add_trace(
             go.Scatter(x=[r.ratio for r in rs], y=[r.average for r in rs], mode="lines+markers", name=method,
                        line={"color": PALETTE[i % len(PALETTE)], "dash": STYLES[cycle][0]},
-                       marker={"symbol": STYLES[cycle][1], "size": 8}, hovertext=hover, hoverinfo="text")
+                       marker={"symbol": STYLES[cycle][1], "size": 8}, hovertext=hover, hoverinfo="text",
+                       error_y=_bars(rs))
         )  # fmt: skip
         i += 1
+    if protocol:
+        title = f"{title}<br><sup>{protocol_text(protocol)}; error bars: 95% intervals over prompts</sup>"
     fig.update_layout(
         title=title,
         yaxis_title="average score (0-100)",

@@ -150,7 +150,7 @@ def _leaderboard(recs: list[dict]) -> dict[str, go.Figure]:
     """The leaderboard figure when the runs have task scores at fraction budgets (else nothing)."""
 
     items = leaderboard.rows(recs)
-    return {"leaderboard": leaderboard.figure(items)} if items else {}
+    return {"leaderboard": leaderboard.figure(items, protocol=leaderboard.protocol_of(recs))} if items else {}
 
 
 def _grid(recs: list[dict]) -> dict[str, go.Figure]:
@@ -187,8 +187,8 @@ def write_report(cfg, recs: list[dict], path: str | Path) -> Path:
     if board:
         table += (
             "<h2>Leaderboard</h2><p>compression ratio = fraction of the cache removed (kvpress's convention); "
-            "budget = fraction kept (kvlab's), 1 - ratio. Scores 0-100, mean over each task's prompts.</p>"
-            + leaderboard.table_html(board)
+            "budget = fraction kept (kvlab's), 1 - ratio. Scores 0-100, mean over each task's prompts, with its "
+            "95% interval and n.</p>" + leaderboard.table_html(board, leaderboard.protocol_of(recs))
         )
     cfg_txt = html.escape(", ".join(f"{k}={v}" for k, v in vars(cfg).items()))
     doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>kvlab sweep: {html.escape(cfg.task)}</title>
