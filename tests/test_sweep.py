@@ -188,3 +188,16 @@ def test_full_passkey_sweep_all_methods(tmp_path):
     rows = _csv(out / "results.csv")
     assert {r["length"] for r in rows} == {"1024", "2048"} and len({r["seed"] for r in rows}) == 8
     assert render(out / "report.html", tmp_path / "full.png") == 3
+
+
+def test_methods_all_is_every_registered_method():
+    """`--methods all` (the leaderboard's) names every method of the registry: the recent ones and the
+    quantizers included."""
+    from kvlab.cli import method_names
+    from kvlab.methods import methods
+
+    everything = method_names("all")
+    assert everything == list(methods())
+    groups = {methods()[n].group for n in everything}
+    assert {"paper", "baseline", "recent", "quantizer"} <= groups
+    assert {"expected-attention", "kvzip", "fp8", "turboquant", "polarquant"} <= set(everything)
