@@ -20,15 +20,17 @@ from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.core.model import ModelLoadError
 from kvlab.engine.comparison import Engine
 from kvlab.engine.loader import from_model, load_model, refuse_unsupported
+from kvlab.engine.prefill import prefill
 from kvlab.engine.selfcheck import self_check
 from kvlab.engine.specs import GenerationSettings, RunSpec
 from kvlab.methods import names
 from kvlab.methods.exact import Exact
+from kvlab.methods.handover import PrefillNeeds
 
 PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
-LOCAL = {"mistral", "gemma2", "gemma3", "gpt-oss", "llama4"}  # families with sliding-window or chunked layers
-NEEDS_ROPE = {"expected-attention"}  # refuse a model without one rotary embedding shared by every layer
+LOCAL = {"mistral", "gemma2", "gemma3", "olmo3", "gpt-oss", "llama4"}  # families with sliding-window or chunked layers
+NEEDS_ROPE = {"expected-attention"}  # refuse a model without a rotary embedding kvlab can read (per layer)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +119,28 @@ def test_chunked_attention_is_read_and_checked(lm, monkeypatch):
     assert "chunked attention (32-token blocks) on 3 of 4 layers" in info.semantics.features()
     s = info.semantics[0]
     assert [s.visible_from(p) for p in (0, 31, 32, 40, 95)] == [0, 0, 32, 32, 64]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "olmo3"])
+def test_rope_is_each_layers_own(lm, arch):
+    """Local and global layers that rotate with different RoPE parameters: ``ModelInfo.rope.layer(i)`` is
+    layer i's. The first layer's query before RoPE depends on the token alone (its input is the token's
+    embedding), so a token seen twice un-rotates to one query with its layer's rotation, not the other kind's."""
+    loaded = from_model(build(arch), lm.tokenizer, arch, check=False)
+    rope, layers = loaded.info.rope, loaded.info.semantics.layers
+    assert rope is not None and rope.shared is None
+    far = next(rope.layer(i) for i, s in enumerate(layers) if s.is_local != layers[0].is_local)
+    assert far is not None and far is not rope.layer(0)
+    ids = list(range(1000, 1040))
+    ids[30] = ids[3]
+    state, _ = prefill(loaded, ids, PrefillNeeds(query_window=len(ids)))
+    pos = torch.arange(len(ids))
+    pre = rope.unrotate(state.queries.float(), pos)  # [L, Hq, n, d]: each layer's own rotation undone
+    own = rope.layer(0).unrotate(state.queries[0].float(), pos)
+    torch.testing.assert_close(pre[0], own, rtol=0, atol=0)
+    torch.testing.assert_close(own[:, 30], own[:, 3], rtol=0, atol=1e-4)
+    wrong = far.unrotate(state.queries[0].float(), pos)
+    assert (wrong[:, 30] - wrong[:, 3]).abs().max() > 1e-2
 
 
 class _OffByFivePercent(Exact):

@@ -71,6 +71,21 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
         tf.Gemma3ForCausalLM,
         tf.Gemma3TextConfig(**_common(head_dim=32, sliding_window=WINDOW, sliding_window_pattern=2)),
     ),
+    # three local layers to one global, each kind with its own RoPE parameters (Olmo 3 scales the global ones)
+    "olmo3": lambda: (
+        tf.Olmo3ForCausalLM,
+        tf.Olmo3Config(
+            **_common(
+                sliding_window=WINDOW,
+                eos_token_id=0,
+                pad_token_id=0,
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0},
+                },
+            )
+        ),
+    ),
     "gpt-oss": lambda: (
         tf.GptOssForCausalLM,
         tf.GptOssConfig(**_common(head_dim=32, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),

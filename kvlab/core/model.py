@@ -42,7 +42,7 @@ class ModelInfo:
     # per layer: scaling, sliding window, soft-cap, sinks, key/value head sizes (default, or empty:
     # plain attention in every layer)
     semantics: ModelSemantics = field(default=ModelSemantics(()), compare=False, repr=False)
-    # the model's rotary position embedding (``kvlab.rope``); None: none that every layer shares
+    # the model's rotary position embedding, per layer (``kvlab.core.rope``); None: none kvlab can read
     rope: Rotary | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -350,7 +350,7 @@ def from_model(
         device=_device_name(next(model.parameters()).device),
         max_positions=getattr(text_cfg, "max_position_embeddings", 2048),
         semantics=sem,
-        rope=model_rotary(model, sem[0].k_dim),
+        rope=model_rotary(model, sem[0].k_dim, n_layers),
     )
     loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
     if check:

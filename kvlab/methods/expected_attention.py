@@ -43,6 +43,7 @@ from torch import Tensor
 
 from kvlab.core import semantics as sm
 from kvlab.core.attention_ops import pool_heads
+from kvlab.core.rope import Rotary
 from kvlab.methods.dense import DenseCompressor
 from kvlab.methods.handover import PrefillNeeds, PrefillState
 from kvlab.methods.params import Param
@@ -63,10 +64,29 @@ def mean_rotation(rotate, positions: Tensor, head_dim: int) -> Tensor:
     return cols.float().mean(1).T  # [i, j] = mean_t R_t[i, j]
 
 
+def mean_rotations(rope: Rotary, positions: Tensor, head_dim: int) -> Tensor:
+    """Rbar of every layer: [d, d] when the layers share one rotation, else [L, d, d], each layer's own
+    (the identity on a layer without RoPE)."""
+    if rope.shared is not None:
+        return mean_rotation(rope.shared.rotate, positions, head_dim)
+    by_rotation: dict[int, Tensor] = {}
+    out = []
+    for r in rope.layers:
+        if r is None:
+            out.append(torch.eye(head_dim, device=positions.device))
+            continue
+        if id(r) not in by_rotation:
+            by_rotation[id(r)] = mean_rotation(r.rotate, positions, head_dim)
+        out.append(by_rotation[id(r)])
+    return torch.stack(out)
+
+
 def future_query_stats(mean: Tensor, cov: Tensor | None, rbar: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Pre-RoPE Gaussian N(mean [.., H, d], cov [.., H, d, d]) -> that of Rbar q: (Rbar mean, Rbar cov Rbar^T)."""
-    mu = mean.float() @ rbar.T
-    return mu, None if cov is None else rbar @ cov.float() @ rbar.T
+    """Pre-RoPE Gaussian N(mean [.., H, d], cov [.., H, d, d]) -> that of Rbar q: (Rbar mean, Rbar cov Rbar^T).
+    rbar [d, d], or [L, d, d] for mean [L, H, d] (each layer's)."""
+    mu = mean.float() @ rbar.transpose(-1, -2)
+    r = rbar if rbar.dim() == 2 else rbar.unsqueeze(-3)  # [L, 1, d, d] against cov [L, H, d, d]
+    return mu, None if cov is None else r @ cov.float() @ r.transpose(-1, -2)
 
 
 def expected_logits(keys: Tensor, mean: Tensor, cov: Tensor | None, scaling: float | Tensor) -> Tensor:
@@ -146,8 +166,8 @@ class ExpectedAttention(DenseCompressor):
         super().check_semantics()
         if self.info.rope is None:
             raise sm.UnsupportedAttention(
-                f"{self.name} cannot run on a model without one rotary position embedding shared by every layer: "
-                "it averages RoPE over the next positions"
+                f"{self.name} cannot run on a model without a rotary position embedding kvlab can read: "
+                "it averages each layer's RoPE over the next positions"
             )
 
     def stats_queries(self, n_prompt: int) -> int:
@@ -175,7 +195,7 @@ class ExpectedAttention(DenseCompressor):
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
         future = torch.arange(n, n + int(c["n_future"]), device=state.keys.device)
-        rbar = mean_rotation(rope.rotate, future, stats.mean.shape[-1]).to(state.keys.device)
+        rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
         mean, cov = future_query_stats(stats.mean, stats.cov if c["use_covariance"] else None, rbar)
         first = min(int(c["n_sink"]), n - 1)
         keys, values = state.keys[:, :, first:], state.values[:, :, first:]
