@@ -139,6 +139,9 @@ class DenseCompressor(Compressor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.layers: list[DenseLayer] = []
+        # prefill-only, per local layer: the prompt tokens held after compression (its share of the budget)
+        self.local_held: dict[int, int] = {}
+        self.n_prompt = 0
 
     def select(self, state: PrefillState):
         raise NotImplementedError
@@ -195,6 +198,7 @@ class DenseCompressor(Compressor):
         lw = self.log_weights(state, idx)
         n = state.n_tokens
         self.layers = []
+        self.n_prompt, self.local_held = n, {}
         for layer, ix in enumerate(idx):
             cancel.checkpoint()
             if ix is None:  # keep everything
@@ -207,8 +211,9 @@ class DenseCompressor(Compressor):
                 inside = _in_window(ix, first)
                 if inside is not None:
                     ix = torch.gather(ix, 1, inside)
-                    pos = ix.to(torch.int32)
                     layer_lw = None if layer_lw is None else torch.gather(layer_lw, 1, inside)
+                    ix, layer_lw = _filled_recent(ix, layer_lw, first, n, self.planned_tokens(n))
+                    pos = ix.to(torch.int32)
             self.layers.append(
                 DenseLayer.make(
                     self.as_cached(gather_tokens(state.keys[layer], ix)),
@@ -217,6 +222,8 @@ class DenseCompressor(Compressor):
                     layer_lw,
                 )
             )
+            if self.sem[layer].is_local and not self.streaming and self._plain_feed():
+                self.local_held[layer] = self.layers[-1].n
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         cache = self.layers[layer]
@@ -226,6 +233,10 @@ class DenseCompressor(Compressor):
             inside = _in_window(cache.views()[2], s.visible_from(newest))
             if inside is not None:
                 cache.keep(inside)
+        if layer in self.local_held:  # prefill-only on a local layer: generated tokens only as its exact cache grows
+            room = self.local_held[layer] + s.held(newest + 1) - s.held(self.n_prompt)
+            if cache.n > room:
+                cache.keep(_oldest_dropped(cache.views()[2], cache.n - room))
 
     def visible(self, layer: int) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
         """This layer's (k, v, pos, logw) as the newest token's query sees them (``read_views``: the keys may
@@ -293,6 +304,35 @@ def _past_span(sem: sm.LayerSemantics, held: int, newest: int, m: int) -> bool:
         return False
     span = sem.span
     return (span is not None and held > span) or (sem.chunk is not None and newest % sem.chunk < m)
+
+
+def _filled_recent(ix: Tensor, lw: Tensor | None, first: int, n: int, cap: int) -> tuple[Tensor, Tensor | None]:
+    """A local layer's kept indices ``ix`` [Hkv, m] (all >= ``first``, in order) topped up to ``cap`` tokens
+    (at most the n - first its last query sees) with the newest ones not kept, at log-weight 0: a selection
+    made over the whole prompt whose picks left the window then still uses the layer's share of the budget."""
+    want = min(cap, n - first)
+    if ix.shape[-1] >= want:
+        return ix, lw
+    h = ix.shape[0]
+    free = torch.ones(h, n - first, dtype=torch.bool, device=ix.device)
+    free.scatter_(1, ix - first, False)
+    rank = free.flip(-1).cumsum(-1).flip(-1)  # newest free token: 1
+    add = free & (rank <= want - ix.shape[-1])
+    keep = ~free | add
+    idx = torch.arange(first, n, device=ix.device).expand(h, -1)[keep].view(h, -1)
+    if lw is None:
+        return idx, None
+    w = torch.zeros(h, n - first, dtype=lw.dtype, device=lw.device)
+    w.scatter_(1, ix - first, lw)
+    return idx, w[keep].view(h, -1)
+
+
+def _oldest_dropped(pos: Tensor, n_drop: int) -> Tensor:
+    """Indices [Hkv, m - n_drop] of the entries of ``pos`` [Hkv, m] (token positions) but the ``n_drop``
+    oldest of each head, in order: a local layer whose exact cache no longer grows makes room for a new
+    token by forgetting the oldest it kept."""
+    order = torch.sort(pos, dim=-1, stable=True).indices[:, n_drop:]
+    return order.sort(-1).values
 
 
 def _in_window(pos: Tensor, first: int) -> Tensor | None:

@@ -762,6 +762,18 @@ class SubGenKCenter(DenseCompressor):
             DenseLayer.make(self.as_cached(keys[i]), self.as_cached(values[i]), pos[i], None if lw is None else lw[i])
             for i in range(keys.shape[0])
         ]
+        self.n_prompt, self.local_held = n, {}
+        for i, sem in enumerate(self.sem.layers):  # a local layer: its newest tokens, as many as its share pays for
+            first = max(sem.visible_from(n - 1), n - self.recent - self.k)
+            if first > 0 and sem.is_local:
+                h = state.keys.shape[1]
+                self.layers[i] = DenseLayer.make(
+                    self.as_cached(state.keys[i, :, first:]),
+                    self.as_cached(state.values[i, :, first:]),
+                    torch.arange(first, n).expand(h, -1),
+                    None if lw is None else torch.zeros(h, n - first),
+                )
+                self.local_held[i] = n - first
 
 
 class SubGenKCenterWeighted(SubGenKCenter):
