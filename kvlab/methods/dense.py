@@ -233,8 +233,9 @@ class DenseCompressor(Compressor):
             inside = _in_window(cache.views()[2], s.visible_from(newest))
             if inside is not None:
                 cache.keep(inside)
-        if layer in self.local_held:  # prefill-only on a local layer: generated tokens only as its exact cache grows
-            room = self.local_held[layer] + s.held(newest + 1) - s.held(self.n_prompt)
+        if layer in self.local_held:  # prefill-only on a local layer: generated tokens only as its exact view grows
+            sees, saw = newest + 1 - s.visible_from(newest), self.n_prompt - s.visible_from(self.n_prompt - 1)
+            room = self.local_held[layer] + sees - saw  # what its newest query sees grew by sees - saw
             if cache.n > room:
                 cache.keep(_oldest_dropped(cache.views()[2], cache.n - room))
 
