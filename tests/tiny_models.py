@@ -153,3 +153,27 @@ def instantiate(
             if p.dim() >= 2:
                 p.mul_(2.0)
     return model
+
+
+# Random architectures (tests/test_random_architectures.py): a family's model class and config class, the
+# config's keyword arguments drawn per family. ``random_model(family, **kwargs)`` rebuilds any draw.
+FAMILIES: dict[str, tuple[type, type, str]] = {
+    "llama": (tf.LlamaForCausalLM, tf.LlamaConfig, "sdpa"),
+    "mistral": (tf.MistralForCausalLM, tf.MistralConfig, "sdpa"),
+    "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config, "sdpa"),
+    "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, "sdpa"),
+    "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config, "eager"),
+    "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, "sdpa"),
+    "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config, "sdpa"),
+    "gpt-neox": (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig, "sdpa"),
+    "olmo3": (tf.Olmo3ForCausalLM, tf.Olmo3Config, "sdpa"),
+    "gpt-oss": (tf.GptOssForCausalLM, tf.GptOssConfig, "eager"),
+    "deepseek-v3": (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config, "sdpa"),
+    "falcon": (tf.FalconForCausalLM, tf.FalconConfig, "sdpa"),
+}
+
+
+def random_model(family: str, seed: int = 0, **kwargs) -> torch.nn.Module:
+    """``family``'s model built from its config class with ``kwargs`` (as drawn), seeded random weights, eval mode."""
+    cls, config_cls, attn = FAMILIES[family]
+    return instantiate(cls, config_cls(**kwargs), attn, seed)
