@@ -49,9 +49,9 @@ def main() -> None:
     from kvlab.core.budgets import Budget
     from kvlab.engine.specs import RunSpec
     from kvlab.measure.metrics import MetricsProbe, ProbeSettings
-    from kvlab.reproduce.context import Context
+    from kvlab.reproduce.setup import ReproductionSetup
 
-    ctx = Context(quick=False)
+    ctx = ReproductionSetup(quick=False)
     ids = ctx.prose(args.length)
     out = {"prompt_tokens": len(ids), "new_tokens": args.new, "methods": {}}
     for method, (budget, variants) in VARIANTS.items():

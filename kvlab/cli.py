@@ -453,11 +453,11 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_reproduce(args) -> int:
-    from kvlab.reproduce.context import Context
     from kvlab.reproduce.registry import UnknownReproduction
     from kvlab.reproduce.runner import expand, run_reproductions
+    from kvlab.reproduce.setup import ReproductionSetup
 
-    ctx = Context(quick=args.quick, model=args.model, device=args.device)
+    ctx = ReproductionSetup(quick=args.quick, model=args.model, device=args.device)
     if args.quiet:
         ctx.log = lambda m: None
     try:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvlab.reproduce import REPRODUCTIONS, Context, get_reproduction, papers_dir
+from kvlab.reproduce import REPRODUCTIONS, ReproductionSetup, get_reproduction, papers_dir
 from kvlab.reproduce.common import VERDICTS, Row, tally
 
 TINY = {
@@ -43,7 +43,7 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def ctx(lm):
-    return Context(quick=True, lm=lm, overrides=TINY, log=lambda m: None)
+    return ReproductionSetup(quick=True, lm=lm, overrides=TINY, log=lambda m: None)
 
 
 @pytest.fixture(scope="module")

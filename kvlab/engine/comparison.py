@@ -31,7 +31,7 @@ from kvlab.engine.lockstep import Decoder, Lockstep, drop_unmeasured
 from kvlab.engine.planning import jsonable, planned
 from kvlab.engine.prefill import prefill_for
 from kvlab.engine.probe import Probe
-from kvlab.engine.questions import Context, ask_after
+from kvlab.engine.questions import CompressedContext, ask_after
 from kvlab.engine.rows import FAST, DecodePaths
 from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec, results_of
 from kvlab.methods import Compressor, PrefillState
@@ -136,7 +136,7 @@ class Engine:
                 "compress_s": sum(r.timings.compress_s for r in results),
                 "shared_s": time.perf_counter() - t_start,
             }
-            context = Context(prompt_ids, runs, comps, results, state, last_logits, gen)
+            context = CompressedContext(prompt_ids, runs, comps, results, state, last_logits, gen)
             del state
             yield from ask_after(decoder, context, refusals, probes, questions, t_start, shared)
             return

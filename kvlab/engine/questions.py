@@ -34,7 +34,7 @@ from kvlab.engine.specs import Event, GenerationSettings, Question, RunSpec
 from kvlab.methods import Compressor, PrefillState
 
 
-class Context(NamedTuple):
+class CompressedContext(NamedTuple):
     """What every question of a query-agnostic comparison starts from: the context's ids, the runs,
     their compressed caches and results (forked per question), the prefill's state and last logits [V]."""
 
@@ -49,7 +49,7 @@ class Context(NamedTuple):
 
 def ask_after(
     decoder: Decoder,
-    ctx: Context,
+    ctx: CompressedContext,
     refusals: Refusals,
     probes: list[Probe],
     questions: list[Question],
@@ -103,7 +103,7 @@ def ask_after(
 
 
 def ask(
-    decoder: Decoder, ctx: Context, questions: list[Question], j: int, probes: list[Probe], progress: float
+    decoder: Decoder, ctx: CompressedContext, questions: list[Question], j: int, probes: list[Probe], progress: float
 ) -> Generator[Event, None, Lockstep]:
     """Question ``j``: fork every compressed cache (the last question takes the caches themselves),
     feed its tokens in one chunked forward and pick each run's first token; ``probes`` follow
@@ -169,4 +169,4 @@ def _within(lo: float, span: float, progress: float) -> float:
     return lo + span * (progress - 0.2) / 0.8
 
 
-__all__ = ["Context", "ask", "ask_after", "feed_chunk", "feed_question"]
+__all__ = ["CompressedContext", "ask", "ask_after", "feed_chunk", "feed_question"]

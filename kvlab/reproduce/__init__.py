@@ -7,7 +7,7 @@ One module per reproduction (``run(ctx) -> Report``); ``REPRODUCTIONS`` is the r
 from __future__ import annotations
 
 from kvlab.reproduce.common import Claim, Report, Row, papers_dir
-from kvlab.reproduce.context import Context
 from kvlab.reproduce.registry import REPRODUCTIONS, get_reproduction, names
+from kvlab.reproduce.setup import ReproductionSetup
 
-__all__ = ["REPRODUCTIONS", "Claim", "Context", "Report", "Row", "get_reproduction", "names", "papers_dir"]
+__all__ = ["REPRODUCTIONS", "Claim", "Report", "ReproductionSetup", "Row", "get_reproduction", "names", "papers_dir"]

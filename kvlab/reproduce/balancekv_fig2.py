@@ -32,7 +32,7 @@ from kvlab.methods import get
 from kvlab.methods.balancekv import BalanceKV, WalkConfig, algorithm2_config, balance_kv
 from kvlab.methods.uniform import uniform_middle
 from kvlab.reproduce.common import CONTROL, Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "balancekv-fig2"
 TITLE = "BalanceKV Fig. 2: attention relative error vs T, BalanceKV vs uniform sampling"
@@ -94,7 +94,7 @@ def attention_error(
     return (z - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-12)
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -28,7 +28,7 @@ from kvlab.core.budgets import Budget
 from kvlab.core.statistics import binomial_interval, paired_difference
 from kvlab.engine.specs import RunSpec
 from kvlab.reproduce.common import CONTEXT, INCONCLUSIVE, Claim, Report, Row, estimate_fields
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.tasks import make_task, prompt_ids, score_result
 
 NAME = "balancekv-table1"
@@ -58,7 +58,7 @@ QUICK = {"tasks": ["passkey", "needle"], "length": 512, "seeds": 1, "budget": "0
 EXACT_MIN = 0.8  # a task informs only where exact answers this share of its prompts
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

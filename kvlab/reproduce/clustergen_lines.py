@@ -30,7 +30,7 @@ from kvlab.core.budgets import Budget
 from kvlab.core.statistics import binomial_interval, paired_difference
 from kvlab.engine.specs import RunSpec
 from kvlab.reproduce.common import INCONCLUSIVE, NOT_TESTABLE, Claim, Report, Row, estimate_fields
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.tasks import make_task, prompt_ids, score_result
 
 NAME = "clustergen-lines"
@@ -67,7 +67,7 @@ QUICK = {"length": 160, "seeds": 3, "budget": "0.5", "max_new_tokens": 12}
 EXACT_MIN = 0.8  # the direction is checked only where exact answers this share of the questions
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -38,7 +38,6 @@ from kvlab.core.statistics import paired_difference
 from kvlab.engine.specs import RunSpec
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings
 from kvlab.reproduce.common import CONTEXT, CONTROL, INCONCLUSIVE, Claim, Report, Row, estimate_fields, fmt
-from kvlab.reproduce.context import Context
 from kvlab.reproduce.matched import (
     MATCH_TOLERANCE,
     fill_kivi,
@@ -48,6 +47,7 @@ from kvlab.reproduce.matched import (
     simulate_bytes,
     spread,
 )
+from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.run import finish
 from kvlab.tasks import make_task, prompt_ids
 
@@ -139,7 +139,7 @@ def matched_runs(info, n_prompt: int, steps: int) -> tuple[list, float]:
     return runs, budget.as_fraction
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)
@@ -256,7 +256,7 @@ def run(ctx: Context) -> Report:
     )
 
 
-def _task_scores(ctx: Context, cfg: dict) -> dict[str, dict]:
+def _task_scores(ctx: ReproductionSetup, cfg: dict) -> dict[str, dict]:
     """The calibrated tasks (docs/tasks.md) under each configuration, each prompt at its own matched budget:
     accuracy per label over the seeds."""
 

@@ -23,7 +23,7 @@ from kernels.qjl import make_sketch
 from kvlab.core import semantics as sm
 from kvlab.methods.qjl import dense_key_estimate, sketch_keys
 from kvlab.reproduce.common import Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "qjl-estimator"
 TITLE = "QJL Lemma 3.2: bias and variance of the score estimate vs sketch size m"
@@ -106,7 +106,7 @@ def _series(res: dict, ms: list[int], key: str) -> str:
     return ", ".join(f"{res[m][key]:.2f}" for m in ms)
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)
     ids = ctx.prose(cfg["n"])

@@ -28,7 +28,6 @@ from kvlab.measure.metrics import MetricsProbe, ProbeSettings
 from kvlab.methods.budget_search import planned
 from kvlab.methods.kivi import KIVI
 from kvlab.reproduce.common import Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
 from kvlab.reproduce.matched import (
     MATCH_TOLERANCE,
     fill_kivi,
@@ -38,6 +37,7 @@ from kvlab.reproduce.matched import (
     simulate_bytes,
     spread,
 )
+from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.tasks import make_task
 
 NAME = "qjl-kivi-rd"
@@ -95,7 +95,7 @@ def _qjl_budget(info, target: float, n_prompt: int, steps: int):
     return Budget(fraction=round(min(1.0, 2 * target - held), 4))
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

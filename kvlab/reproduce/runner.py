@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 from kvlab.reproduce.common import VERDICTS, Report, markdown_section
-from kvlab.reproduce.context import Context
 from kvlab.reproduce.registry import REPRODUCTIONS, get_reproduction
+from kvlab.reproduce.setup import ReproductionSetup
 
 
-def run_reproductions(which: list[str], ctx: Context, out: str | Path, echo=print) -> list[Report]:
+def run_reproductions(which: list[str], ctx: ReproductionSetup, out: str | Path, echo=print) -> list[Report]:
     out = Path(out)
     mods = [get_reproduction(n) for n in which]  # unknown names fail before any work
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from kvlab.core.budgets import Budget
 from kvlab.engine.specs import RunSpec
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings
 from kvlab.reproduce.common import Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "scissorhands-fig3"
 TITLE = "Scissorhands Fig. 3: perplexity against the compression ratio"
@@ -48,14 +48,14 @@ def held(result) -> tuple[float, float]:
     return (max(fr), sum(fr) / len(fr)) if fr else (float("nan"), float("nan"))
 
 
-def perplexities(ctx: Context, ids: list[int], specs: list, max_new_tokens: int) -> list:
+def perplexities(ctx: ReproductionSetup, ids: list[int], specs: list, max_new_tokens: int) -> list:
     """One teacher-forced comparison: exact first, then ``specs``; returns the engine's run results."""
 
     probe = MetricsProbe(ProbeSettings(attn_error=False, fidelity=True, maps=False))
     return ctx.compare(ids, [RunSpec("exact"), *specs], max_new_tokens, [probe]).runs
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

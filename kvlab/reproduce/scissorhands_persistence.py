@@ -25,7 +25,7 @@ import torch
 
 from kvlab.core.attention_ops import causal_window_probs
 from kvlab.reproduce.common import CONTROL, Claim, Report, Row
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "scissorhands-persistence"
 TITLE = "Scissorhands Fig. 2: persistence ratio of pivotal tokens per layer"
@@ -70,7 +70,7 @@ def persistence(probs: torch.Tensor, c: float = 1.0) -> tuple[torch.Tensor, torc
     return ratio, early.sum(-1).float() / t
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -15,7 +15,7 @@ from kvlab.core.budgets import Budget
 from kvlab.engine.specs import RunSpec
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings
 from kvlab.reproduce.common import Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "scissorhands-ppl"
 TITLE = "Scissorhands Table 3: perplexity vs a local window of the same size"
@@ -38,7 +38,7 @@ FULL = {"length": 768, "ratios": [2, 3, 5], "max_new_tokens": 32}
 QUICK = {"length": 192, "ratios": [2, 5], "max_new_tokens": 8}
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

@@ -19,8 +19,8 @@ import time
 from kvlab.core.budgets import Budget
 from kvlab.engine.specs import RunSpec
 from kvlab.reproduce.common import NOT_TESTABLE, Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
 from kvlab.reproduce.scissorhands_fig3 import held, perplexities
+from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "scissorhands-table4"
 TITLE = "Scissorhands Table 4: 4-bit storage on top of Scissorhands at 2x"
@@ -40,7 +40,7 @@ FULL = {"length": 640, "max_new_tokens": 32}
 QUICK = {"length": 192, "max_new_tokens": 8}
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
 
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)

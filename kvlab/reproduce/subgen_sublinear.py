@@ -19,7 +19,7 @@ import torch
 
 from kvlab.methods.clustering import cluster_stream
 from kvlab.reproduce.common import Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "subgen-sublinear"
 TITLE = "SubGen Theorem 1 / Fig. 1: clusters against n at a fixed delta, keys against values"
@@ -65,7 +65,7 @@ def cluster_counts(x: torch.Tensor, lengths: list[int], rel: float) -> list[floa
     return out
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)
     lengths = sorted(cfg["lengths"])

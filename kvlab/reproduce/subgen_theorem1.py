@@ -27,7 +27,7 @@ from kvlab.core import semantics as sm
 from kvlab.methods.clustering import Clustering, cluster_stream
 from kvlab.methods.subgen import SubGenState
 from kvlab.reproduce.common import Claim, Report, Row, fmt
-from kvlab.reproduce.context import Context
+from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.reproduce.subgen_sublinear import slope
 
 NAME = "subgen-theorem1"
@@ -81,7 +81,7 @@ def build(keys: torch.Tensor, values: torch.Tensor, rel: float, t: int, s: int, 
     return st, float(count.float().mean())
 
 
-def run(ctx: Context) -> Report:
+def run(ctx: ReproductionSetup) -> Report:
     t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)
     ids = ctx.prose(cfg["n"])

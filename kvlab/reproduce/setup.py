@@ -17,7 +17,10 @@ from kvlab.methods.handover import PrefillNeeds
 
 
 @dataclass
-class Context:
+class ReproductionSetup:
+    """What every reproduction of one call shares: the size of its settings (``quick``), the model (loaded
+    once, ``lm``), where progress is written, and per-reproduction setting overrides (tests)."""
+
     quick: bool = False
     model: str = "embedded"
     device: str = "auto"
