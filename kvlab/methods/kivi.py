@@ -36,7 +36,7 @@ from kernels.quant import (
 from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core.budgets import exact_bytes
 from kvlab.core.model import ModelInfo
-from kvlab.core.semantics import grouped_softmax
+from kvlab.core.semantics import LayerSemantics, grouped_softmax
 from kvlab.methods import budget_search
 from kvlab.methods.base import Compressor
 from kvlab.methods.dense import _Growable
@@ -62,10 +62,15 @@ def extend_groups(a: QuantizedGroups | None, b: QuantizedGroups) -> QuantizedGro
     )
 
 
-def quantize_kv(k: Tensor, v: Tensor, bits: int, group: int) -> tuple[QuantizedGroups, QuantizedGroups]:
+def quantize_kv(
+    k: Tensor, v: Tensor, bits: int, group: int, value_group: int | None = None
+) -> tuple[QuantizedGroups, QuantizedGroups]:
     """KIVI's asymmetric pair for k, v [..., n, d] (n a multiple of ``group``): keys grouped along
-    tokens (per channel), values grouped along head_dim (per token)."""
-    return quantize_groups(k, bits, group, dim=-2), quantize_groups(v, bits, min(group, v.shape[-1]), dim=-1)
+    tokens (per channel), values grouped along head_dim (per token), in groups of ``value_group``
+    channels (None: ``group``), at most head_dim."""
+    return quantize_groups(k, bits, group, dim=-2), quantize_groups(
+        v, bits, min(value_group or group, v.shape[-1]), dim=-1
+    )
 
 
 def split_layers(q: QuantizedGroups) -> list[QuantizedGroups]:
@@ -80,13 +85,39 @@ def quantized_len(n: int, residual: int, group: int) -> int:
     return max(0, (n - residual) // group) * group
 
 
-def kivi_held(info: ModelInfo, nq: int, r: int, bits: int, group: int) -> int:
+def kivi_held(info: ModelInfo, nq: int, r: int, bits: int, group: int, value_group: int | None = None) -> int:
     """Bytes ``KIVI`` holds with ``nq`` quantized tokens (whole groups) and ``r`` full-precision ones."""
+    return info.n_layers * info.n_kv_heads * kivi_stream_bytes(info, nq, r, bits, group, value_group)
+
+
+def kivi_stream_bytes(info: ModelInfo, nq, r, bits: int, group: int, value_group: int | None = None):
+    """``kivi_held`` of one layer and KV head (``nq``, ``r``: ints, or integer tensors of them)."""
     d = info.head_dim
-    gv = min(group, d)
+    gv = min(value_group or group, d)
     key = d * (nq // group) * (packed_bytes(group, bits) + 4)  # packed codes + fp16 scale + fp16 min per group
     val = nq * (-(-d // gv)) * (packed_bytes(gv, bits) + 4)
-    return info.n_layers * info.n_kv_heads * (key + val + r * d * 2 * info.dtype_bytes)
+    return key + val + r * d * 2 * info.dtype_bytes
+
+
+def first_group_held(sem: LayerSemantics, newest: Tensor, group: int) -> Tensor:
+    """The first position a local layer still holds in its quantized store when its newest token is at
+    ``newest`` (an integer tensor of positions): the start of the group of ``group`` positions (groups
+    start at multiples of ``group``) that holds the first key the newest query sees
+    (``LayerSemantics.visible_from``); every group before it has left the window whole."""
+    first = torch.zeros_like(newest)
+    if sem.window is not None:
+        first = torch.maximum(first, newest - sem.window + 1)
+    if sem.chunk is not None:
+        first = torch.maximum(first, newest - newest % sem.chunk)
+    return first // group * group
+
+
+def local_quantized_held(sem: LayerSemantics, seen: Tensor, recent: Tensor, group: int) -> Tensor:
+    """Quantized tokens a local layer holds with ``seen`` tokens seen, the latest ``recent`` of them in
+    full precision and the ones before in whole groups of ``group`` from position 0 (integer tensors):
+    the groups not yet wholly out of the newest query's window or chunk."""
+    end = seen - recent
+    return (end - first_group_held(sem, seen - 1, group)).clamp(min=0)
 
 
 def kivi_bytes(info: ModelInfo, n: int, bits: int, group: int, residual: int) -> int:
@@ -102,11 +133,16 @@ def residual_after(n: int, residual: int, group: int, steps: int) -> int:
     return t if t < residual + group else residual + (t - residual) % group
 
 
-def kivi_worst_ratio(info: ModelInfo, budget, n: int, bits: int, group: int, residual: int, horizon: int) -> float:
+def kivi_worst_ratio(
+    info: ModelInfo, budget, n: int, bits: int, group: int, residual: int, horizon: int, value_group: int | None = None
+) -> float:
     """The largest ratio of held to allowed bytes from prefill to ``horizon`` decode steps (streaming).
 
     Between flushes the held bytes grow by a full token a step, faster than any budget's allowance, so
-    the ratio peaks at prefill, just before a flush (the first or the last one) or at the horizon."""
+    the ratio peaks at prefill, just before a flush (the first or the last one) or at the horizon.
+    On a model with local layers every step is counted (``kivi_local_worst_ratio``)."""
+    if info.semantics.has_local:
+        return kivi_local_worst_ratio(info, budget, n, bits, group, residual, horizon, value_group)
     first = residual + group - 1 - (n - quantized_len(n, residual, group))
     steps = {0, horizon}
     if first <= horizon:
@@ -114,18 +150,70 @@ def kivi_worst_ratio(info: ModelInfo, budget, n: int, bits: int, group: int, res
     worst = 0.0
     for j in steps:
         r = residual_after(n, residual, group, j)
-        held = kivi_held(info, n + j - r, r, bits, group)
+        held = kivi_held(info, n + j - r, r, bits, group, value_group)
         worst = max(worst, held / max(1.0, budget.allowed_bytes(info, n, j, True)))
     return worst
 
 
-def solve_kivi(info: ModelInfo, n: int, budget, group: int, bits: int | None, residual: int | None, horizon: int):
+def kivi_local_worst_ratio(
+    info: ModelInfo, budget, n: int, bits: int, group: int, residual: int, horizon: int, value_group: int | None
+) -> float:
+    """``kivi_worst_ratio`` on a model with local layers, at every step from prefill to ``horizon``: a
+    local layer drops its quantized groups once they have left the window whole (``KiviLayer.trim``),
+    so what it holds rises and falls with the window's position against the groups."""
+    held = kivi_local_held(info, n, bits, group, residual, horizon, value_group)
+    return float((held / streaming_allowed(info, budget, n, horizon)).max())
+
+
+def kivi_local_held(
+    info: ModelInfo, n: int, bits: int, group: int, residual: int, horizon: int, value_group: int | None = None
+) -> Tensor:
+    """The bytes ``KIVI`` holds after prefill and each decode step up to ``horizon`` (int64 [horizon + 1]),
+    a local layer without its quantized groups that left the window whole (global layers: ``kivi_held``)."""
+    steps = torch.arange(horizon + 1, dtype=torch.int64)
+    seen = n + steps
+    t = n - quantized_len(n, residual, group) + steps  # full-precision tokens, before the flushes
+    recent = torch.where(t < residual + group, t, residual + (t - residual) % group)
+    quantized = seen - recent
+    held = torch.zeros_like(steps)
+    for sem in info.semantics.layers:
+        nq = local_quantized_held(sem, seen, recent, group) if sem.is_local else quantized
+        held = held + kivi_stream_bytes(info, nq, recent, bits, group, value_group)
+    return held * info.n_kv_heads
+
+
+_ALLOWED: dict[tuple, tuple[ModelInfo, Tensor]] = {}  # (id(info), budget, n, horizon) -> (info, allowed per step)
+
+
+def streaming_allowed(info: ModelInfo, budget, n: int, horizon: int) -> Tensor:
+    """Bytes a streaming method may hold at each step 0..``horizon`` (at least 1), float64; the latest
+    few are kept, as a plan's search asks for the same ones many times."""
+    key = (id(info), budget, n, horizon)
+    hit = _ALLOWED.get(key)
+    if hit is None or hit[0] is not info:
+        allowed = [max(1.0, budget.allowed_bytes(info, n, j, True)) for j in range(horizon + 1)]
+        if len(_ALLOWED) >= 8:
+            _ALLOWED.clear()
+        hit = _ALLOWED[key] = (info, torch.tensor(allowed, dtype=torch.float64))
+    return hit[1]
+
+
+def solve_kivi(
+    info: ModelInfo,
+    n: int,
+    budget,
+    group: int,
+    bits: int | None,
+    residual: int | None,
+    horizon: int,
+    value_group: int | None = None,
+):
     """(bits, residual) for ``budget`` on an ``n``-token prompt, held for ``horizon`` decode steps: the
     highest bits that fit with no residual, then the longest residual that still fits (unless given).
     Returns None when nothing fits (the caller refuses or degrades the group)."""
 
     def fits(b: int, r: int) -> bool:
-        return kivi_worst_ratio(info, budget, n, b, group, r, horizon) <= 1.0
+        return kivi_worst_ratio(info, budget, n, b, group, r, horizon, value_group) <= 1.0
 
     for b in (bits,) if bits else KIVI_BITS:
         if residual is not None:
@@ -144,18 +232,57 @@ def solve_kivi(info: ModelInfo, n: int, budget, group: int, bits: int | None, re
 @dataclass
 class KiviLayer:
     """One layer: quantized keys (per channel) and values (per token) of the oldest tokens, then
-    the full-precision residual [Hkv, r, d]."""
+    the full-precision residual [Hkv, r, d]. ``seen``: the tokens seen; ``dropped``: the oldest of
+    them no longer held (a local layer's quantized groups that left its window, ``trim``)."""
 
     kq: QuantizedGroups | None
     vq: QuantizedGroups | None
     rk: _Growable
     rv: _Growable
+    seen: int = 0
+    dropped: int = 0
 
     def __deepcopy__(self, memo: dict) -> KiviLayer:
         """A fork: the quantized part itself (a flush replaces it, never writes it), its own residual."""
-        twin = KiviLayer(self.kq, self.vq, copy.deepcopy(self.rk, memo), copy.deepcopy(self.rv, memo))
+        rk, rv = copy.deepcopy(self.rk, memo), copy.deepcopy(self.rv, memo)
+        twin = KiviLayer(self.kq, self.vq, rk, rv, self.seen, self.dropped)
         memo[id(self)] = twin
         return twin
+
+    def trim(self, sem: LayerSemantics, group: int) -> None:
+        """On a local layer, drop the quantized groups whose every token has left the newest query's
+        window (or chunk); the residual is kept whole. Nothing changes on a global layer."""
+        if not sem.is_local or self.kq is None or self.vq is None:
+            return
+        newest = torch.tensor(self.seen - 1)
+        first = min(int(first_group_held(sem, newest, group)), self.seen - self.rk.n)  # quantized tokens end there
+        cut = first - self.dropped
+        if cut <= 0:
+            return
+        kq, vq = self.kq, self.vq
+        if cut >= kq.length:
+            self.kq = self.vq = None
+        else:
+            g = cut // group
+            self.kq = QuantizedGroups(
+                kq.codes[..., g:, :].clone(),
+                kq.scale[..., g:].clone(),
+                kq.minimum[..., g:].clone(),
+                kq.bits,
+                kq.group,
+                kq.dim,
+                kq.length - cut,
+            )
+            self.vq = QuantizedGroups(
+                vq.codes[:, cut:].clone(),
+                vq.scale[:, cut:].clone(),
+                vq.minimum[:, cut:].clone(),
+                vq.bits,
+                vq.group,
+                vq.dim,
+                vq.length,
+            )
+        self.dropped = first
 
     def quantized(self) -> tuple[QuantizedGroups, QuantizedGroups] | None:
         """The quantized (keys, values), None while nothing is quantized (a flush makes both)."""
@@ -174,10 +301,10 @@ class KiviLayer:
         kq, vq = quantized
         return torch.cat([dequantize_groups(kq), k], -2), torch.cat([dequantize_groups(vq), v], -2)
 
-    def flush(self, bits: int, group: int) -> None:
+    def flush(self, bits: int, group: int, value_group: int | None = None) -> None:
         """Quantize the residual's oldest ``group`` tokens."""
         k, v = self.rk.view(), self.rv.view()
-        kq, vq = quantize_kv(k[..., :group, :], v[..., :group, :], bits, group)
+        kq, vq = quantize_kv(k[..., :group, :], v[..., :group, :], bits, group, value_group)
         self.kq = extend_groups(self.kq, kq)  # keys: more groups along tokens
         self.vq = vq if self.vq is None else cat_groups([self.vq, vq], dim=-2)  # values: more token rows
         self.rk, self.rv = _Growable(k[..., group:, :].clone()), _Growable(v[..., group:, :].clone())
@@ -222,35 +349,54 @@ class KIVI(Compressor):
             raise ParamError(f"kivi: parameter bits={bits} is not one of 2, 3, 4")
         residual = None if c["residual"] is None else max(0, int(c["residual"]))
         self.group_size = int(c["group"])
+        self.value_group: int | None = None  # None: the key group (at most head_dim)
         if self.is_full:
             self.bits, self.residual = bits or KIVI_BITS[0], n_prompt if residual is None else residual
         else:
-            self.bits, self.residual, self.group_size = self._fit(n_prompt, bits, residual)
-        predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
+            self.bits, self.residual, self.group_size, self.value_group = self._fit(n_prompt, bits, residual)
+        if info.semantics.has_local:  # a local layer holds the groups its window still sees
+            held = kivi_local_held(info, n_prompt, self.bits, self.group_size, self.residual, 0, self.value_group)
+            predicted = int(held[0])
+        else:
+            predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
+        shown = {} if self.value_group is None else {"value_group": min(self.value_group, info.head_dim)}
         return {
             "bits": self.bits,
             "group": self.group_size,
+            **shown,
             "residual": self.residual,
             "quantized_tokens": quantized_len(n_prompt, self.residual, self.group_size),
             "planned_fraction": round(predicted / exact_bytes(info, n_prompt), 4),
             "fits_budget": self.is_full or budget_search.fits_budget(self, n_prompt),
         }
 
-    def _fit(self, n: int, bits: int | None, residual: int | None) -> tuple[int, int, int]:
-        """(bits, residual, group) that hold the budget up to the horizon. A group not given shrinks
-        (32 -> 16 -> 8) when nothing fits at the given one: short prompts then quantize at all, at a
-        higher cost per token in scales and minimums. Nothing fits: the smallest setting (refused)."""
+    def _fit(self, n: int, bits: int | None, residual: int | None) -> tuple[int, int, int, int | None]:
+        """(bits, residual, group, value group) that hold the budget up to the horizon. A group not given
+        shrinks (32 -> 16 -> 8) when nothing fits at the given one: short prompts then quantize at all, at a
+        higher cost per token in scales and minimums. On a model with local layers, where a window holds
+        few tokens and the residual's up to group - 1 full-precision tokens weigh most, the key group then
+        shrinks alone (values stay in groups of the given size). Nothing fits: the smallest setting (refused)."""
         given = self.group_size
-        groups = [given] + ([g for g in (16, 8) if g < given] if "group" not in self.params_given else [])
-        for g in groups:
-            fit = solve_kivi(self.info, n, self.budget, g, bits, residual, self.horizon(n))
+        shrunk = [g for g in (16, 8) if g < given] if "group" not in self.params_given else []
+        groups: list[tuple[int, int | None]] = [(g, None) for g in [given, *shrunk]]
+        if self.info.semantics.has_local:
+            groups += [(g, given) for g in shrunk]
+        for g, vg in groups:
+            fit = solve_kivi(self.info, n, self.budget, g, bits, residual, self.horizon(n), vg)
             if fit is not None:
-                return (*fit, g)
-        return bits or KIVI_BITS[-1], residual or 0, given
+                return (*fit, g, vg)
+        return bits or KIVI_BITS[-1], residual or 0, given, None
 
     def budget_ratio(self, n_prompt: int) -> float | None:
         return kivi_worst_ratio(
-            self.info, self.budget, n_prompt, self.bits, self.group_size, self.residual, self.horizon(n_prompt)
+            self.info,
+            self.budget,
+            n_prompt,
+            self.bits,
+            self.group_size,
+            self.residual,
+            self.horizon(n_prompt),
+            self.value_group,
         )
 
     def compress(self, state: PrefillState) -> None:
@@ -260,23 +406,31 @@ class KIVI(Compressor):
         kqs: list[QuantizedGroups | None]
         vqs: list[QuantizedGroups | None]
         if nq:
-            kq, vq = quantize_kv(keys[..., :nq, :], values[..., :nq, :], self.bits, g)
+            kq, vq = quantize_kv(keys[..., :nq, :], values[..., :nq, :], self.bits, g, self.value_group)
             kqs, vqs = [*split_layers(kq)], [*split_layers(vq)]
         else:
             kqs = vqs = [None] * keys.shape[0]
         self.layers = [
             KiviLayer(
-                kqs[i], vqs[i], _Growable(self.as_cached(keys[i, :, nq:])), _Growable(self.as_cached(values[i, :, nq:]))
+                kqs[i],
+                vqs[i],
+                _Growable(self.as_cached(keys[i, :, nq:])),
+                _Growable(self.as_cached(values[i, :, nq:])),
+                n,
             )
             for i in range(keys.shape[0])
         ]
+        for i, layer in enumerate(self.layers):
+            layer.trim(self.sem[i], g)
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         cache = self.layers[layer]
         cache.rk.append(k)
         cache.rv.append(v)
+        cache.seen += k.shape[-2]
         if cache.rk.n >= self.residual + self.group_size:
-            cache.flush(self.bits, self.group_size)
+            cache.flush(self.bits, self.group_size, self.value_group)
+        cache.trim(self.sem[layer], self.group_size)
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
         """Softmax attention over the dequantized keys; the quantized values' probability-weighted
@@ -289,7 +443,8 @@ class KIVI(Compressor):
             k = torch.cat([dequantize_groups(quantized[0]), k], -2)
         hkv, sem = rk.shape[0], self.sem[layer]
         # every token is held in order: the layer's soft-cap, window and sinks (``semantics.grouped_softmax``)
-        pg = grouped_softmax(group_queries(q.float() * sem.scaling, hkv) @ k.transpose(-1, -2), sem, q.shape[0])
+        logits = group_queries(q.float() * sem.scaling, hkv) @ k.transpose(-1, -2)
+        pg = grouped_softmax(logits, sem, q.shape[0], st.seen)
         if quantized is None:
             return ungroup(torch.matmul(pg, rv.float()), q.shape[0]).to(q.dtype)
         nq = k.shape[-2] - rk.shape[-2]
@@ -323,7 +478,8 @@ class KIVI(Compressor):
             probs = []
             for i, qi, lq in zip(rows, qg, quantized):
                 recent = torch.matmul(qi, layers[i].rk.view().float().transpose(-1, -2))
-                probs.append(grouped_softmax(torch.cat([lq, recent], -1), comps[i].sem[layer], hq))  # [Hkv, g, n]
+                p = grouped_softmax(torch.cat([lq, recent], -1), comps[i].sem[layer], hq, layers[i].seen)
+                probs.append(p)  # [Hkv, g, n]
             summed = weighted_token_sum(torch.cat([p[..., :nq] for p in probs], 1), vq).chunk(len(rows), dim=1)
             for i, p, s in zip(rows, probs, summed):
                 out = s + torch.matmul(p[..., nq:], layers[i].rv.view().float())
@@ -335,10 +491,11 @@ class KIVI(Compressor):
             yield from layer.tensors()
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
-        """Softmax over the dequantized keys (every token, in order). q [Hq, 1, d] -> [Hq, n]."""
-        k, _ = self.layers[layer].dequantized()
+        """Softmax over the dequantized keys (every token held, in order; 0 for the groups a local layer
+        dropped). q [Hq, 1, d] -> [Hq, n]."""
+        st = self.layers[layer]
+        k, _ = st.dequantized()
         sem = self.sem[layer]
-        return ungroup(
-            grouped_softmax(group_queries(q.float() * sem.scaling, k.shape[0]) @ k.transpose(-1, -2), sem, q.shape[0]),
-            q.shape[0],
-        )[:, 0]
+        logits = group_queries(q.float() * sem.scaling, k.shape[0]) @ k.transpose(-1, -2)
+        w = ungroup(grouped_softmax(logits, sem, q.shape[0], st.seen), q.shape[0])[:, 0]
+        return torch.nn.functional.pad(w, (st.dropped, 0)) if st.dropped else w

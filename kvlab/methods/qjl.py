@@ -65,6 +65,7 @@ from kvlab.core.semantics import grouped_softmax
 from kvlab.methods import budget_search
 from kvlab.methods.base import Compressor
 from kvlab.methods.handover import PrefillState
+from kvlab.methods.kivi import first_group_held, local_quantized_held, streaming_allowed
 from kvlab.methods.params import Param, ParamError
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)
@@ -202,6 +203,21 @@ class QJLSegment:
     def cat(self, other: QJLSegment) -> QJLSegment:
         return QJLSegment(self.keys.cat(other.keys), cat_groups([self.values, other.values], dim=-2))
 
+    def without_first(self, c: int, group: int) -> QJLSegment:
+        """A copy without its first ``c`` tokens (whole outlier groups of ``group`` tokens)."""
+        k, v = self.keys, self.values
+        keys = QuantizedKeys(
+            k.bits[:, c:].clone(),
+            k.norms[:, c:].clone(),
+            k.out_bits[:, c:].clone(),
+            k.out_norms[:, c:].clone(),
+            k.out_idx[:, c // group :].clone(),
+        )
+        values = QuantizedGroups(
+            v.codes[:, c:].clone(), v.scale[:, c:].clone(), v.minimum[:, c:].clone(), v.bits, v.group, v.dim, v.length
+        )
+        return QJLSegment(keys, values)
+
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         yield from self.keys.tensors()
         for kind, t in self.values.tensors():
@@ -212,10 +228,12 @@ class QJLSegment:
 class QJLLayer:
     """One layer: the sketches, the quantized tokens and the full-precision recent window.
 
-    ``segments`` hold the oldest ``n_quantized`` tokens in order; res_k/res_v [Hkv, r, d] the r most
-    recent. The first ``shared`` segments are also held by a fork of this cache (``__deepcopy__``):
-    a flush starts a segment of its own after them instead of extending them. Every tensor here is
-    replaced, never written in place, so a fork shares them all until it writes its own.
+    ``segments`` hold the oldest ``n_quantized`` tokens in order (after the first ``dropped``: the
+    outlier groups a local layer dropped once they left its window, ``QJL._trim``); res_k/res_v
+    [Hkv, r, d] the r most recent. The first ``shared`` segments are also held by a fork of this
+    cache (``__deepcopy__``): a flush starts a segment of its own after them instead of extending
+    them. Every tensor here is replaced, never written in place, so a fork shares them all until it
+    writes its own.
     """
 
     s: Tensor  # float32 [m, d]
@@ -225,6 +243,7 @@ class QJLLayer:
     res_v: Tensor
     n_seen: int
     shared: int = 0
+    dropped: int = 0
 
     @property
     def n_quantized(self) -> int:
@@ -249,7 +268,8 @@ class QJLLayer:
     def __deepcopy__(self, memo: dict) -> QJLLayer:
         """A fork: the same tensors, its own list of segments; from now on neither extends the shared ones."""
         self.shared = len(self.segments)
-        twin = QJLLayer(self.s, self.s_out, list(self.segments), self.res_k, self.res_v, self.n_seen, self.shared)
+        segments = list(self.segments)
+        twin = QJLLayer(self.s, self.s_out, segments, self.res_k, self.res_v, self.n_seen, self.shared, self.dropped)
         memo[id(self)] = twin
         return twin
 
@@ -427,6 +447,11 @@ class QJL(Compressor):
             target = self.budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
             m, bits, residual = self._fit(n_prompt, target)
         total, kb, vb, ms, m_outs = self._bytes(n_prompt, m, bits, residual or n_prompt)
+        if (
+            self.info.semantics.has_local and not self.full and residual is not None
+        ):  # a local layer holds what its window still sees
+            streams = self.info.n_layers * self.info.n_kv_heads
+            total = float(self._local_held(n_prompt, m, bits, residual, 0)[0]) * self.info.n_kv_heads / streams
         self.qplan = QJLPlan(ms, m_outs, bits, residual or 0, kb, vb, target, total)
         if self.full:  # no budget: every token stays exact, nothing is sketched
             return {"uncompressed": True, "residual": n_prompt}
@@ -462,8 +487,39 @@ class QJL(Compressor):
         streams = self.info.n_layers * self.info.n_kv_heads
         h = self.horizon(n)
         assert self.budget is not None  # a compressing plan's
+        if self.info.semantics.has_local:
+            return self._local_worst_ratio(n, m, bits, residual, h)
         allowed = [max(1.0, self.budget.allowed_bytes(self.info, n, j, True)) for j in (0, h)]
         return max(streams * self._bytes(n + j, m, bits, residual)[0] / a for j, a in zip((0, h), allowed))
+
+    def _local_worst_ratio(self, n: int, m: int, bits: int, residual: int, h: int) -> float:
+        """``_worst_ratio`` on a model with local layers, at every step from prefill to ``h``."""
+        assert self.budget is not None
+        held = self._local_held(n, m, bits, residual, h)
+        return float((held / streaming_allowed(self.info, self.budget, n, h)).max())
+
+    def _local_held(self, n: int, m: int, bits: int, residual: int, h: int) -> Tensor:
+        """Bytes held over all layers after prefill and each decode step up to ``h`` (float64 [h + 1]) on a
+        model with local layers: a local layer holds its full-precision window as it is at that step
+        (between residual - group + 1 and residual tokens) and only the outlier groups not yet wholly out
+        of its window (``_trim``); a global layer as ``_bytes`` counts it."""
+        info, g = self.info, self.cfg["outlier_group"]
+        ms, m_outs = self._layer_m(m)
+        vb, sketch = self._value_bytes(bits), self._sketch_bytes(ms, m_outs)
+        steps = torch.arange(h + 1, dtype=torch.int64)
+        seen = n + steps
+        t = n - max(0, -(-(n - residual) // g) * g) + steps  # full-precision tokens, before the flushes
+        recent = torch.where(t <= residual, t, residual - g + 1 + (t - residual - 1) % g)
+        held = torch.zeros(h + 1, dtype=torch.float64)
+        for sem, mi, mo in zip(info.semantics.layers, ms, m_outs):
+            kb = self._key_bytes([mi], [mo])
+            if sem.is_local:
+                held += recent * per_token_bytes(info) + local_quantized_held(sem, seen, recent, g) * (kb + vb)
+            else:
+                r = seen.clamp(max=residual)
+                held += r * per_token_bytes(info) + (seen - r) * (kb + vb)
+            held += sketch
+        return held * info.n_kv_heads
 
     def budget_ratio(self, n_prompt: int) -> float | None:
         p = self.qplan
@@ -531,6 +587,7 @@ class QJL(Compressor):
             s, s_out = sketches[layer]
             res_k, res_v = self.as_cached(keys[layer, :, n_q:]), self.as_cached(values[layer, :, n_q:])
             self.layers.append(QJLLayer(s, s_out, segments, res_k, res_v, n))
+            self._trim(layer)
 
     def _make_sketches(self, d: int, device) -> list[tuple[Tensor, Tensor]]:
         """Per layer (S, S_out), generated in batches of layers sharing a size, from the seed."""
@@ -567,6 +624,28 @@ class QJL(Compressor):
         self._extend_window(st, k, v)
         if not self.full and st.res_k.shape[-2] > self.qplan.residual:
             self._flush(st)
+        self._trim(layer)
+
+    def _trim(self, layer: int) -> None:
+        """On a local layer, drop the quantized outlier groups whose every token has left the newest
+        query's window (or chunk); the full-precision window is kept whole. Nothing on a global layer."""
+        sem, st, g = self.sem[layer], self.layers[layer], self.cfg["outlier_group"]
+        if not sem.is_local or not st.segments:
+            return
+        first = int(first_group_held(sem, torch.tensor(st.n_seen - 1), g))
+        cut = min(first, st.n_seen - st.res_k.shape[-2]) - st.dropped
+        if cut <= 0:
+            return
+        st.dropped += cut
+        kept, whole = [], 0
+        for seg in st.segments:
+            if cut >= seg.n:
+                cut -= seg.n
+                whole += 1
+                continue
+            kept.append(seg.without_first(cut, g) if cut else seg)
+            cut = 0
+        st.segments, st.shared = kept, max(0, st.shared - whole)
 
     def _extend_window(self, st: QJLLayer, k: Tensor, v: Tensor) -> None:
         """Append k, v [Hkv, c, d] to the full-precision window (no flush)."""
@@ -596,6 +675,7 @@ class QJL(Compressor):
             if j > i:
                 self._extend_window(st, k[:, i:j], v[:, i:j])
                 outs.append(self.attend(layer, q[:, i:j], causal_tail=j - i))
+                self._trim(layer)
             else:
                 self.append(layer, k[:, i : i + 1], v[:, i : i + 1], pos + i)
                 outs.append(self.attend(layer, q[:, i : i + 1]))
@@ -722,9 +802,11 @@ class QJL(Compressor):
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """The softmax ``attend`` takes: sketched score estimates (quantized tokens, positions
-        0..n_quantized-1), exact scores (the recent window, the positions after). q [Hq, 1, d] -> [Hq, n]."""
+        0..n_quantized-1), exact scores (the recent window, the positions after); 0 for the groups a
+        local layer dropped. q [Hq, 1, d] -> [Hq, n]."""
         st = self.layers[layer]
-        return ungroup(grouped_softmax(self._logits(st, q), self.sem[layer], q.shape[0], st.n_seen), q.shape[0])[:, 0]
+        w = ungroup(grouped_softmax(self._logits(st, q), self.sem[layer], q.shape[0], st.n_seen), q.shape[0])[:, 0]
+        return torch.nn.functional.pad(w, (st.dropped, 0)) if st.dropped else w
 
 
 def _starts(segments: list[QJLSegment]) -> list[int]:
