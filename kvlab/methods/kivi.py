@@ -37,8 +37,8 @@ from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core.budgets import exact_bytes
 from kvlab.core.model import ModelInfo
 from kvlab.core.semantics import LayerSemantics, grouped_softmax
-from kvlab.methods import budget_search
 from kvlab.methods.base import Compressor
+from kvlab.methods.budget_search import fits_budget
 from kvlab.methods.dense import _Growable
 from kvlab.methods.handover import PrefillState
 from kvlab.methods.params import Param, ParamError
@@ -367,7 +367,7 @@ class KIVI(Compressor):
             "residual": self.residual,
             "quantized_tokens": quantized_len(n_prompt, self.residual, self.group_size),
             "planned_fraction": round(predicted / exact_bytes(info, n_prompt), 4),
-            "fits_budget": self.is_full or budget_search.fits_budget(self, n_prompt),
+            "fits_budget": self.is_full or fits_budget(self, n_prompt),
         }
 
     def _fit(self, n: int, bits: int | None, residual: int | None) -> tuple[int, int, int, int | None]:

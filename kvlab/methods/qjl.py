@@ -62,8 +62,8 @@ from kvlab.core import cancel
 from kvlab.core import semantics as sm
 from kvlab.core.budgets import per_token_bytes
 from kvlab.core.semantics import grouped_softmax
-from kvlab.methods import budget_search
 from kvlab.methods.base import Compressor
+from kvlab.methods.budget_search import fits_budget
 from kvlab.methods.handover import PrefillState
 from kvlab.methods.kivi import first_group_held, local_quantized_held, streaming_allowed
 from kvlab.methods.params import Param, ParamError
@@ -456,7 +456,7 @@ class QJL(Compressor):
         if self.full:  # no budget: every token stays exact, nothing is sketched
             return {"uncompressed": True, "residual": n_prompt}
         knobs = self.qplan.knobs(d)
-        knobs["fits_budget"] = budget_search.fits_budget(self, n_prompt)
+        knobs["fits_budget"] = fits_budget(self, n_prompt)
         if self.cfg["outlier_group"] != self.defaults()["outlier_group"]:
             knobs["outlier_group"] = self.cfg["outlier_group"]
         if self.n_out != self._default_n_out():

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvlab.methods import adakv, paper_presets, with_kivi, with_qjl
+from kvlab.methods.adakv import adaptive
+from kvlab.methods.adakv import resolve as resolve_adaptive
 from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
 from kvlab.methods.exact import Exact
@@ -20,6 +21,7 @@ from kvlab.methods.keydiff import KeyDiff
 from kvlab.methods.kivi import KIVI
 from kvlab.methods.knorm import KNorm
 from kvlab.methods.kvzip import KVzip
+from kvlab.methods.paper_presets import resolve as resolve_preset
 from kvlab.methods.polarquant import PolarQuant
 from kvlab.methods.pyramidkv import PyramidKV
 from kvlab.methods.qjl import QJL
@@ -30,6 +32,9 @@ from kvlab.methods.subgen import SubGen, SubGenKCenter, SubGenKCenterWeighted
 from kvlab.methods.tova import TOVA
 from kvlab.methods.turboquant import TurboQuant
 from kvlab.methods.uniform import Uniform
+from kvlab.methods.with_kivi import quantized
+from kvlab.methods.with_kivi import resolve as resolve_kivi
+from kvlab.methods.with_qjl import qjl_keyed, resolve_qjl
 
 Lookup = Callable[[str], type[Compressor]]
 
@@ -57,19 +62,19 @@ METHODS: tuple[type[Compressor], ...] = (
     FP8,
     TurboQuant,
     PolarQuant,
-    adakv.adaptive(SnapKV),  # the AdaKV paper's own pairing
-    with_kivi.quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)
-    with_kivi.quantized(SnapKV, 2),
-    with_qjl.qjl_keyed(SnapKV),
-    with_qjl.qjl_keyed(H2O),
+    adaptive(SnapKV),  # the AdaKV paper's own pairing
+    quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)
+    quantized(SnapKV, 2),
+    qjl_keyed(SnapKV),
+    qjl_keyed(H2O),
 )
 
 # name -> class or None, for names that are not listed: compositions, adaptive heads, paper presets
 RESOLVERS: tuple[Callable[[str, Lookup], type[Compressor] | None], ...] = (
-    with_kivi.resolve,
-    with_qjl.resolve_qjl,
-    adakv.resolve,
-    paper_presets.resolve,
+    resolve_kivi,
+    resolve_qjl,
+    resolve_adaptive,
+    resolve_preset,
 )
 
 _REGISTRY: dict[str, type[Compressor]] = {}

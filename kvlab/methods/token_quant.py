@@ -35,8 +35,8 @@ from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core import cancel
 from kvlab.core.budgets import exact_bytes
 from kvlab.core.semantics import grouped_softmax
-from kvlab.methods import budget_search
 from kvlab.methods.base import Compressor
+from kvlab.methods.budget_search import fits_budget
 from kvlab.methods.handover import PrefillState
 
 Codes = dict[str, Tensor]  # name -> [Hkv, n, ...] (token dim 1); with a leading layer dim while encoding
@@ -140,7 +140,7 @@ class TokenQuantizer(Compressor):
             **knobs,
             "residual": self.residual,
             "planned_fraction": round(predicted / max(1, exact_bytes(self.info, n_prompt)), 4),
-            "fits_budget": self.full or budget_search.fits_budget(self, n_prompt),
+            "fits_budget": self.full or fits_budget(self, n_prompt),
         }
 
     def _held(self, n: int, steps: int, residual: int | None = None) -> float:
