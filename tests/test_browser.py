@@ -7,12 +7,14 @@ checks that a prompt holding HTML is shown as text and opens no dialog. The app 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,10 +44,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     raise TimeoutError("the app did not answer /gradio_api/info")
 
 
-@pytest.fixture(scope="module")
-def app_url(free_port):
-    port = free_port()
-    env = {**os.environ, "KVLAB_THREADS": os.environ.get("KVLAB_THREADS", "2"), "PYTHONUNBUFFERED": "1"}
+@contextlib.contextmanager
+def serving(port: int, env: dict[str, str]) -> Iterator[str]:
+    """``app.py`` on 127.0.0.1:``port`` with ``env``, ready (its URL), always killed afterwards."""
     proc = subprocess.Popen(
         [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port)],
         cwd=ROOT,
@@ -64,6 +65,13 @@ def app_url(free_port):
             proc.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def app_url(free_port):
+    env = {**os.environ, "KVLAB_THREADS": os.environ.get("KVLAB_THREADS", "2"), "PYTHONUNBUFFERED": "1"}
+    with serving(free_port(), env) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from test_browser import CHROMIUM, ROOT, browser, page, wait_ready  # noqa: F401 (fixtures)
+from test_browser import CHROMIUM, ROOT, browser, page, serving  # noqa: F401 (fixtures)
 from test_model_choice import save_encoder_decoder, save_tiny
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -52,24 +49,8 @@ def local_app(free_port, tmp_path_factory):
         PYTHONUNBUFFERED="1",
         HF_HUB_CACHE=str(tmp_path_factory.mktemp("hub")),  # an empty hub cache: the list is this test's own
     )
-    proc = subprocess.Popen(
-        [sys.executable, "app.py", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        wait_ready(url, proc)
+    with serving(port, env) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def text_of(pg, selector: str) -> str:
@@ -119,7 +100,7 @@ def test_type_a_folder_load_it_and_compare_on_it(page, local_app, folders):  # n
     assert cards.count() == 6 and "reference" in cards.first.inner_text()
     assert all("KiB" in cards.nth(i).inner_text() for i in range(6))
     page.wait_for_function(
-        "() => document.querySelectorAll('#kv-gauges .indicatorlayer .trace').length === 6", timeout=60_000
+        "() => document.querySelectorAll('#kv-gauges .indicatorlayer .trace').length === 6", timeout=180_000
     )
     page.wait_for_timeout(1500)
     SHOT.parent.mkdir(exist_ok=True)
@@ -132,7 +113,7 @@ def test_type_a_folder_load_it_and_compare_on_it(page, local_app, folders):  # n
     page.click("#kv-load-model")
     line = wait_text(page, "#kv-model-line", "not loaded")
     assert "it is an encoder-decoder model" in line and "nothing was lost" in line and str(tiny) in line
-    page.wait_for_function(f"() => document.querySelector('#kv-model input')?.value === {str(tiny)!r}", timeout=30_000)
+    page.wait_for_function(f"() => document.querySelector('#kv-model input')?.value === {str(tiny)!r}", timeout=120_000)
     assert "within this page's limits" in wait_text(page, "#kv-plan", "within this page's limits")
     assert "6 runs" in text_of(page, "#kv-plan")
     assert "done: 6 runs" in text_of(page, "#kv-status")  # the result is still there

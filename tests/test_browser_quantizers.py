@@ -40,11 +40,11 @@ def test_quantizers_side_by_side_at_one_budget(page, app_url):  # noqa: F811 (fi
         held = 1 - int(saved.group(1)) / 100
         assert abs(held - float(BUDGET)) <= 0.05 * float(BUDGET) + 0.005, (name, card)
     page.wait_for_function(
-        "() => document.querySelectorAll('#kv-gauges .indicatorlayer .trace').length === 6", timeout=60_000
+        "() => document.querySelectorAll('#kv-gauges .indicatorlayer .trace').length === 6", timeout=180_000
     )
     SHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SHOT), full_page=True)
     page.get_by_role("tab", name="Errors").click()  # the attention error of each run, per layer and step
-    page.wait_for_selector("#kv-err-layer .main-svg", timeout=60_000)
+    page.wait_for_selector("#kv-err-layer .main-svg", timeout=180_000)
     page.wait_for_timeout(2000)
     page.screenshot(path=str(SHOT.with_name("screenshot-quantizers-errors.png")), full_page=True)

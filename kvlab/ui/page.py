@@ -102,6 +102,13 @@ def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
     return demo
 
 
+def _optional_group(groups: dict[str, list], group: str, elem_id: str) -> gr.CheckboxGroup:
+    """A method group nothing in is ticked by default, shown only when the registry has members in it."""
+    return gr.CheckboxGroup(
+        groups.get(group, []), value=[], label=GROUP_TITLES[group], elem_id=elem_id, visible=bool(groups.get(group))
+    )
+
+
 def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
     """The setup panel: the model box on top; preset, prompt and question on the left; methods, budgets and
     settings on the right."""
@@ -139,20 +146,8 @@ def _setup(lm: LoadedModel, lim: Limits, preset_texts: dict[str, str]) -> Setup:
                 label=GROUP_TITLES["baseline"] + " (exact always runs)",
                 elem_id="kv-baselines",
             )
-            recent = gr.CheckboxGroup(
-                groups.get("recent", []),
-                value=[],
-                label=GROUP_TITLES["recent"],
-                elem_id="kv-recent",
-                visible=bool(groups.get("recent")),
-            )
-            quantizers = gr.CheckboxGroup(
-                groups.get("quantizer", []),
-                value=[],
-                label=GROUP_TITLES["quantizer"],
-                elem_id="kv-quantizers",
-                visible=bool(groups.get("quantizer")),
-            )
+            recent = _optional_group(groups, "recent", "kv-recent")
+            quantizers = _optional_group(groups, "quantizer", "kv-quantizers")
             with gr.Row():
                 budgets = gr.Textbox(
                     value="0.25",
