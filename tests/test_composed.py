@@ -20,13 +20,13 @@ from kvlab.methods.params import ParamError
 from kvlab.methods.qjl import dense_key_estimate, estimate_scores, estimate_scores_split
 from kvlab.methods.registry import UnknownMethodError
 from kvlab.methods.streaming import StreamingLLM
-from kvlab.methods.with_qjl import QJLDenseLayer, QJLStore
+from kvlab.methods.with_qjl import QJLDenseLayer, QJLStorage
 
 
 def test_qjl_compositions_resolve_on_demand_and_are_listed():
-    assert {"snapkv+qjl", "h2o+qjl"} <= set(names()) and issubclass(get("h2o+qjl"), H2O)
+    assert {"snapkv+qjl", "h2o+qjl"} <= set(names()) and get("h2o+qjl").inner is H2O
     cls = get("streaming+qjl")
-    assert cls is get("streaming+qjl") and issubclass(cls, StreamingLLM) and issubclass(cls, QJLStore)
+    assert cls == get("streaming+qjl") and cls.inner is StreamingLLM and cls.storage is QJLStorage
     assert [p.name for p in cls.params][: len(StreamingLLM.params)] == [p.name for p in StreamingLLM.params]
     assert {"qjl_m", "qjl_outliers", "value_bits", "value_group", "count_sketch"} <= {p.name for p in cls.params}
     for bad in ("exact+qjl", "qjl+qjl", "kivi+qjl", "snapkv+kivi2+qjl", "h2o+qjl+kivi2", "snapkv+qjlx", "nope+qjl"):
@@ -45,7 +45,7 @@ def test_bad_qjl_params_rejected(lm):
     ):
         with pytest.raises(ParamError):
             cls(lm.info, Budget.parse("0.25"), params)
-    assert cls(lm.info, Budget.parse("0.25"), {}).sketch_rows == 2 * lm.info.head_dim  # before plan() fits it
+    assert cls(lm.info, Budget.parse("0.25"), {}).storage.sketch_rows == 2 * lm.info.head_dim  # before plan() fits it
 
 
 def test_streaming_qjl_keeps_streamings_positions(lm, prefill_state):

@@ -19,6 +19,7 @@ from kvlab.engine.prefill import prefill
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import GenerationSettings, Question, RunSpec
 from kvlab.measure.health import budget_limits
+from kvlab.methods import get
 from kvlab.methods.expected_attention import (
     expected_attention_scores,
     expected_logits,
@@ -232,3 +233,37 @@ def test_two_statistics_windows_in_one_comparison_each_get_their_own(engine, lm,
         for layer, (a, b) in enumerate(zip(mine, alone)):
             assert torch.equal(a, b), (cfg, layer)
     assert any(not torch.equal(a, b) for a, b in zip(*together))  # the two windows do keep different tokens
+
+
+def test_ada_expected_attention_beside_expected_attention_each_with_its_window(engine, lm, long_text):
+    """kvpress's benchmarked entry (Expected Attention inside AdaKV, epsilon 1e-2) in one comparison with
+    ``expected-attention`` at another ``stats_window``: each keeps what it keeps alone (its own statistics),
+    AdaKV keeps the sinks in every head and spreads the same total over the heads unevenly."""
+    ids = lm.encode(long_text[:1200])
+    budget = Budget.parse("0.25")
+    ada, plain = RunSpec("ada-expected-attention", budget), RunSpec("expected-attention", budget, {"stats_window": 8})
+    assert get("ada-expected-attention").defaults()["epsilon"] == 0.01
+    gen = GenerationSettings(max_new_tokens=1)
+
+    def kept(specs):
+        probe = _KeptAfterCompression()
+        result = engine.compare(ids, specs, gen, probes=[probe])
+        assert all(not r.error for r in result.runs), [r.error for r in result.runs]
+        return probe.kept, result
+
+    (ada_kept, plain_kept), both = kept([ada, plain])
+    for spec, mine in ((ada, ada_kept), (plain, plain_kept)):
+        (alone,), _ = kept([spec])
+        for layer, (a, b) in enumerate(zip(mine, alone)):
+            assert torch.equal(a, b), (spec.method, layer)
+    counts = both.runs[0].kv_bytes_breakdown["head_counts"]
+    assert counts > 0
+    uneven = 0
+    for layer, pos in enumerate(ada_kept):  # [Hkv, w] padded rows: each head's distinct positions
+        held = [int(torch.unique(row).numel()) for row in pos]
+        assert all((row[:N_SINK] == torch.arange(N_SINK)).all() for row in pos), layer
+        uneven += len(set(held)) > 1
+    assert uneven >= lm.info.n_layers // 2  # the allocation moves budget between heads in most layers
+    plain_total = sum(int(p.numel()) for p in plain_kept)
+    ada_total = sum(sum(int(torch.unique(row).numel()) for row in p) for p in ada_kept)
+    assert abs(ada_total - plain_total) <= lm.info.n_layers * lm.info.n_kv_heads  # same budget, spread otherwise

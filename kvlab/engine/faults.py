@@ -99,7 +99,7 @@ def error_of(fn: Callable, *args: Any) -> str:
     return ""
 
 
-def made(cls: type[Compressor], *args: Any, **kwargs: Any) -> Compressor | str:
+def made(cls: Callable[..., Compressor], *args: Any, **kwargs: Any) -> Compressor | str:
     """``cls(*args, **kwargs)``, or the description of what its constructor raised (out of memory propagates)."""
     try:
         return cls(*args, **kwargs)

@@ -10,11 +10,15 @@ budget to one whose attention is spread out. The safeguard of the authors' code
 (``AdaptiveSnapKVCluster``, ``floor_alpha``, 0.2 in its runs with grouped-query attention): head i
 gets ``alpha * B + (1 - alpha) * f_i``, never less than ``alpha`` of the uniform budget.
 
-It wraps any prompt-time scorer (``PromptScored``): ``ada-snapkv`` is registered; ``ada-NAME`` is
-built on demand for the others, like ``METHOD+kiviB`` (``ada-pyramidkv``, the paper's Ada-Pyramid;
-``ada-knorm``, ``ada-keydiff``). It takes their scores (``scores(state)``), their per-layer budgets
-beyond the recent window (``capacity - window``, or ``layer_keep``) and their window, which every
-head keeps as they do; only the split of each layer's budget over its heads changes.
+It wraps any method that ranks the prompt (declared ``ranks_prompt``: the ``PromptScored`` methods
+and Expected Attention), as kvpress's ``AdaKVPress`` wraps a scorer press: ``ada-snapkv`` and
+``ada-expected-attention`` (kvpress's benchmarked entry, with epsilon 1e-2) are registered;
+``ada-NAME`` is made on demand for the others (``ada-pyramidkv``, the paper's Ada-Pyramid;
+``ada-knorm``, ``ada-keydiff``). The wrapper (``Adaptive``) holds the scorer; the cache (``AdaKV``)
+holds an instance of it, which plans the budget and ranks the prompt (``ranking``: its scores, the
+tokens every head keeps as it does, such as a recent window or sinks, and the per-layer budget);
+only the split of each layer's budget over its heads changes. TOVA and H2O score while decoding and
+are not wrapped.
 
 The heads of a layer then hold different numbers of tokens. The cache holds exactly those
 (``RaggedLayer``): per layer, the kept prompt tokens of all heads in one flat [T, d] tensor with
@@ -42,18 +46,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from kvlab.core import cancel
+from kvlab.core.budgets import Budget
+from kvlab.core.model import ModelInfo
 from kvlab.methods.base import Compressor
-from kvlab.methods.composed import ComposedStore
-from kvlab.methods.dense import DenseLayer
-from kvlab.methods.handover import PrefillState
+from kvlab.methods.dense import DenseCompressor, DenseLayer
+from kvlab.methods.handover import PrefillNeeds, PrefillState
 from kvlab.methods.params import Param
-from kvlab.methods.scored import PromptScored
+from kvlab.methods.wrapped import Wrapper
 
 PREFIX = "ada-"
 PAD_LOGW = -1e30  # a padding slot's log-weight: weight exactly 0, finite so a block of padding alone stays finite
@@ -130,6 +136,10 @@ class RaggedLayer:
         """As attention reads them: ``views`` (``DenseLayer.read_views``)."""
         return self.views()
 
+    def positions(self) -> Tensor:
+        """[Hkv, w + m] int32: the positions of ``views`` (a shorter head's row padded with its newest)."""
+        return self.views()[2]
+
     def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """A transient per-head view of what is held: k [Hkv, w + m, d], v, pos [Hkv, w + m], logw.
 
@@ -170,31 +180,49 @@ PAPER = (
 )
 
 
-class AdaKV(PromptScored):
-    """A prompt-time scorer's selection with Ada-KV's allocation across heads (see the module docstring);
-    ``adaptive(Inner)`` is the class for ``Inner``."""
+class AdaKV(DenseCompressor):
+    """Ada-KV's allocation over a prompt-time scorer it holds (``scorer``, see the module docstring):
+    the scorer plans and ranks the prompt (``ranking``), this cache keeps what the joint top-k gives
+    each head. ``adaptive(Inner)`` is the wrapper the registry lists for ``ada-NAME``."""
 
+    params = (ALPHA,)
     layers: list[RaggedLayer]  # type: ignore[assignment]  # the dense store's interface, ragged
     plain_feed = False  # its own append
-    no_composition = "its heads hold different token counts; a composition stores every head of a layer alike"
 
-    def plan(self, n_prompt: int) -> dict:
-        return {**super().plan(n_prompt), "alpha": float(self.cfg["alpha"])}
+    def __init__(self, info: ModelInfo, budget: Budget | None, params: dict, scorer: DenseCompressor, seed: int = 0):
+        super().__init__(info, budget, params, seed=seed)
+        self.scorer = scorer
+
+    def check_semantics(self) -> None:
+        self.scorer.check_semantics()
+
+    def plan_tokens(self, n_prompt: int) -> dict:
+        self.scorer.decode_steps = self.decode_steps
+        return {**self.scorer.plan(n_prompt), "alpha": float(self.cfg["alpha"])}
+
+    def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
+        return self.scorer.prefill_needs(n_prompt)
+
+    def planned_tokens(self, n_prompt: int) -> int:
+        return self.scorer.planned_tokens(n_prompt)
+
+    def per_token_bytes(self, with_logw: bool = False) -> int:
+        return self.scorer.per_token_bytes(with_logw)
 
     def fixed_stream_bytes(self) -> float:
-        """Each head's int32 count of kept prompt tokens."""
-        return super().fixed_stream_bytes() + 4
+        """The scorer's, and each head's int32 count of kept prompt tokens."""
+        return self.scorer.fixed_stream_bytes() + 4
 
-    def compress(self, state: PrefillState) -> None:
+    def compress_tokens(self, state: PrefillState) -> None:
         n, n_layers, h = state.n_tokens, state.keys.shape[0], state.keys.shape[1]
         keep = torch.ones(n_layers, h, n, dtype=torch.bool, device=state.keys.device)
-        if not self.full and self.capacity < n:
-            m = n - self.window
-            scores = self.scores(state)[..., :m]  # [L, Hkv, m]
-            uniform = self.layer_keep or [self.capacity - self.window] * n_layers
-            budget = torch.tensor(uniform, device=scores.device)
-            counts = joint_allocation(scores, budget, float(self.cfg["alpha"]))
-            keep[..., :m] = ranked_keep(scores, counts)
+        rank = self.scorer.ranking(state)
+        if rank is not None:
+            keep[..., rank.head : n - rank.tail] = False
+            m = rank.scores.shape[-1]
+            budget = torch.tensor(rank.budgets, device=rank.scores.device)
+            counts = joint_allocation(rank.scores, budget, float(self.cfg["alpha"]))
+            keep[..., rank.start : rank.start + m] = ranked_keep(rank.scores, counts)
         positions = torch.arange(n, device=keep.device)
         self.layers = []
         for layer in range(n_layers):
@@ -224,37 +252,46 @@ class AdaKV(PromptScored):
         return torch.stack([layer.counts for layer in self.layers])
 
 
-_MADE: dict[str, type[AdaKV]] = {}
+@dataclass(frozen=True)
+class Adaptive(Wrapper):
+    """``ada-NAME``: the scorer ``inner`` held by an ``AdaKV`` cache."""
+
+    no_composition: ClassVar[str] = (
+        "its heads hold different token counts; a composition stores every head of a layer alike"
+    )
+
+    def make(self, info: ModelInfo, budget: Budget | None, params: dict, own: dict, seed: int) -> Compressor:
+        scorer = self.inner(info, budget, params, seed=seed)
+        assert isinstance(scorer, DenseCompressor) and scorer.ranks_prompt  # ``resolve`` admits scorers only
+        ada = AdaKV(info, budget, own, scorer, seed=seed)
+        ada.cfg = {**scorer.cfg, **ada.cfg}
+        return ada
 
 
-def adaptive(inner: type[PromptScored]) -> type[AdaKV]:
-    """The class ``ada-NAME``: ``inner``'s scores and budgets with Ada-KV's allocation (made once)."""
-    name = PREFIX + inner.name
-    if name not in _MADE:
-        _MADE[name] = type(
-            f"Ada{inner.__name__}",
-            (AdaKV, inner),
-            {
-                "name": name,
-                "title": f"Ada-{inner.title}",
-                "group": "recent",
-                "paper": PAPER,
-                "summary": f"{inner.title}'s scores; each layer's budget spread over its KV heads by one joint "
-                "top-k (each head at least alpha of the uniform share).",
-                "params": inner.params + (ALPHA,),
-            },
-        )
-    return _MADE[name]
+def adaptive(inner: type[DenseCompressor], **inner_defaults: Any) -> Adaptive:
+    """``ada-NAME``: ``inner``'s scores and budgets with Ada-KV's allocation (``inner_defaults``: the scorer's
+    parameters at other defaults)."""
+    return Adaptive(
+        inner,
+        PREFIX + inner.name,
+        title=f"Ada-{inner.title}",
+        summary=f"{inner.title}'s scores; each layer's budget spread over its KV heads by one joint top-k "
+        "(each head at least alpha of the uniform share).",
+        own_params=(ALPHA,),
+        group="recent",
+        paper=PAPER,
+        inner_defaults=tuple(inner_defaults.items()),
+    )
 
 
-def resolve(name: str, lookup: Callable[[str], type]) -> type | None:
-    """``ada-NAME`` for a prompt-time scorer (not composed, not already adaptive) -> its class; else None."""
+def resolve(name: str, lookup: Callable[[str], Any]) -> Adaptive | None:
+    """``ada-NAME`` for a method that ranks the prompt (``ranks_prompt``; not a wrapper) -> its wrapper; else None."""
     if not name.startswith(PREFIX):
         return None
     try:
         inner = lookup(name[len(PREFIX) :])
     except ValueError:
         return None
-    if not issubclass(inner, PromptScored) or issubclass(inner, (AdaKV, ComposedStore)):
+    if not isinstance(inner, type) or not issubclass(inner, DenseCompressor) or not inner.ranks_prompt:
         return None
     return adaptive(inner)

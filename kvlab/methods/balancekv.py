@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from kvlab.core.budgets import exact_bytes
-from kvlab.methods.dense import DenseCompressor
+from kvlab.methods.dense import DenseCompressor, _Growable
 from kvlab.methods.handover import PrefillState
 from kvlab.methods.params import Param
 
@@ -348,7 +348,7 @@ class BalanceKV(DenseCompressor):
             return algorithm2_config(int(c["block_size"]), float(c["denom_weight"]), float(c["c"]))
         return WalkConfig(float(c["gamma"]), float(c["c"]), float(c["denom_weight"]), bool(c["center"]))
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         if self.is_full:
             self.layout = Layout(n_prompt, n_prompt, 0, 0)
         else:
@@ -425,8 +425,8 @@ class BalanceKVStream(BalanceKV):
     )
     streaming = True
 
-    def plan(self, n_prompt: int) -> dict:
-        knobs = super().plan(n_prompt)
+    def plan_tokens(self, n_prompt: int) -> dict:
+        knobs = super().plan_tokens(n_prompt)
         self.rounds = self.layout.rounds or int(self.cfg["T"])
         self.batch = max(2, int(self.cfg["block_size"]) // 2 * 2)
         if not self.is_full and self.budget_ratio(n_prompt) > 1.0:
@@ -469,12 +469,11 @@ class BalanceKVStream(BalanceKV):
         )
         return float(((self.layout.kept + held) * per_token / allowed.clamp_min(1.0)).max())
 
-    def compress(self, state: PrefillState) -> None:
-        super().compress(state)
+    def compress_tokens(self, state: PrefillState) -> None:
+        super().compress_tokens(state)
         for layer in self.layers:  # decoding halves generated tokens: every token needs a log-weight
             if layer.logw is None:
-                k, v, pos, _ = layer.views()
-                layer.logw = type(layer).make(k, v, pos, torch.zeros(pos.shape, device=pos.device)).logw
+                layer.logw = _Growable(torch.zeros((*layer.positions().shape, 1), device=layer.pos.buf.device))
         self.levels = [[0] * self.rounds for _ in self.layers]
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:

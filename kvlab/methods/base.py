@@ -25,7 +25,7 @@ Capabilities are declared on the class, never probed: ``streaming``, ``wants_pro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -36,7 +36,7 @@ from kvlab.core.attention_ops import tensor_bytes
 from kvlab.core.budgets import Budget
 from kvlab.core.model import ModelInfo
 from kvlab.methods.handover import PrefillNeeds, PrefillState
-from kvlab.methods.params import Param, ParamError
+from kvlab.methods.params import Param, resolve
 
 DEFAULT_HORIZON = 4096  # decode steps a plan holds its budget for when the engine did not say (max_new_tokens' cap)
 
@@ -59,8 +59,8 @@ class Compressor(ABC):
     """Base class of every method: set the class attributes, implement the four required methods,
     override the optional hooks that the method needs."""
 
-    name: ClassVar[str] = ""
-    title: ClassVar[str] = ""
+    name: str = ""  # an instance made by a wrapper (``snapkv+kivi2``) carries the wrapper's name and title
+    title: str = ""
     group: ClassVar[str] = "baseline"  # "paper": the four papers' methods; "recent": newer methods; "reference": exact
     paper: ClassVar[str] = ""  # citation with link
     summary: ClassVar[str] = ""
@@ -92,6 +92,14 @@ class Compressor(ABC):
         self.sem = info.semantics  # per layer: scaling, window, soft-cap, sinks (``kvlab.core.semantics``)
         self.scaling = self.sem[0].scaling
         self.cache_dtype = info.torch_cache_dtype  # full-precision K/V are stored in this (16-bit by default)
+        # what made this instance: its class, or the wrapper that holds it (``wrapped.Wrapper``)
+        self.made_by: Callable[..., Compressor] = type(self)
+
+    def remade(self, budget: Budget | None) -> Compressor:
+        """A fresh copy of this method (same parameters, seed and horizon) at another budget."""
+        c = self.made_by(self.info, budget, self.params_given, seed=self.seed)
+        c.decode_steps = self.decode_steps
+        return c
 
     @property
     def is_full(self) -> bool:
@@ -109,14 +117,7 @@ class Compressor(ABC):
 
     @classmethod
     def resolve_params(cls, overrides: dict) -> dict:
-        known = {p.name: p for p in cls.params}
-        out = cls.defaults()
-        for k, v in overrides.items():
-            if k not in known:
-                allowed = ", ".join(known) or "none"
-                raise ParamError(f"{cls.name}: unknown parameter {k!r}; allowed: {allowed}")
-            out[k] = known[k].coerce(cls.name, v) if v is not None else None
-        return out
+        return resolve(cls.name, cls.params, overrides)
 
     def plan(self, n_prompt: int) -> dict:
         """Map the budget onto knobs (updating ``self.cfg``); return the knobs chosen.

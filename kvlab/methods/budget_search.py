@@ -39,8 +39,7 @@ def check_budget(comp: Compressor, n_prompt: int) -> None:
 
 def fits_at(comp: Compressor, budget: Budget, n_prompt: int) -> bool:
     """Whether a fresh copy of ``comp`` (same parameters, seed and horizon) planned at ``budget`` fits it."""
-    c = type(comp)(comp.info, budget, comp.params_given, seed=comp.seed)
-    c.decode_steps = comp.decode_steps
+    c = comp.remade(budget)
     c.plan(n_prompt)
     return fits_budget(c, n_prompt)
 

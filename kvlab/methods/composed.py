@@ -1,37 +1,41 @@
 """Compositions: an eviction method whose kept tokens are stored compressed.
 
-Any method built on ``DenseCompressor`` (except ``exact``) can be wrapped. The wrapper is a
-subclass made on demand (``get("h2o+kivi2")``, ``get("streaming+qjl")``): the method chooses and
-evicts tokens exactly as it does alone; its per-layer store is swapped for one that holds the
-kept tokens compressed (plus the method's positions / log-weights / scores, as it holds them), and
-attention reads them back as dense keys and values, so the method's attention, the probabilities
-it scores tokens with and its ``keep(idx)`` evictions work unchanged. The byte budget accounts for
-the compressed size of a token, so the method keeps more tokens at the same memory. Budget 1.0 is
-no compression (the inner method as it is, i.e. the exact cache).
+Any method built on ``DenseCompressor`` (except ``exact``) can be wrapped: ``snapkv+kivi2``,
+``streaming+qjl``. A composition (``Composition``, a ``wrapped.Wrapper``) holds the inner method and
+a storage (``Storage``); the instance it makes is the inner method holding that storage as its
+``TokenStorage``. The method chooses and evicts tokens exactly as it does alone; after it compresses,
+its dense layers go to the storage, which holds the kept tokens compressed (plus the method's
+positions / log-weights, as it holds them) and reads them back as dense keys and values, so the
+method's attention, the probabilities it scores tokens with and its ``keep(idx)`` evictions work
+unchanged. The byte budget pays for the stored size of a token (``DenseCompressor.per_token_bytes``
+asks the storage), so the method keeps more tokens at the same memory. Budget 1.0 is no compression
+(the inner method as it is, i.e. the exact cache).
 
-This module holds what every composition shares: the per-layer store (``TokenStore``), the mixin
-that installs it (``ComposedStore``), ``compose`` / ``composable`` (the on-demand class for
-``INNER + tag``) and the per-token quantized codes both use. Each composition lives in its own
-module with its paper: ``with_kivi.py`` (``METHOD+kiviB``) and ``with_qjl.py`` (``METHOD+qjl``);
-each registers a resolver (``registry.add_resolver``) and its named instances on import.
+This module holds what every composition shares: the per-layer store (``TokenStore``), the storage
+base (``Storage``), the wrapper (``Composition``), ``composable`` and the per-token quantized codes.
+Each storage lives in its own module with its paper: ``with_kivi.py`` (``METHOD+kiviB``) and
+``with_qjl.py`` (``METHOD+qjl``); each has a resolver the registry lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from kernels.quant import QuantizedGroups, packed_bytes, quantize_groups
 from kernels.tensor_ops import gather_tokens
-from kvlab.core.budgets import per_token_bytes
+from kvlab.core.budgets import Budget
+from kvlab.core.model import ModelInfo
 from kvlab.core.semantics import Keys
-from kvlab.methods.dense import DenseCompressor, DenseLayer, _Growable
+from kvlab.methods.base import Compressor
+from kvlab.methods.dense import DenseCompressor, KeptTokens, _Growable
 from kvlab.methods.handover import PrefillState
 from kvlab.methods.params import Param, ParamError
+from kvlab.methods.wrapped import Wrapper
 
 
 # ----- per-token quantized codes (KIVI's keys and values, QJL's values) --------------------------
@@ -60,13 +64,14 @@ def quantized_token_bytes(d: int, bits: int, group: int) -> int:
     return -(-d // g) * (packed_bytes(g, bits) + 4)
 
 
-# ----- the shared machinery: a per-layer store and the mixin that installs it --------------------
+# ----- the shared machinery: a per-layer store, the storage that makes it, the wrapper ------------
 @dataclass
 class TokenStore:
     """What every compressed store keeps besides K and V: positions [Hkv, n, 1] and optional log-weights.
 
-    A subclass is a ``DenseLayer`` look-alike (``n``, ``views``, ``append``, ``keep``, ``tensors``):
-    it adds its K/V storage through ``dense_kv``, ``_append_kv``, ``_keep_kv`` and ``_kv_tensors``.
+    A subclass holds the same tokens as a ``DenseLayer`` (``KeptTokens``: ``n``, ``views``, ``append``,
+    ``keep``, ``tensors``): it adds its K/V storage through ``dense_kv``, ``_append_kv``, ``_keep_kv``
+    and ``_kv_tensors``.
     """
 
     pos: _Growable  # [Hkv, n, 1] int32
@@ -116,11 +121,6 @@ class TokenStore:
             yield "log_weights", lw
 
     # what a store provides
-    @classmethod
-    def from_dense(cls, layer: DenseLayer, *args: Any, **kwargs: Any) -> TokenStore:
-        """The store of a dense layer's kept tokens (keyword arguments: ``ComposedStore.store_args``)."""
-        raise NotImplementedError
-
     def dense_kv(self) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
@@ -134,98 +134,73 @@ class TokenStore:
         raise NotImplementedError
 
 
-# The mixin is combined with a DenseCompressor at run time (``compose``); the type checker reads it as one.
-if TYPE_CHECKING:
-    _MixedInto = DenseCompressor
-else:
-    _MixedInto = object
+class Storage:
+    """A composition's storage of one method instance's kept tokens (the method's ``TokenStorage``).
 
-
-class ComposedStore(_MixedInto):
-    """Mixin over a ``DenseCompressor``: same selection and eviction, kept tokens held in ``store``.
-
-    A subclass sets ``store`` (a ``TokenStore`` class) and implements ``kv_bytes`` (one token's K and
-    V in one layer and KV head, as stored), ``store_args(layer)`` (the keyword arguments of
-    ``store.from_dense`` for one layer) and ``store_knobs`` (shown with the plan).
+    A subclass sets ``params`` (its own, beside the method's) and implements ``kv_bytes`` (one token's K
+    and V in one layer and KV head, as stored), ``store(layer, dense)`` (the ``TokenStore`` of one
+    compressed dense layer) and ``knobs``; optionally ``fit`` (size knobs for the budget, before the
+    method plans), ``prepare`` (once before the layers are stored), ``fixed_bytes`` and the tensors.
     """
 
-    store: ClassVar[type[TokenStore]]
+    params: ClassVar[tuple[Param, ...]] = ()
 
-    def composing(self) -> bool:
-        return not self.is_full
+    def __init__(self, method: DenseCompressor, cfg: dict, **args: Any):
+        self.method, self.cfg, self.info = method, cfg, method.info
+
+    def fit(self, n_prompt: int) -> None:
+        """Before the method plans: set the storage's size knobs for the budget."""
 
     def kv_bytes(self) -> int:
         raise NotImplementedError
 
-    def store_args(self, layer: int) -> dict:
+    def fixed_bytes(self) -> float:
+        return 0.0
+
+    def knobs(self) -> dict:
         return {}
 
-    def store_knobs(self) -> dict:
-        return {}
+    def prepare(self, state: PrefillState) -> None:
+        """Once before the method's dense layers are stored (e.g. to draw sketches)."""
 
-    def per_token_bytes(self, with_logw: bool = False) -> int:
-        full = super().per_token_bytes(with_logw)
-        return full - per_token_bytes(self.info) + self.kv_bytes() if self.composing() else full
+    def store(self, layer: int, dense: KeptTokens) -> TokenStore:
+        raise NotImplementedError
 
-    def plan(self, n_prompt: int) -> dict:
-        self.fit_store(n_prompt)
-        knobs = super().plan(n_prompt)
-        return {**knobs, **self.store_knobs()} if self.composing() else knobs
+    def stored(self, state: PrefillState, layers: list[KeptTokens]) -> list[KeptTokens]:
+        self.prepare(state)
+        return [self.store(i, dense) for i, dense in enumerate(layers)]
 
-    def fit_store(self, n_prompt: int) -> None:
-        """Hook run before the inner method plans: set the store's size knobs for the budget."""
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        return iter(())
 
-    def compress(self, state: PrefillState) -> None:
-        super().compress(state)
-        if self.composing():
-            self.prepare_store(state)
-            stores = [self.store.from_dense(layer, **self.store_args(i)) for i, layer in enumerate(self.layers)]
-            self.layers = cast("list[DenseLayer]", stores)  # look-alikes: the layer methods DenseCompressor calls
-
-    def prepare_store(self, state: PrefillState) -> None:
-        """Hook run once before the dense layers are converted (e.g. to draw sketches)."""
-
-    def kept_positions(self, layer: int) -> Tensor | None:
-        cache = self.layers[layer]  # positions without decoding the keys and values
-        return cache.positions() if isinstance(cache, TokenStore) else super().kept_positions(layer)
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        return iter(())
 
 
-_MADE: dict[str, type] = {}
+@dataclass(frozen=True)
+class Composition(Wrapper):
+    """``INNER + tag``: the inner dense method's selection, its kept tokens held by ``storage``."""
+
+    storage: type[Storage] = Storage
+    storage_args: tuple[tuple[str, Any], ...] = ()  # fixed arguments of the storage (e.g. KIVI's bits)
+
+    def make(self, info: ModelInfo, budget: Budget | None, params: dict, own: dict, seed: int) -> Compressor:
+        comp = self.inner(info, budget, params, seed=seed)
+        assert isinstance(comp, DenseCompressor)  # ``composable`` admits dense methods only
+        comp.name = self.name  # the storage's messages name the composition
+        comp.storage = self.storage(comp, own, **dict(self.storage_args))
+        return comp
 
 
-def compose(
-    inner: type[DenseCompressor],
-    mixin: type[ComposedStore],
-    tag: str,
-    class_tag: str,
-    title: str,
-    summary: str,
-    params: tuple[Param, ...],
-    **attrs,
-) -> type[DenseCompressor]:
-    """The class ``INNER + tag``: ``inner``'s selection with ``mixin``'s storage (made once per name)."""
-    name = f"{inner.name}{tag}"
-    if name not in _MADE:
-        clash = {p.name for p in params} & {p.name for p in inner.params}
-        if clash:
-            raise TypeError(f"{name}: parameters {sorted(clash)} clash with {inner.name}'s")
-        _MADE[name] = type(
-            f"{inner.__name__}{class_tag}",
-            (mixin, inner),
-            {"name": name, "title": title, "summary": summary, "params": inner.params + params, **attrs},
-        )
-    return _MADE[name]
-
-
-def composable(base: str, lookup: Callable[[str], type]) -> type[DenseCompressor] | None:
-    """The method named ``base`` if a composition can wrap it: dense, not ``exact``, not itself composed.
+def composable(base: str, lookup: Callable[[str], Any]) -> type[DenseCompressor] | None:
+    """The method named ``base`` if a composition can wrap it: dense, not ``exact``, not itself a wrapper.
     Raises ``ParamError`` when the method declares that it cannot be composed (``no_composition``)."""
     try:
         inner = lookup(base)
     except ValueError:
         return None
-    if not issubclass(inner, DenseCompressor) or issubclass(inner, ComposedStore) or inner.name == "exact":
-        return None
     if inner.no_composition:
         raise ParamError(f"{base} cannot be composed: {inner.no_composition}")
+    if not isinstance(inner, type) or not issubclass(inner, DenseCompressor) or inner.name == "exact":
+        return None
     return inner

@@ -1,15 +1,21 @@
 """The dense token store most methods share: full-precision kept tokens per layer, their positions and
 optional log-weights (``DenseLayer``), and ``DenseCompressor``, a method whose cache is that store.
 
-A ``DenseCompressor`` subclass implements ``select(state)`` (the kept token indices per layer) and,
-optionally, ``log_weights``; decoding appends to the store and attends with softmax over it.
+A ``DenseCompressor`` subclass implements ``plan_tokens(n_prompt)`` (its knobs for the budget) and
+``select(state)`` (the kept token indices per layer) or ``compress_tokens(state)``, optionally
+``log_weights``; decoding appends to the store and attends with softmax over it.
+
+``plan`` and ``compress`` are this class's own: they run the subclass's ``plan_tokens`` /
+``compress_tokens`` and, when a composition gave the method a ``TokenStorage`` (``snapkv+kivi2``,
+``h2o+qjl``: ``kvlab.methods.composed``), hand the kept tokens to it; its bytes per token are what
+the budget pays for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -96,6 +102,10 @@ class DenseLayer:
         lw = None if self.logw is None else self.logw.view().squeeze(-1)
         return self.k.view(), self.v.view(), self.pos.view().squeeze(-1), lw
 
+    def positions(self) -> Tensor:
+        """[Hkv, n] int32 positions of the kept tokens."""
+        return self.pos.view().squeeze(-1)
+
     def read_views(self) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
         """``views`` as attention reads them (a compressed store may hand ``ScoredKeys`` for the keys)."""
         return self.views()
@@ -125,6 +135,76 @@ class DenseLayer:
             yield "log_weights", lw
 
 
+@dataclass
+class Ranking:
+    """A prompt-time scorer's choice before it is made (what ``ada-`` spreads over the heads, ``adakv``).
+
+    Every head keeps the first ``head`` and the last ``tail`` prompt tokens; ``scores`` [L, Hkv, m] rank
+    the tokens ``start .. start + m - 1`` (higher = keep; ``start >= head``, ``start + m <= n - tail``),
+    of which each head of layer l keeps ``budgets[l]`` (uniformly; ``ada-`` redistributes them).
+    """
+
+    scores: Tensor
+    start: int
+    budgets: list[int]
+    head: int = 0
+    tail: int = 0
+
+
+class KeptTokens(Protocol):
+    """One layer's kept tokens as the dense methods use them: a ``DenseLayer``, or a composition's store
+    of the same tokens in fewer bytes (``composed.TokenStore``)."""
+
+    pos: _Growable  # [Hkv, n, 1] int32
+    logw: _Growable | None  # [Hkv, n, 1] float32
+
+    @property
+    def n(self) -> int: ...
+
+    def views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]: ...
+
+    def read_views(self) -> tuple[Keys, Tensor, Tensor, Tensor | None]: ...
+
+    def positions(self) -> Tensor: ...
+
+    def append(self, k: Tensor, v: Tensor, pos: int) -> None: ...
+
+    def keep(self, idx: Tensor) -> None: ...
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]: ...
+
+
+class TokenStorage(Protocol):
+    """How a composition holds a dense method's kept tokens (``kvlab.methods.composed.Storage``)."""
+
+    def fit(self, n_prompt: int) -> None:
+        """Before the method plans: set the storage's size knobs for the budget and prompt."""
+
+    def kv_bytes(self) -> int:
+        """One kept token's key and value in one layer and KV head, as stored."""
+        ...
+
+    def fixed_bytes(self) -> float:
+        """Bytes per layer and KV head held besides the tokens (counted sketches), taken off the budget first."""
+        ...
+
+    def knobs(self) -> dict:
+        """The storage's knobs, shown with the method's plan."""
+        ...
+
+    def stored(self, state: PrefillState, layers: list[KeptTokens]) -> list[KeptTokens]:
+        """The method's compressed dense layers, held in this storage."""
+        ...
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """What the storage holds per sequence besides the layers (counted sketches)."""
+        ...
+
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Per-model tensors the storage shares across sequences."""
+        ...
+
+
 class DenseCompressor(Compressor):
     """A method whose cache is, per layer, full-precision kept tokens with optional log-weights.
 
@@ -135,13 +215,20 @@ class DenseCompressor(Compressor):
 
     # set by a subclass's plan: tokens per layer and KV head the prefill compression keeps (None: all)
     capacity: int | None = None
+    # set by a composition (``composed.Composition``): how the kept tokens are stored (None: dense)
+    storage: TokenStorage | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.layers: list[DenseLayer] = []
+        self.layers: list[KeptTokens] = []
         # prefill-only, per local layer: the prompt tokens held after compression (its share of the budget)
         self.local_held: dict[int, int] = {}
         self.n_prompt = 0
+
+    # ----- what a subclass provides ----------------------------------------------------------
+    def plan_tokens(self, n_prompt: int) -> dict:
+        """The method's knobs for the budget (``Compressor.plan``); ``plan`` adds the storage's."""
+        return {}
 
     def select(self, state: PrefillState):
         raise NotImplementedError
@@ -154,10 +241,39 @@ class DenseCompressor(Compressor):
     # fed after compression is appended at once and attended in one call. A subclass that overrides
     # ``append`` or ``attend`` sets it False (tests/test_all_methods.py checks every method's declaration).
     plain_feed: ClassVar[bool] = True
+    # declared: ``ranking(state)`` gives the prompt's scores before the choice, so Ada-KV's allocation can
+    # wrap the method (``ada-NAME``, ``kvlab.methods.adakv``)
+    ranks_prompt: ClassVar[bool] = False
+
+    def ranking(self, state: PrefillState) -> Ranking | None:
+        """After ``plan``, for a method that ``ranks_prompt``: its scores before the choice (None: it keeps every
+        token)."""
+        raise NotImplementedError(f"{self.name} does not rank the prompt")
+
+    # ----- the token storage of a composition ----------------------------------------------------
+    def held_in(self) -> TokenStorage | None:
+        """The composition's storage the kept tokens go to (None: dense, and at budget 1.0, the exact cache)."""
+        return None if self.is_full else self.storage
+
+    def plan(self, n_prompt: int) -> dict:
+        storage = self.held_in()
+        if storage is not None:
+            storage.fit(n_prompt)
+        knobs = self.plan_tokens(n_prompt)
+        return knobs if storage is None else {**knobs, **storage.knobs()}
+
+    def compress(self, state: PrefillState) -> None:
+        self.compress_tokens(state)
+        storage = self.held_in()
+        if storage is not None:
+            self.layers = storage.stored(state, self.layers)
 
     def per_token_bytes(self, with_logw: bool = False) -> int:
-        """Bytes one kept token costs in one layer and KV head: K, V, its int32 position (+ log-weight)."""
-        return per_token_bytes(self.info) + (0 if self.positions_implicit else 4) + (4 if with_logw else 0)
+        """Bytes one kept token costs in one layer and KV head: K, V (as the storage holds them), its int32
+        position (+ log-weight)."""
+        storage = self.held_in()
+        kv = per_token_bytes(self.info) if storage is None else storage.kv_bytes()
+        return kv + (0 if self.positions_implicit else 4) + (4 if with_logw else 0)
 
     def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
         """How many tokens per layer and head fit the byte budget (all of them for budget 1.0 or none)."""
@@ -168,7 +284,9 @@ class DenseCompressor(Compressor):
             worth = budget.tokens * per_token_bytes(self.info) * (1 + TOLERANCE)
             return max(1, min(budget.tokens, n_prompt, int(worth // self.per_token_bytes(with_logw))))
         target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
-        return max(1, min(n_prompt, int(target // self.per_token_bytes(with_logw))))
+        storage = self.held_in()
+        fixed = 0.0 if storage is None else storage.fixed_bytes()  # a storage's counted sketches: paid for first
+        return max(1, min(n_prompt, int((target - fixed) // self.per_token_bytes(with_logw))))
 
     def planned_tokens(self, n_prompt: int) -> int:
         """After ``plan``: tokens per layer and KV head the prefill compression keeps (the capacity by default)."""
@@ -179,8 +297,9 @@ class DenseCompressor(Compressor):
         return False
 
     def fixed_stream_bytes(self) -> float:
-        """Bytes per layer and KV head held besides the kept tokens (e.g. counted sketches)."""
-        return 0.0
+        """Bytes per layer and KV head held besides the kept tokens (e.g. a storage's counted sketches)."""
+        storage = self.held_in()
+        return 0.0 if storage is None else storage.fixed_bytes()
 
     def planned_bytes(self, n_prompt: int) -> float:
         """After ``plan``: the bytes the compressed prompt will hold (kept tokens x their cost, + fixed bytes)."""
@@ -192,7 +311,8 @@ class DenseCompressor(Compressor):
         allowance grows; a prefill-only method's generated tokens are allowed on top."""
         return self.planned_bytes(n_prompt) / max(1.0, self.allowed(n_prompt, 0))
 
-    def compress(self, state: PrefillState) -> None:
+    def compress_tokens(self, state: PrefillState) -> None:
+        """The dense layers of the tokens ``select`` keeps (a subclass may build them otherwise)."""
         idx = self.select(state)
         idx = [i for i in idx]
         lw = self.log_weights(state, idx)
@@ -288,9 +408,17 @@ class DenseCompressor(Compressor):
             for kind, t in layer.tensors():
                 if not (self.positions_implicit and kind == "positions"):
                     yield kind, t
+        storage = self.held_in()
+        if storage is not None:
+            yield from storage.tensors()
+
+    def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        storage = self.held_in()
+        if storage is not None:
+            yield from storage.shared_tensors()
 
     def kept_positions(self, layer: int) -> Tensor | None:
-        return self.layers[layer].views()[2]
+        return self.layers[layer].positions()
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """Softmax over the kept tokens (with their log-weights), at their positions; 0 where evicted."""
@@ -347,4 +475,4 @@ def _in_window(pos: Tensor, first: int) -> Tensor | None:
     return idx[keep].view(pos.shape[0], -1)
 
 
-__all__ = ["DenseCompressor", "DenseLayer"]
+__all__ = ["DenseCompressor", "DenseLayer", "KeptTokens", "TokenStorage"]

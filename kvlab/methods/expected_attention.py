@@ -44,7 +44,7 @@ from torch import Tensor
 from kvlab.core import semantics as sm
 from kvlab.core.attention_ops import pool_heads
 from kvlab.core.rope import Rotary
-from kvlab.methods.dense import DenseCompressor
+from kvlab.methods.dense import DenseCompressor, Ranking
 from kvlab.methods.handover import PrefillNeeds, PrefillState
 from kvlab.methods.params import Param
 
@@ -179,7 +179,7 @@ class ExpectedAttention(DenseCompressor):
     def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
         return PrefillNeeds(query_stats=self.stats_queries(n_prompt))
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         self.full = self.is_full
         self.capacity = self.tokens_for_budget(n_prompt)
         self.sinks = min(int(self.cfg["n_sink"]), self.capacity, n_prompt)
@@ -216,6 +216,16 @@ class ExpectedAttention(DenseCompressor):
                 for lo in range(0, keys.shape[0], step)
             ]
         )
+
+    ranks_prompt = True
+
+    def ranking(self, state: PrefillState) -> Ranking | None:
+        """After ``plan``: every head keeps the sinks; the tokens after them are ranked by the paper's score."""
+        n, n_layers = state.n_tokens, state.keys.shape[0]
+        if self.full or self.capacity >= n:
+            return None
+        scores = self.scores(state)  # [L, Hkv, n - first]
+        return Ranking(scores, n - scores.shape[-1], [self.capacity - self.sinks] * n_layers, head=self.sinks)
 
     def select(self, state: PrefillState):
         n, n_layers = state.n_tokens, state.keys.shape[0]

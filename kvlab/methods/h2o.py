@@ -44,7 +44,7 @@ class H2O(ScoredEvictionCompressor):
         ),
     )
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         self.set_full(self.is_full)
         self.capacity = self.tokens_for_budget(n_prompt)
         heavy = int(round(self.cfg["heavy_ratio"] * self.capacity))

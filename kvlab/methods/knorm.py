@@ -53,8 +53,8 @@ class KNorm(PromptScored):
         """[L, Hkv, n]: minus each key's L2 norm (the smallest norms score highest)."""
         return -state.keys.float().norm(dim=-1)
 
-    def plan(self, n_prompt: int) -> dict:
-        knobs = super().plan(n_prompt)
+    def plan_tokens(self, n_prompt: int) -> dict:
+        knobs = super().plan_tokens(n_prompt)
         n_layers, prefix = self.info.n_layers, n_prompt - self.window
         total = n_layers * knobs["prefix_kept"]  # tokens besides the windows, all layers together
         skip = 0 if self.full or self.capacity >= n_prompt else min(int(self.cfg["skip_layers"]), n_layers)

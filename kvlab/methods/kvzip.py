@@ -227,7 +227,7 @@ class KVzip(DenseCompressor):
         self.heads: list[list[DenseLayer]] = []  # per layer, per KV head: that head's kept pairs
         self.head_sems: list[list[LayerSemantics]] = []
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         self.full = self.is_full
         self.capacity = self.tokens_for_budget(n_prompt)
         return {"capacity": self.capacity, "allocation": self.cfg["allocation"]}
@@ -258,7 +258,7 @@ class KVzip(DenseCompressor):
             return 0
         return min(len(template(state.model)[0]), state.n_tokens)
 
-    def compress(self, state: PrefillState) -> None:
+    def compress_tokens(self, state: PrefillState) -> None:
         n_layers, n_kv, n = state.keys.shape[0], state.keys.shape[1], state.n_tokens
         if self.keeps_all(n):
             keep = torch.ones(n_layers, n_kv, n, dtype=torch.bool, device=state.keys.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvlab.core.model import ModelInfo
 from kvlab.methods.base import Compressor
@@ -119,11 +120,12 @@ def _value(value: object, head_dim: int) -> object:
     return value
 
 
-def preset_class(name: str, lookup: Callable[[str], type[Compressor]]) -> type[Compressor]:
+def preset_class(name: str, lookup: Callable[[str], Any]) -> type[Compressor]:
     """The class of one preset: the method with the preset's settings as its defaults (made once)."""
     if name not in _MADE:
         preset = PRESETS[name]
         base = lookup(preset.method)
+        assert isinstance(base, type) and issubclass(base, Compressor), f"{preset.method}: a preset needs a class"
         given = preset.params()
         known = {p.name for p in base.params}
         missing = sorted(set(given) - known)
@@ -159,6 +161,6 @@ def preset_class(name: str, lookup: Callable[[str], type[Compressor]]) -> type[C
     return _MADE[name]
 
 
-def resolve(name: str, lookup: Callable[[str], type[Compressor]]) -> type[Compressor] | None:
+def resolve(name: str, lookup: Callable[[str], Any]) -> type[Compressor] | None:
     """``METHOD@tag`` -> its preset class; None for any other name."""
     return preset_class(name, lookup) if name in PRESETS else None

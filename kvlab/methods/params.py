@@ -52,3 +52,16 @@ class Param:
 
 
 __all__ = ["Param", "ParamError"]
+
+
+def resolve(method: str, params: tuple[Param, ...], overrides: dict) -> dict:
+    """The defaults of ``params`` with ``overrides`` applied (each coerced); an unknown name is a ``ParamError``
+    naming ``method`` and what it allows."""
+    known = {p.name: p for p in params}
+    out = {p.name: p.default for p in params}
+    for k, v in overrides.items():
+        if k not in known:
+            allowed = ", ".join(known) or "none"
+            raise ParamError(f"{method}: unknown parameter {k!r}; allowed: {allowed}")
+        out[k] = known[k].coerce(method, v) if v is not None else None
+    return out

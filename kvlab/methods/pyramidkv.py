@@ -51,8 +51,8 @@ class PyramidKV(SnapKV):
         Param("beta", 20.0, "top layer keeps 1/beta of the average per-layer budget", minimum=1.0),
     )
 
-    def plan(self, n_prompt: int) -> dict:
-        knobs = super().plan(n_prompt)
+    def plan_tokens(self, n_prompt: int) -> dict:
+        knobs = super().plan_tokens(n_prompt)
         n_layers = self.info.n_layers
         self.layer_keep = pyramid_budgets(
             n_layers * knobs["prefix_kept"], n_layers, float(self.cfg["beta"]), n_prompt - self.window

@@ -1,5 +1,6 @@
 """The registry of compression methods, by name: an explicit list of the classes each method file
-defines, and the resolvers that build named variants on demand (``snapkv+kivi2``, ``ada-tova``,
+defines and of the wrappers listed with them (``snapkv+kivi2``, ``ada-snapkv``: ``wrapped.Wrapper``),
+and the resolvers that build named variants on demand (``h2o+kivi4``, ``ada-knorm``,
 ``qjl@paper``). Nothing registers itself on import; a new method is added to ``METHODS`` here.
 
 ``register``/``unregister`` add and remove a class at run time (a user's own method, a test's).
@@ -35,11 +36,14 @@ from kvlab.methods.uniform import Uniform
 from kvlab.methods.with_kivi import quantized
 from kvlab.methods.with_kivi import resolve as resolve_kivi
 from kvlab.methods.with_qjl import qjl_keyed, resolve_qjl
+from kvlab.methods.wrapped import Wrapper
 
-Lookup = Callable[[str], type[Compressor]]
+# a method as the registry holds it: its class, or a wrapper holding another method (``wrapped.Wrapper``)
+Method = type[Compressor] | Wrapper
+Lookup = Callable[[str], Method]
 
 # Every method the page and the CLI list, and the compositions listed with them.
-METHODS: tuple[type[Compressor], ...] = (
+METHODS: tuple[Method, ...] = (
     Exact,
     Uniform,
     StreamingLLM,
@@ -63,32 +67,33 @@ METHODS: tuple[type[Compressor], ...] = (
     TurboQuant,
     PolarQuant,
     adaptive(SnapKV),  # the AdaKV paper's own pairing
+    adaptive(ExpectedAttention, epsilon=1e-2),  # kvpress's benchmarked Expected Attention (AdaKVPress, epsilon 1e-2)
     quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)
     quantized(SnapKV, 2),
     qjl_keyed(SnapKV),
     qjl_keyed(H2O),
 )
 
-# name -> class or None, for names that are not listed: compositions, adaptive heads, paper presets
-RESOLVERS: tuple[Callable[[str, Lookup], type[Compressor] | None], ...] = (
+# name -> method or None, for names that are not listed: compositions, adaptive heads, paper presets
+RESOLVERS: tuple[Callable[[str, Lookup], Method | None], ...] = (
     resolve_kivi,
     resolve_qjl,
     resolve_adaptive,
     resolve_preset,
 )
 
-_REGISTRY: dict[str, type[Compressor]] = {}
+_REGISTRY: dict[str, Method] = {}
 
 
 class UnknownMethodError(ValueError):
     pass
 
 
-def register(cls: type[Compressor]) -> type[Compressor]:
-    """Add ``cls`` under its name (a name taken by another class is an error)."""
+def register(cls: Method) -> Method:
+    """Add ``cls`` under its name (a name taken by another method is an error)."""
     if not cls.name:
         raise TypeError(f"{cls.__name__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] != cls:
         raise TypeError(f"method name {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
@@ -109,7 +114,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY, key=lambda n: (_ORDER.get(_REGISTRY[n].group, 9), n))
 
 
-def get(name: str) -> type[Compressor]:
+def get(name: str) -> Method:
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -120,5 +125,5 @@ def get(name: str) -> type[Compressor]:
         raise UnknownMethodError(f"unknown method {name!r}; allowed: {', '.join(names())}") from None
 
 
-def methods() -> dict[str, type[Compressor]]:
+def methods() -> dict[str, Method]:
     return {n: _REGISTRY[n] for n in names()}

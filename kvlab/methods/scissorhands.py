@@ -94,7 +94,7 @@ class Scissorhands(ScoredEvictionCompressor):
     )
 
     # ----- knobs --------------------------------------------------------------------------
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         cfg = self.cfg
         self.set_full(self.is_full and cfg["B"] is None)
         self.capacity = B = int(cfg["B"]) if cfg["B"] is not None else self.tokens_for_budget(n_prompt)
@@ -149,11 +149,11 @@ class Scissorhands(ScoredEvictionCompressor):
     def decode_drop(self, n: int, layer: int = 0) -> int:
         return self._drop(n, layer)
 
-    def compress(self, state: PrefillState) -> None:
+    def compress_tokens(self, state: PrefillState) -> None:
         """``prompt="token"``: Algorithm 1 over the prompt (an empty cache fed every prompt token, its
         query attending and updating the records, compressed whenever it passes B); else the default."""
         if self.full or not self.token_prompt:
-            return super().compress(state)
+            return super().compress_tokens(state)
         n_layers, hkv, _, d = state.keys.shape
         dev = state.keys.device
         self.layers = [

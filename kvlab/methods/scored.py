@@ -39,7 +39,7 @@ from torch import Tensor
 
 from kernels.tensor_ops import gather_tokens
 from kvlab.core.attention_ops import pool_heads
-from kvlab.methods.dense import DenseCompressor, DenseLayer
+from kvlab.methods.dense import DenseCompressor, DenseLayer, Ranking
 from kvlab.methods.handover import PrefillState
 
 
@@ -290,11 +290,22 @@ class PromptScored(DenseCompressor):
         """[L, Hkv, n] (or [L, Hkv, n - window]) scores of the prompt tokens; higher = keep."""
         raise NotImplementedError
 
+    ranks_prompt = True
+
+    def ranking(self, state: PrefillState) -> Ranking | None:
+        """After ``plan``: the scores of the tokens before the window and each layer's budget for them (None:
+        every token is kept)."""
+        n, n_layers = state.n_tokens, state.keys.shape[0]
+        if self.full or self.capacity >= n:
+            return None
+        budgets = self.layer_keep or [self.capacity - self.window] * n_layers
+        return Ranking(self.scores(state)[..., : n - self.window], 0, budgets, tail=self.window)
+
     def recent_window(self) -> int:
         """Last prompt tokens kept whatever their score (0: none); the ``window`` parameter if there is one."""
         return int(self.cfg.get("window", 0))
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         self.full = self.is_full
         self.capacity = self.tokens_for_budget(n_prompt)
         self.window = min(self.recent_window(), self.capacity, n_prompt)

@@ -32,7 +32,7 @@ class StreamingLLM(DenseCompressor):
     capacity: int  # set by plan: tokens per layer and KV head kept
     full: bool  # set by plan: no budget, nothing compressed
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         cap = self.tokens_for_budget(n_prompt)
         sink = min(self.cfg["n_sink"], cap)
         if self.cfg["window"] is None:

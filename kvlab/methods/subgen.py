@@ -736,7 +736,7 @@ class SubGenKCenter(DenseCompressor):
 
     full: bool  # set by plan: no budget, nothing compressed
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         self.full = self.is_full
         cap = self.tokens_for_budget(n_prompt, with_logw=self.cfg["weighted"])
         self.recent = min(cap, int(round(self.cfg["recent_ratio"] * cap)))
@@ -752,10 +752,10 @@ class SubGenKCenter(DenseCompressor):
     def select(self, state: PrefillState):  # compress is overridden; kept for the contract
         return [None] * state.keys.shape[0]
 
-    def compress(self, state: PrefillState) -> None:
+    def compress_tokens(self, state: PrefillState) -> None:
         n = state.n_tokens
         if self.full or self.recent + self.k >= n:
-            return super().compress(state)
+            return super().compress_tokens(state)
         keys, values, pos, logw = kcenter_compress(state.keys, state.values, self.recent, self.k, self.cfg["value"])
         lw = logw if self.cfg["weighted"] else None
         self.layers = [

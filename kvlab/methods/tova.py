@@ -42,7 +42,7 @@ class TOVA(ScoredEvictionCompressor):
     def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
         return PrefillNeeds(query_window=1)  # the last prompt query ranks the prompt
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         self.set_full(self.is_full)
         self.capacity = self.tokens_for_budget(n_prompt)
         self.recent = 1  # the token just appended: it has no attention score yet

@@ -58,7 +58,7 @@ class Uniform(DenseCompressor):
     capacity: int  # set by plan: tokens per layer and KV head kept
     full: bool  # set by plan: no budget, nothing compressed
 
-    def plan(self, n_prompt: int) -> dict:
+    def plan_tokens(self, n_prompt: int) -> dict:
         self.full = self.is_full
         self.capacity = self.tokens_for_budget(n_prompt, with_logw=self.cfg["reweight"])
         self.first = min(int(self.cfg["n_first"]), self.capacity // 4)

@@ -6,27 +6,28 @@ min/scale codes of ``bits`` bits in groups of ``quant_group``. Because eviction 
 tokens, keys and values are both grouped per token (along head_dim) here; KIVI's per-channel key
 groups span several tokens and would not survive an eviction.
 
-The shared store and mixin are in ``composed.py``.
+The shared store, storage base and wrapper are in ``composed.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
 from kernels.quant import QuantizedGroups, cat_groups, dequantize_groups
 from kvlab.methods.composed import (
-    ComposedStore,
+    Composition,
+    Storage,
     TokenStore,
     composable,
-    compose,
     gather_quantized,
     quantize_tokens,
     quantized_token_bytes,
 )
-from kvlab.methods.dense import DenseCompressor, DenseLayer
+from kvlab.methods.dense import DenseCompressor, KeptTokens
 from kvlab.methods.params import Param
 
 SUFFIX = "+kivi"
@@ -43,7 +44,7 @@ class QuantizedDenseLayer(TokenStore):
     group: int
 
     @classmethod
-    def from_dense(cls, layer: DenseLayer, bits: int, group: int) -> QuantizedDenseLayer:
+    def from_dense(cls, layer: KeptTokens, bits: int, group: int) -> QuantizedDenseLayer:
         k, v, _, _ = layer.views()
         return cls(layer.pos, layer.logw, quantize_tokens(k, bits, group), quantize_tokens(v, bits, group), bits, group)
 
@@ -63,38 +64,40 @@ class QuantizedDenseLayer(TokenStore):
                 yield f"{name}_{kind}", t
 
 
-class QuantizedStore(ComposedStore):
-    """Mixin over a ``DenseCompressor``: same selection and eviction, KIVI-style quantized storage."""
+class QuantizedStorage(Storage):
+    """KIVI-style storage: every kept key and value as per-token ``bits``-bit codes."""
 
-    store = QuantizedDenseLayer
-    kv_bits: int = 4
+    params = (Param("quant_group", 32, "quantization group along head_dim", minimum=1),)
+
+    def __init__(self, method: DenseCompressor, cfg: dict, bits: int = 4):
+        super().__init__(method, cfg)
+        self.bits = bits
 
     def kv_bytes(self) -> int:
-        return 2 * quantized_token_bytes(self.info.head_dim, self.kv_bits, int(self.cfg["quant_group"]))
+        return 2 * quantized_token_bytes(self.info.head_dim, self.bits, int(self.cfg["quant_group"]))
 
-    def store_args(self, layer: int) -> dict:
-        return {"bits": self.kv_bits, "group": int(self.cfg["quant_group"])}
+    def store(self, layer: int, dense: KeptTokens) -> TokenStore:
+        return QuantizedDenseLayer.from_dense(dense, self.bits, int(self.cfg["quant_group"]))
 
-    def store_knobs(self) -> dict:
-        return {"kv_bits": self.kv_bits, "quant_group": int(self.cfg["quant_group"])}
+    def knobs(self) -> dict:
+        return {"kv_bits": self.bits, "quant_group": int(self.cfg["quant_group"])}
 
 
-def quantized(inner: type[DenseCompressor], bits: int) -> type[DenseCompressor]:
-    """The class ``INNER+kiviBITS``: ``inner``'s selection with quantized storage (made once)."""
-    return compose(
+def quantized(inner: type[DenseCompressor], bits: int) -> Composition:
+    """``INNER+kiviBITS``: ``inner``'s selection with quantized storage."""
+    return Composition(
         inner,
-        QuantizedStore,
-        f"{SUFFIX}{bits}",
-        f"Kivi{bits}",
+        f"{inner.name}{SUFFIX}{bits}",
         title=f"{inner.title} + KIVI {bits}-bit",
         summary=f"{inner.title}'s token selection; kept keys/values stored as {bits}-bit codes (per token).",
-        params=(Param("quant_group", 32, "quantization group along head_dim", minimum=1),),
-        kv_bits=bits,
+        own_params=QuantizedStorage.params,
+        storage=QuantizedStorage,
+        storage_args=(("bits", bits),),
     )
 
 
-def resolve(name: str, lookup: Callable[[str], type]) -> type | None:
-    """``METHOD+kiviB`` -> its composed class; None for any other name."""
+def resolve(name: str, lookup: Callable[[str], Any]) -> Composition | None:
+    """``METHOD+kiviB`` -> its composition; None for any other name."""
     base, sep, bits = name.rpartition(SUFFIX)
     if not sep or not bits.isdigit() or int(bits) not in BITS:
         return None

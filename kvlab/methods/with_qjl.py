@@ -14,16 +14,16 @@ as they are alone); like ``qjl``, its bytes count only with ``count_sketch`` (it
 the seed). QJL's full-precision recent window and larger first-layer sketches are not used here: every
 kept token is sketched, and one token costs the same in every layer, as the token budget assumes.
 Without ``qjl_m`` the budget goes to tokens first (m = 2 x head_dim), and once every prompt token
-fits, what is left buys a larger sketch (``QJLStore.fit_store``).
+fits, what is left buys a larger sketch (``QJLStorage.fit``).
 
-The shared store and mixin are in ``composed.py``.
+The shared store, storage base and wrapper are in ``composed.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,15 +33,15 @@ from kernels.quant import QuantizedGroups, cat_groups, dequantize_groups
 from kernels.tensor_ops import gather_tokens
 from kvlab.core.semantics import Keys, ScoredKeys
 from kvlab.methods.composed import (
-    ComposedStore,
+    Composition,
+    Storage,
     TokenStore,
     composable,
-    compose,
     gather_quantized,
     quantize_tokens,
     quantized_token_bytes,
 )
-from kvlab.methods.dense import DenseCompressor, DenseLayer
+from kvlab.methods.dense import DenseCompressor, KeptTokens
 from kvlab.methods.handover import PrefillState
 from kvlab.methods.params import Param, ParamError
 from kvlab.methods.qjl import M_MAX_PER_D, M_MIN, QuantizedKeys, quantize_keys
@@ -102,7 +102,7 @@ class QJLDenseLayer(TokenStore):
 
     @classmethod
     def from_dense(
-        cls, layer: DenseLayer, s: Tensor, s_out: Tensor, n_out: int, split: bool, value_bits: int, value_group: int
+        cls, layer: KeptTokens, s: Tensor, s_out: Tensor, n_out: int, split: bool, value_bits: int, value_group: int
     ) -> QJLDenseLayer:
         k, v, _, _ = layer.views()
         keys, values = sketch_tokens(k, s, s_out, n_out), quantize_tokens(v, value_bits, value_group)
@@ -133,8 +133,8 @@ class QJLDenseLayer(TokenStore):
             yield f"value_{kind}", t
 
 
-class QJLStore(ComposedStore):
-    """Mixin over a ``DenseCompressor``: same selection and eviction, QJL-sketched keys, quantized values.
+class QJLStorage(Storage):
+    """QJL-sketched keys and quantized values for a dense method's kept tokens.
 
     The sketch size m (``qjl_m`` when given) is at least 2 x head_dim, the reference's sketch on most
     layers (256 bits for head_dim 128): 2 bits per key coordinate (+ the norm), as many as the 2-bit
@@ -146,10 +146,10 @@ class QJLStore(ComposedStore):
     every token), while the m that fills a 0.125 budget (208-272) mostly keeps it on track.
     """
 
-    store = QJLDenseLayer
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, method: DenseCompressor, cfg: dict):
+        super().__init__(method, cfg)
+        self.name = method.name
+        self.layers: list[QJLDenseLayer] = []  # the stores of the last compression, with their sketches
         m = self.cfg["qjl_m"]
         if m is None or str(m).strip().lower() in ("", "none", "auto"):
             m = None
@@ -188,17 +188,18 @@ class QJLStore(ComposedStore):
             return 0.0
         return (self.sketch_rows + self.m_out) * self.info.head_dim * 4 / self.info.n_kv_heads
 
-    def fit_store(self, n_prompt: int) -> None:
+    def fit(self, n_prompt: int) -> None:
         """Without ``qjl_m``: the largest sketch (multiple of 8, 2 to 16 x head_dim) that still lets every
         prompt token fit the byte budget (counted with a log-weight, so any inner method keeps them all);
         2 x head_dim when they do not all fit even then, or with a token-count budget."""
         d = self.info.head_dim
         self.sketch_rows = self.cfg["qjl_m"] or 2 * d
-        budget = self.budget
-        if self.cfg["qjl_m"] or not self.composing() or budget is None or budget.tokens is not None:
+        budget = self.method.budget
+        if self.cfg["qjl_m"] or budget is None or budget.tokens is not None:
             return
         target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
-        fits = lambda: n_prompt * self.per_token_bytes(with_logw=True) + self.sketch_bytes() <= target  # noqa: E731
+        per_token = self.method.per_token_bytes
+        fits = lambda: n_prompt * per_token(with_logw=True) + self.sketch_bytes() <= target  # noqa: E731
         lo, hi = 2 * d, M_MAX_PER_D * d
         if not fits():
             return
@@ -207,38 +208,37 @@ class QJLStore(ComposedStore):
             lo, hi = (self.sketch_rows, hi) if fits() else (lo, self.sketch_rows - 8)
         self.sketch_rows = lo
 
-    def fixed_stream_bytes(self) -> float:
-        return self.sketch_bytes() if self.composing() else 0.0
+    def fixed_bytes(self) -> float:
+        return self.sketch_bytes()
 
-    def tokens_for_budget(self, n_prompt: int, with_logw: bool = False) -> int:
-        """As the inner method's, with the counted sketch bytes taken off the byte target first."""
-        budget = self.budget
-        fixed = self.sketch_bytes() if self.composing() and budget is not None and budget.tokens is None else 0.0
-        if not fixed or budget is None:
-            return super().tokens_for_budget(n_prompt, with_logw)
-        target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
-        return max(1, min(n_prompt, int((target - fixed) // self.per_token_bytes(with_logw))))
-
-    def prepare_store(self, state: PrefillState) -> None:
+    def prepare(self, state: PrefillState) -> None:
         """One sketch (and outlier sketch) per layer, orthogonalized as in ``qjl``, from the seed's own stream."""
         n_layers, d = state.keys.shape[0], state.keys.shape[-1]
-        gen = torch.Generator(device="cpu").manual_seed(self.seed + SKETCH_STREAM)
+        gen = torch.Generator(device="cpu").manual_seed(self.method.seed + SKETCH_STREAM)
         dev = state.keys.device
         self.sketches = make_sketch(n_layers, self.sketch_rows, d, gen).to(dev)
         self.out_sketches = make_sketch(n_layers, self.m_out, d, gen).to(dev) if self.n_out else self.sketches[:, :0]
 
-    def store_args(self, layer: int) -> dict:
+    def store(self, layer: int, dense: KeptTokens) -> TokenStore:
         c = self.cfg
-        return {
-            "s": self.sketches[layer],
-            "s_out": self.out_sketches[layer],
-            "n_out": self.n_out,
-            "split": bool(c["split_query"]),
-            "value_bits": int(c["value_bits"]),
-            "value_group": int(c["value_group"]),
-        }
+        self.layers.append(
+            QJLDenseLayer.from_dense(
+                dense,
+                s=self.sketches[layer],
+                s_out=self.out_sketches[layer],
+                n_out=self.n_out,
+                split=bool(c["split_query"]),
+                value_bits=int(c["value_bits"]),
+                value_group=int(c["value_group"]),
+            )
+        )
+        return self.layers[-1]
 
-    def store_knobs(self) -> dict:
+    def stored(self, state: PrefillState, layers: list[KeptTokens]) -> list[KeptTokens]:
+        self.layers = []
+        return super().stored(state, layers)
+
+    def knobs(self) -> dict:
         c, d = self.cfg, self.info.head_dim
         return {
             "qjl_m": self.sketch_rows,
@@ -252,7 +252,6 @@ class QJLStore(ComposedStore):
         }
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        yield from super().tensors()
         if self.cfg["count_sketch"]:
             yield from self._sketches()
 
@@ -262,11 +261,10 @@ class QJLStore(ComposedStore):
             yield from self._sketches()
 
     def _sketches(self) -> Iterator[tuple[str, Tensor]]:
-        if self.composing():  # compress made every layer a QJLDenseLayer
-            for layer in cast("list[QJLDenseLayer]", self.layers):
-                yield "sketch", layer.s
-                if self.n_out:
-                    yield "sketch", layer.s_out
+        for layer in self.layers:  # the stores made since the last compression
+            yield "sketch", layer.s
+            if self.n_out:
+                yield "sketch", layer.s_out
 
 
 QJL_PARAMS = (
@@ -300,22 +298,21 @@ QJL_PARAMS = (
 )
 
 
-def qjl_keyed(inner: type[DenseCompressor]) -> type[DenseCompressor]:
-    """The class ``INNER+qjl``: ``inner``'s selection with QJL keys and quantized values (made once)."""
-    return compose(
+def qjl_keyed(inner: type[DenseCompressor]) -> Composition:
+    """``INNER+qjl``: ``inner``'s selection with QJL keys and quantized values."""
+    return Composition(
         inner,
-        QJLStore,
-        QJL_SUFFIX,
-        "QJL",
+        f"{inner.name}{QJL_SUFFIX}",
         title=f"{inner.title} + QJL",
         summary=f"{inner.title}'s token selection; kept keys stored as QJL 1-bit sketches (sign bits + norm), "
         "values as per-token codes (2-bit by default).",
-        params=QJL_PARAMS,
+        own_params=QJL_PARAMS,
+        storage=QJLStorage,
     )
 
 
-def resolve_qjl(name: str, lookup: Callable[[str], type]) -> type | None:
-    """``METHOD+qjl`` -> its composed class; None for any other name."""
+def resolve_qjl(name: str, lookup: Callable[[str], Any]) -> Composition | None:
+    """``METHOD+qjl`` -> its composition; None for any other name."""
     base, sep, rest = name.rpartition(QJL_SUFFIX)
     if not sep or rest:
         return None
