@@ -3,7 +3,9 @@
 Each grid cell is one generated prompt (task, length, needle depth, seed); its methods and budgets run together
 in one lockstep comparison. A cell's result is written to ``<out>/cells/<key>.json`` as soon as it
 is done, and a re-run skips cells whose file exists (the key includes a hash of everything that
-changes the result). Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
+changes the result, the methods aside). A re-run that names methods a cell has not run runs only
+those (beside ``exact``, the reference its measures are taken against, when the sweep has it) and
+adds them to the cell's file: a method added to a finished leaderboard costs its own runs only. Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
 sweep ...``, also on CPU-only machines where it runs N gloo processes; or torchrun) process r
 runs cells r, r + W, r + 2W, ...; after a barrier, process 0 merges
 all cell files into ``results.json``, ``results.csv`` and ``report.html``; a sweep with task scores at
@@ -95,7 +97,7 @@ class SweepConfig:
 
     def key(self) -> str:
         """Hash of everything besides the cell that changes a cell's result."""
-        skip = ("lengths", "seeds", "out", "depths", "depth")
+        skip = ("lengths", "seeds", "out", "depths", "depth", "methods")  # a cell file lists its methods
         parts = {k: v for k, v in asdict(self).items() if k not in skip}
         if parts["protocol"] == "query-aware":  # keeps the keys of cells stored before the protocol existed
             del parts["protocol"]
@@ -135,13 +137,15 @@ def distributed() -> tuple[int, int, Callable[[], None]]:
     return state.process_index, state.num_processes, state.wait_for_everyone
 
 
-def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
-    """One comparison on the cell's prompt; returns the compact record written to its file."""
+def run_cell(engine, cfg: SweepConfig, cell: Cell, methods: list[str] | None = None) -> dict:
+    """One comparison on the cell's prompt (``methods``, default the sweep's); returns the compact record
+    written to its file."""
 
     task = make_task(cell.task, cell.length, cell.seed, engine.lm.encode, cell.depth)
+    methods = list(cfg.methods if methods is None else methods)
     comparison = Comparison(
         task,
-        cfg.methods,
+        methods,
         cfg.budgets,
         settings=GenerationSettings(
             max_new_tokens=cfg.max_new_tokens if cfg.max_new_tokens is not None else task.max_new_tokens or 16
@@ -152,6 +156,7 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell) -> dict:
     result = compare(engine, comparison)
     return {
         "cell": asdict(cell),
+        "methods": methods,
         "protocol": result.protocol,
         "answer": task.answer,
         "meta": task.meta,
@@ -200,28 +205,58 @@ def run_sweep(
     engine = None
     for cell in todo:
         path = cell_path(cfg, cell)
-        if path.exists():
+        before = json.loads(path.read_text()) if path.exists() else None
+        missing = [m for m in cfg.methods if before is None or m not in methods_of(before)]
+        if not missing:
             log(f"[sweep {rank}] {cell.name}: done before, skipped")
             continue
         engine = engine or engine_factory()
-        rec = run_cell(engine, cfg, cell)
+        if before is None:
+            rec = run_cell(engine, cfg, cell)
+        else:  # only the methods this cell has not run, beside the reference
+            reference = ["exact"] if "exact" in cfg.methods and "exact" not in missing else []
+            rec = added_to(before, run_cell(engine, cfg, cell, reference + missing))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(rec))
         tmp.replace(path)
-        log(f"[sweep {rank}] {cell.name}: {len(rec['runs'])} runs, {rec['prompt_tokens']} tokens")
+        what = f"{len(rec['runs'])} runs" if before is None else f"{', '.join(missing)} added"
+        log(f"[sweep {rank}] {cell.name}: {what}, {rec['prompt_tokens']} tokens")
     barrier()
     if rank != 0:
         return None
     return merge(cfg)
 
 
+def methods_of(rec: dict) -> list[str]:
+    """The methods a cell's record ran (its ``methods``; a record written before they were listed: its runs')."""
+    return list(rec.get("methods") or dict.fromkeys(r["method"] for r in rec["runs"]))
+
+
+def added_to(before: dict, new: dict) -> dict:
+    """A cell's record with the runs of ``new`` (the same prompt, other methods) added; the reference
+    ``exact`` that ``new`` ran again is not stored twice (it must give the same tokens)."""
+    have = {r["label"]: r for r in before["runs"]}
+    for r in new["runs"]:
+        if r["label"] in have:
+            if r["token_ids"] != have[r["label"]]["token_ids"]:
+                raise RuntimeError(f"{new['cell']}: {r['label']} ran again and generated other tokens")
+            continue
+        before["runs"].append(r)
+    before["refused"] = list(dict.fromkeys(before.get("refused", []) + new.get("refused", [])))
+    before["methods"] = list(dict.fromkeys(methods_of(before) + new["methods"]))
+    return before
+
+
 def load_cells(cfg: SweepConfig) -> list[dict]:
+    """The cells' records, each with the runs of the sweep's methods only (a cell file may hold more)."""
     recs = []
     for cell in cells(cfg):
         path = cell_path(cfg, cell)
         if path.exists():
-            recs.append(json.loads(path.read_text()))
+            rec = json.loads(path.read_text())
+            rec["runs"] = [r for r in rec["runs"] if r["method"] in cfg.methods]
+            recs.append(rec)
     return recs
 
 
@@ -322,4 +357,15 @@ def budget_labels(text: str) -> list[str]:
     return [b.label for b in parse_budgets(text)]
 
 
-__all__ = ["Cell", "SweepConfig", "cells", "merge", "rows", "run_cell", "run_sweep", "summary"]
+__all__ = [
+    "Cell",
+    "SweepConfig",
+    "added_to",
+    "cells",
+    "merge",
+    "methods_of",
+    "rows",
+    "run_cell",
+    "run_sweep",
+    "summary",
+]

@@ -81,6 +81,26 @@ def test_rerun_skips_done_cells(small_sweep, capsys):
     assert [p.stat().st_mtime_ns for p in cells] == before
 
 
+def test_a_method_added_to_a_finished_sweep_runs_alone(small_sweep, tmp_path, capsys):
+    """Naming one more method re-runs no cell: each cell runs the new method (beside exact, its reference,
+    which must generate the same tokens again) and keeps the runs it had; the merge then has all of them."""
+    out = tmp_path / "grown"
+    shutil.copytree(small_sweep, out)
+    before = {p.name: json.loads(p.read_text()) for p in (out / "cells").iterdir()}
+    grown = [a if a != "exact,streaming,snapkv" else "exact,streaming,snapkv,knorm" for a in SMALL]
+    assert main(["sweep", *grown, "--out", str(out)]) == 0
+    assert capsys.readouterr().err.count("knorm added") == 4
+    for p in (out / "cells").iterdir():
+        old, new = before[p.name], json.loads(p.read_text())
+        assert new["runs"][: len(old["runs"])] == old["runs"]  # untouched
+        assert [r["label"] for r in new["runs"][len(old["runs"]) :]] == ["knorm@0.5", "knorm@0.25"]
+        assert new["methods"] == ["exact", "streaming", "snapkv", "knorm"]
+    labels = {r["label"] for r in _csv(out / "results.csv")}
+    assert labels == LABELS | {"knorm@0.5", "knorm@0.25"}
+    # the original sweep's merge lists its own methods only, though its folder's cells now could hold more
+    assert {r["label"] for r in _csv(small_sweep / "results.csv")} == LABELS
+
+
 @pytest.mark.slow
 def test_accelerate_two_processes_match_single(small_sweep, tmp_path):
     out = tmp_path / "acc"
