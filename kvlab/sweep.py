@@ -5,7 +5,8 @@ in one lockstep comparison. A cell's result is written to ``<out>/cells/<key>.js
 is done, and a re-run skips cells whose file exists (the key includes a hash of everything that
 changes the result, the methods aside). A re-run that names methods a cell has not run runs only
 those (beside ``exact``, the reference its measures are taken against, when the sweep has it) and
-adds them to the cell's file: a method added to a finished leaderboard costs its own runs only. Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
+adds them to the cell's file: a method added to a finished leaderboard costs its own runs only.
+Across processes (``accelerate launch --multi_gpu --num_processes N -m kvlab
 sweep ...``, also on CPU-only machines where it runs N gloo processes; or torchrun) process r
 runs cells r, r + W, r + 2W, ...; after a barrier, process 0 merges
 all cell files into ``results.json``, ``results.csv`` and ``report.html``; a sweep with task scores at
