@@ -24,6 +24,7 @@ COMPOSED = [
     "h2o+kivi2",
     "streaming+qjl",
     "scissorhands+qjl",
+    "streaming+polarquant",
 ]  # built on demand by the registry's resolvers
 METHODS = [m for m in names() if m != "exact"] + COMPOSED
 BUDGETS = ["0.5", "0.25", "0.125"]

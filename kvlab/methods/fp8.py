@@ -116,10 +116,13 @@ class FP8(TokenQuantizer):
             return torch.matmul(p * self._scales(st, "value_scales"), st.codes["values"].float())
         return torch.matmul(p, st.codes["values"].float()) * self._scales(st, "value_scales")
 
+    def decoded(self, layer: int, st: CodedLayer, name: str) -> Tensor:
+        """The coded keys (``name`` "key") or values ("value") [Hkv, n, d] float32, as attention reads them."""
+        return st.codes[f"{name}s"].float() * self._scales(st, f"{name}_scales").transpose(-1, -2)
+
     def dequantize(self, st: CodedLayer) -> tuple[Tensor, Tensor]:
         """The coded keys and values [Hkv, n, d] float32, as attention reads them."""
-        ks, vs = self._scales(st, "key_scales"), self._scales(st, "value_scales")
-        return st.codes["keys"].float() * ks.transpose(-1, -2), st.codes["values"].float() * vs.transpose(-1, -2)
+        return self.decoded(0, st, "key"), self.decoded(0, st, "value")
 
 
 __all__ = ["FP8", "FP8_MAX", "to_fp8", "token_scales"]

@@ -212,13 +212,14 @@ class PolarQuant(TokenQuantizer):
         yv = self.rotated("value", st.codes)
         return torch.matmul(torch.matmul(p, yv), self.state[f"rotation_{yv.shape[-1]}"].T)
 
+    def decoded(self, layer: int, st: CodedLayer, name: str) -> Tensor:
+        """The keys (``name`` "key") or values ("value") [Hkv, n, d] as the codes reconstruct them (y_hat S^T)."""
+        y = self.rotated(name, st.codes)
+        return torch.matmul(y, self.state[f"rotation_{y.shape[-1]}"].T)
+
     def dequantize(self, st: CodedLayer) -> tuple[Tensor, Tensor]:
         """Keys and values [Hkv, n, d] as the codes reconstruct them (y_hat S^T)."""
-        out = []
-        for name in ("key", "value"):
-            y = self.rotated(name, st.codes)
-            out.append(torch.matmul(y, self.state[f"rotation_{y.shape[-1]}"].T))
-        return out[0], out[1]
+        return self.decoded(0, st, "key"), self.decoded(0, st, "value")
 
     def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """S (one per head size) and the angle codebooks, shared by every sequence and layer."""

@@ -1,7 +1,7 @@
 """The registry of compression methods, by name: an explicit list of the classes each method file
 defines and of the wrappers listed with them (``snapkv+kivi2``, ``ada-snapkv``: ``wrapped.Wrapper``),
-and the resolvers that build named variants on demand (``h2o+kivi4``, ``ada-knorm``,
-``qjl@paper``). Nothing registers itself on import; a new method is added to ``METHODS`` here.
+and the resolvers that build named variants on demand (``h2o+kivi4``, ``snapkv+polarquant``,
+``ada-knorm``, ``qjl@paper``). Nothing registers itself on import; a new method is added to ``METHODS`` here.
 
 ``register``/``unregister`` add and remove a class at run time (a user's own method, a test's).
 """
@@ -36,6 +36,8 @@ from kvlab.methods.uniform import Uniform
 from kvlab.methods.with_kivi import quantized
 from kvlab.methods.with_kivi import resolve as resolve_kivi
 from kvlab.methods.with_qjl import qjl_keyed, resolve_qjl
+from kvlab.methods.with_token_quant import coded
+from kvlab.methods.with_token_quant import resolve as resolve_coded
 from kvlab.methods.wrapped import Wrapper
 
 # a method as the registry holds it: its class, or a wrapper holding another method (``wrapped.Wrapper``)
@@ -72,12 +74,15 @@ METHODS: tuple[Method, ...] = (
     quantized(SnapKV, 2),
     qjl_keyed(SnapKV),
     qjl_keyed(H2O),
+    coded(SnapKV, "turboquant"),
+    coded(H2O, "fp8"),
 )
 
 # name -> method or None, for names that are not listed: compositions, adaptive heads, paper presets
 RESOLVERS: tuple[Callable[[str, Lookup], Method | None], ...] = (
     resolve_kivi,
     resolve_qjl,
+    resolve_coded,
     resolve_adaptive,
     resolve_preset,
 )

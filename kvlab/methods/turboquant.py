@@ -372,16 +372,19 @@ class TurboQuant(TokenQuantizer):
         order = channel_order(idx, xs.shape[-1]).unsqueeze(-2).expand(*xs.shape)
         return torch.empty_like(xs).scatter_(-1, order, xs)
 
+    def decoded(self, layer: int, st: CodedLayer, name: str) -> Tensor:
+        """The keys (``name`` "key": Algorithm 2's reconstruction) or values ("value") [Hkv, n, d] the codes
+        stand for."""
+        n_out = (self.k_split if name == "key" else self.v_split)[1]
+        x = self.instances[name].dequantize(layer, st.codes)
+        if n_out:
+            x = torch.cat([x, self.instances[f"outlier_{name}"].dequantize(layer, st.codes)], -1)
+            x = self._merge(x, st.extra[f"{name}_outlier_channels"])
+        return x
+
     def dequantize(self, layer: int, st: CodedLayer) -> tuple[Tensor, Tensor]:
         """The keys (Algorithm 2's reconstruction) and values [Hkv, n, d] the codes stand for."""
-        out = []
-        for name, n_out in (("key", self.k_split[1]), ("value", self.v_split[1])):
-            x = self.instances[name].dequantize(layer, st.codes)
-            if n_out:
-                x = torch.cat([x, self.instances[f"outlier_{name}"].dequantize(layer, st.codes)], -1)
-                x = self._merge(x, st.extra[f"{name}_outlier_channels"])
-            out.append(x)
-        return out[0], out[1]
+        return self.decoded(layer, st, "key"), self.decoded(layer, st, "value")
 
     def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """The rotations, QJL sketches and codebooks of every instance (one per layer), shared by every sequence."""
