@@ -85,6 +85,15 @@ def joint_allocation(scores: Tensor, budget: Tensor, alpha: float) -> Tensor:
     return out.scatter_add_(1, by_remainder, bump.long())
 
 
+def topped_up(mask: Tensor, want: Tensor, first: int) -> Tensor:
+    """``mask`` [H, n] (bool, no token before ``first``) with each head's newest unmarked tokens at or after
+    ``first`` added until head h marks ``want[h]`` of them."""
+    free = ~mask
+    free[:, :first] = False
+    rank = free.flip(-1).cumsum(-1).flip(-1)  # the newest free token: 1
+    return mask | (free & (rank <= (want - mask.sum(-1))[:, None]))
+
+
 def ranked_keep(scores: Tensor, budgets: Tensor) -> Tensor:
     """[L, H, m] bool: each head keeps its ``budgets`` [L, H] best-scored tokens of ``scores`` [L, H, m]."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
@@ -132,6 +141,25 @@ class RaggedLayer:
             idx = (tail_pos >= first).nonzero().squeeze(-1)
             self.tail.keep(idx.expand(len(self.counts), -1))
 
+    def held(self) -> int:
+        """Tokens held, all heads together (prompt tokens and the tail of every head)."""
+        return int(self.counts.sum()) + len(self.counts) * self.tail.n
+
+    def drop_oldest(self, m: int) -> None:
+        """Forget at least m tokens, the oldest first: prompt tokens by position, whichever heads hold them;
+        once none is left, the oldest appended ones (every head's, so a multiple of the head count)."""
+        t = min(m, self.pos.numel())
+        if t:
+            inside = torch.ones_like(self.pos, dtype=torch.bool)
+            inside[torch.sort(self.pos, stable=True).indices[:t]] = False
+            head = torch.repeat_interleave(torch.arange(len(self.counts), device=self.pos.device), self.counts.long())
+            self.counts = torch.bincount(head[inside], minlength=len(self.counts)).to(torch.int32)
+            self.k, self.v, self.pos = self.k[inside], self.v[inside], self.pos[inside]
+        rest = -(-(m - t) // len(self.counts))
+        if rest:
+            n = self.tail.n
+            self.tail.keep(torch.arange(min(rest, n), n, device=self.pos.device).expand(len(self.counts), -1))
+
     def read_views(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """As attention reads them: ``views`` (``DenseLayer.read_views``)."""
         return self.views()
@@ -148,7 +176,7 @@ class RaggedLayer:
         """
         tk, tv, tpos, _ = self.tail.views()
         counts = self.counts.tolist()
-        newest = int(tpos.max()) if tpos.numel() else int(self.pos.max())
+        newest = int(tpos.max()) if tpos.numel() else int(self.pos.max()) if self.pos.numel() else 0
         k = pad_sequence(list(self.k.split(counts)), batch_first=True)
         v = pad_sequence(list(self.v.split(counts)), batch_first=True)
         pos = pad_sequence(list(self.pos.split(counts)), batch_first=True, padding_value=newest)
@@ -225,20 +253,31 @@ class AdaKV(DenseCompressor):
             keep[..., rank.start : rank.start + m] = ranked_keep(rank.scores, counts)
         positions = torch.arange(n, device=keep.device)
         self.layers = []
+        self.n_prompt, self.local_held = n, {}
         for layer in range(n_layers):
             cancel.checkpoint()
-            mask, window = keep[layer], self.sem[layer].window
-            if window is not None and window < n:  # a sliding-window layer holds its window only
-                mask = mask & (positions >= n - window)
+            mask, first = keep[layer], self.sem[layer].visible_from(n - 1)
+            if first > 0:  # a local layer holds what its last query sees: each head's picks there, topped up
+                mask = topped_up(mask & (positions >= first), mask.sum(-1).clamp(max=n - first), first)
             ks, vs = self.as_cached(state.keys[layer]), self.as_cached(state.values[layer])
             self.layers.append(RaggedLayer.kept(ks, vs, mask))
+            if first > 0:
+                self.local_held[layer] = int(mask.sum())
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
-        cache = self.layers[layer]
+        """The new tokens go to every head; on a local layer, what leaves the window goes, and the layer then
+        holds at most what it held after compression (plus its window's growth): its oldest prompt tokens,
+        whichever heads hold them, make room first."""
+        cache, newest = self.layers[layer], pos + k.shape[-2] - 1
         cache.append(k, v, pos)
-        window = self.sem[layer].window
-        if window is not None:
-            cache.drop_before(pos + k.shape[-2] - window)
+        s = self.sem[layer]
+        if s.is_local:
+            cache.drop_before(s.visible_from(newest))
+        if layer in self.local_held:
+            h = len(cache.counts)
+            over = cache.held() - (self.local_held[layer] + h * self.local_growth(layer, newest))
+            if over > 0:
+                cache.drop_oldest(over)
 
     def feed(self, layer: int, q: Tensor, k: Tensor, v: Tensor, pos: int) -> Tensor:
         """A chunk of c tokens: appended to every head at once, one causal attention (a sliding-window

@@ -475,20 +475,28 @@ class BalanceKVStream(BalanceKV):
             if layer.logw is None:
                 layer.logw = _Growable(torch.zeros((*layer.positions().shape, 1), device=layer.pos.buf.device))
         self.levels = [[0] * self.rounds for _ in self.layers]
+        # a local layer's allowance stops growing once its window is full: it then holds what it held
+        # after compression, its oldest tokens making room for new ones (``hold_local``)
+        self.local_held = {i: layer.n for i, layer in enumerate(self.layers) if self.sem[i].is_local}
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         cache, counts = self.layers[layer], self.levels[layer]
         cache.append(k, v, pos)
-        if not self.rounds:
-            return
-        counts[0] += 1
-        lvl = 0
-        while lvl < self.rounds and counts[lvl] == self.batch:
-            self._reduce_tail(cache)
-            counts[lvl] = 0
-            if lvl + 1 < self.rounds:
-                counts[lvl + 1] += self.batch // 2
-            lvl += 1
+        if self.rounds:
+            counts[0] += 1
+            lvl = 0
+            while lvl < self.rounds and counts[lvl] == self.batch:
+                self._reduce_tail(cache)
+                counts[lvl] = 0
+                if lvl + 1 < self.rounds:
+                    counts[lvl + 1] += self.batch // 2
+                lvl += 1
+        if self.hold_local(layer, pos + k.shape[-2] - 1):  # the oldest went first: shorten the oldest levels
+            over = sum(counts) - cache.n
+            for lvl in reversed(range(self.rounds)):
+                cut = min(over, counts[lvl])
+                counts[lvl] -= cut
+                over -= cut
 
     def _reduce_tail(self, cache) -> None:
         """Halve the last ``batch`` tokens of one layer (all heads at once), in place."""

@@ -288,6 +288,24 @@ class DenseCompressor(Compressor):
         fixed = 0.0 if storage is None else storage.fixed_bytes()  # a storage's counted sketches: paid for first
         return max(1, min(n_prompt, int((target - fixed) // self.per_token_bytes(with_logw))))
 
+    def spread_over_layers(self, n_prompt: int, shares: list[int]) -> list[int]:
+        """Per-layer token counts ``shares`` (per KV head) as the layers can hold them: a local layer whose
+        exact cache holds fewer tokens (its window) keeps all of them, and what its share leaves goes to the
+        layers that can hold more, evenly (water-filling). Unchanged on a model without local layers."""
+        caps = [s.held(n_prompt) for s in self.sem.layers]
+        out = [min(a, c) for a, c in zip(shares, caps)]
+        surplus = sum(shares) - sum(out)
+        while surplus > 0:
+            room = [i for i, (o, c) in enumerate(zip(out, caps)) if o < c]
+            if not room:
+                break
+            each, extra = divmod(surplus, len(room))
+            for j, i in enumerate(room):
+                add = min(each + (j < extra), caps[i] - out[i])
+                out[i] += add
+                surplus -= add
+        return out
+
     def planned_tokens(self, n_prompt: int) -> int:
         """After ``plan``: tokens per layer and KV head the prefill compression keeps (the capacity by default)."""
         return n_prompt if self.capacity is None else min(n_prompt, self.capacity)
@@ -354,10 +372,33 @@ class DenseCompressor(Compressor):
             if inside is not None:
                 cache.keep(inside)
         if layer in self.local_held:  # prefill-only on a local layer: generated tokens only as its exact view grows
-            sees, saw = newest + 1 - s.visible_from(newest), self.n_prompt - s.visible_from(self.n_prompt - 1)
-            room = self.local_held[layer] + sees - saw  # what its newest query sees grew by sees - saw
+            room = self.local_held[layer] + self.local_growth(layer, newest)
             if cache.n > room:
-                cache.keep(_oldest_dropped(cache.views()[2], cache.n - room))
+                cache.keep(_oldest_dropped(cache.positions(), cache.n - room))
+
+    def local_growth(self, layer: int, newest: int) -> int:
+        """How many more tokens a local layer's exact cache holds once the newest token is at ``newest`` than
+        right after the prompt (0 once its window is full): what a local layer may add to what it held after
+        compression (``local_held``) and still hold its budget."""
+        s = self.sem[layer]
+        return newest + 1 - s.visible_from(newest) - (self.n_prompt - s.visible_from(self.n_prompt - 1))
+
+    def hold_local(self, layer: int, newest: int) -> int:
+        """For a method with its own ``append``, after it: on a local layer, forget what the next query no
+        longer sees, then the oldest tokens beyond what the layer held after compression (``local_held``,
+        set by the method) plus ``local_growth``. Returns how many tokens were dropped."""
+        cache, s = self.layers[layer], self.sem[layer]
+        if not s.is_local:
+            return 0
+        before = cache.n
+        inside = _in_window(cache.positions(), s.visible_from(newest))
+        if inside is not None and inside.shape[-1] < cache.n:
+            cache.keep(inside)
+        if layer in self.local_held:
+            room = self.local_held[layer] + self.local_growth(layer, newest)
+            if cache.n > room:
+                cache.keep(_oldest_dropped(cache.positions(), cache.n - room))
+        return before - cache.n
 
     def visible(self, layer: int) -> tuple[Keys, Tensor, Tensor, Tensor | None]:
         """This layer's (k, v, pos, logw) as the newest token's query sees them (``read_views``: the keys may

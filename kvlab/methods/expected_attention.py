@@ -221,11 +221,16 @@ class ExpectedAttention(DenseCompressor):
 
     def ranking(self, state: PrefillState) -> Ranking | None:
         """After ``plan``: every head keeps the sinks; the tokens after them are ranked by the paper's score."""
-        n, n_layers = state.n_tokens, state.keys.shape[0]
+        n = state.n_tokens
         if self.full or self.capacity >= n:
             return None
         scores = self.scores(state)  # [L, Hkv, n - first]
-        return Ranking(scores, n - scores.shape[-1], [self.capacity - self.sinks] * n_layers, head=self.sinks)
+        return Ranking(scores, n - scores.shape[-1], [c - self.sinks for c in self.layer_capacity(n)], head=self.sinks)
+
+    def layer_capacity(self, n: int) -> list[int]:
+        """After ``plan``: tokens kept per layer and KV head (the capacity, spread over the layers as they can
+        hold them: ``spread_over_layers``)."""
+        return self.spread_over_layers(n, [self.capacity] * self.info.n_layers)
 
     def select(self, state: PrefillState):
         n, n_layers = state.n_tokens, state.keys.shape[0]
@@ -233,6 +238,9 @@ class ExpectedAttention(DenseCompressor):
             return [None] * n_layers
         scores = self.scores(state)  # [L, Hkv, n - first]
         first = n - scores.shape[-1]
-        top = torch.topk(scores, self.capacity - self.sinks, dim=-1).indices + first
+        caps = self.layer_capacity(n)
+        top = torch.topk(scores, min(max(caps) - self.sinks, scores.shape[-1]), dim=-1).indices + first  # best first
         sinks = torch.arange(self.sinks, device=top.device).expand(*top.shape[:-1], self.sinks)
-        return torch.cat([sinks, top.sort(-1).values], -1)
+        if len(set(caps)) == 1:
+            return torch.cat([sinks, top.sort(-1).values], -1)
+        return [torch.cat([sinks[i], top[i, :, : c - self.sinks].sort(-1).values], -1) for i, c in enumerate(caps)]

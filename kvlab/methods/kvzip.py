@@ -271,6 +271,7 @@ class KVzip(DenseCompressor):
             keep = keep_mask(scores, self.capacity, self.cfg["allocation"])
         g = self.info.group_size
         self.layers, self.heads, self.head_sems = [], [], []
+        self.head_held: dict[int, list[int]] = {}
         for layer in range(n_layers):
             first = self.sem[layer].visible_from(n - 1)
             stores = []
@@ -287,13 +288,21 @@ class KVzip(DenseCompressor):
                 )
             self.heads.append(stores)
             self.head_sems.append([head_semantics(self.sem[layer], h, g) for h in range(n_kv)])
+            if first > 0:  # a local layer: each head then holds what it held here (plus its window's growth)
+                self.head_held[layer] = [store.n for store in stores]
+        self.n_prompt = n
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
-        first = self.sem[layer].visible_from(pos + k.shape[-2] - 1)
+        newest = pos + k.shape[-2] - 1
+        first = self.sem[layer].visible_from(newest)
+        held = self.head_held.get(layer)
         for h, store in enumerate(self.heads[layer]):
             store.append(k[h : h + 1], v[h : h + 1], pos)
             if first > 0:
                 keep_from(store, first)
+            room = None if held is None else max(1, held[h] + self.local_growth(layer, newest))
+            if room is not None and store.n > room:  # the oldest make room (every head keeps the newest token)
+                keep_from(store, int(store.positions()[0, store.n - room]))
 
     def _attend(self, layer: int, q: Tensor, causal_tail: int = 0) -> Tensor:
         """q [Hq, t, d] -> [Hq, t, dv]: each KV head's query group over that head's pairs."""

@@ -295,11 +295,17 @@ class PromptScored(DenseCompressor):
     def ranking(self, state: PrefillState) -> Ranking | None:
         """After ``plan``: the scores of the tokens before the window and each layer's budget for them (None:
         every token is kept)."""
-        n, n_layers = state.n_tokens, state.keys.shape[0]
+        n = state.n_tokens
         if self.full or self.capacity >= n:
             return None
-        budgets = self.layer_keep or [self.capacity - self.window] * n_layers
-        return Ranking(self.scores(state)[..., : n - self.window], 0, budgets, tail=self.window)
+        return Ranking(self.scores(state)[..., : n - self.window], 0, self.prefix_budgets(n), tail=self.window)
+
+    def prefix_budgets(self, n: int) -> list[int]:
+        """After ``plan``: per layer, the tokens kept besides the window (``layer_keep``, else the capacity
+        less the window everywhere), spread over the layers as they can hold them (``spread_over_layers``: a
+        local layer keeps what its window shows, the rest of its share goes to the others)."""
+        keep = self.layer_keep or [self.capacity - self.window] * self.info.n_layers
+        return [c - self.window for c in self.spread_over_layers(n, [k + self.window for k in keep])]
 
     def recent_window(self) -> int:
         """Last prompt tokens kept whatever their score (0: none); the ``window`` parameter if there is one."""
@@ -316,7 +322,8 @@ class PromptScored(DenseCompressor):
         if self.full or self.capacity >= n:
             return [None] * n_layers
         prefix = self.scores(state)[..., : n - self.window]  # [L, Hkv, n - window]
-        if self.layer_keep is None:
-            return top_prefix_plus_window(prefix, self.capacity - self.window, n, self.window)
-        ranked = torch.topk(prefix, max(self.layer_keep), dim=-1).indices  # [L, Hkv, kmax], best first
-        return [with_window(ranked[layer, :, :k], n, self.window) for layer, k in enumerate(self.layer_keep)]
+        budgets = self.prefix_budgets(n)
+        if self.layer_keep is None and len(set(budgets)) == 1:
+            return top_prefix_plus_window(prefix, budgets[0], n, self.window)
+        ranked = torch.topk(prefix, max(budgets), dim=-1).indices  # [L, Hkv, kmax], best first
+        return [with_window(ranked[layer, :, :k], n, self.window) for layer, k in enumerate(budgets)]

@@ -756,22 +756,33 @@ class SubGenKCenter(DenseCompressor):
         n = state.n_tokens
         if self.full or self.recent + self.k >= n:
             return super().compress_tokens(state)
-        keys, values, pos, logw = kcenter_compress(state.keys, state.values, self.recent, self.k, self.cfg["value"])
-        lw = logw if self.cfg["weighted"] else None
-        self.layers = [
-            DenseLayer.make(self.as_cached(keys[i]), self.as_cached(values[i]), pos[i], None if lw is None else lw[i])
-            for i in range(keys.shape[0])
-        ]
+        n_layers, h = state.keys.shape[:2]
+        weighted = bool(self.cfg["weighted"])
+        shares = self.spread_over_layers(n, [self.recent + self.k] * n_layers)  # local layers' surplus to the others
+        firsts = [max(sem.visible_from(n - 1), n - share) for sem, share in zip(self.sem.layers, shares)]
+        local = [sem.is_local and first > 0 for sem, first in zip(self.sem.layers, firsts)]
+        self.layers = [None] * n_layers  # type: ignore[list-item]  # every layer is set below
         self.n_prompt, self.local_held = n, {}
-        for i, sem in enumerate(self.sem.layers):  # a local layer: its newest tokens, as many as its share pays for
-            first = max(sem.visible_from(n - 1), n - self.recent - self.k)
-            if first > 0 and sem.is_local:
-                h = state.keys.shape[1]
+        for share in sorted({c for c, loc in zip(shares, local) if not loc}):  # the layers of one share at once
+            idx = [i for i, c in enumerate(shares) if c == share and not local[i]]
+            if share >= n:
+                ks, vs = state.keys[idx], state.values[idx]
+                pos = torch.arange(n).expand(len(idx), h, n)
+                logw = torch.zeros(pos.shape)
+            else:
+                ks, vs, pos, logw = kcenter_compress(
+                    state.keys[idx], state.values[idx], self.recent, share - self.recent, self.cfg["value"]
+                )
+            for j, i in enumerate(idx):
+                lw = logw[j] if weighted else None
+                self.layers[i] = DenseLayer.make(self.as_cached(ks[j]), self.as_cached(vs[j]), pos[j], lw)
+        for i, first in enumerate(firsts):  # a local layer: its newest tokens, as many as its share pays for
+            if local[i]:
                 self.layers[i] = DenseLayer.make(
                     self.as_cached(state.keys[i, :, first:]),
                     self.as_cached(state.values[i, :, first:]),
                     torch.arange(first, n).expand(h, -1),
-                    None if lw is None else torch.zeros(h, n - first),
+                    torch.zeros(h, n - first) if weighted else None,
                 )
                 self.local_held[i] = n - first
 

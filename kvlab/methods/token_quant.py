@@ -10,7 +10,9 @@ TurboQuant's outlier channels). This module holds what they have in common:
   method quantizes the oldest window token as soon as the window passes ``residual`` tokens; a
   prefill-only one (``streaming = False``, PolarQuant as run in its paper) keeps generated tokens in
   the window. On a sliding-window layer only the tokens a query can still see are kept (the exact
-  cache keeps its window too): older ones are dropped, the oldest codes first;
+  cache keeps its window too): older ones are dropped, the oldest codes first; there a prefill-only
+  method codes its generated tokens too (as a streaming one does), since full-precision tokens
+  replacing coded ones in a window that no longer grows would outgrow the budget;
 * attention: the method's logits for the coded tokens (``code_logits``), the exact logits of the
   window, one softmax with the layer's semantics (``kvlab.core.semantics.grouped_softmax``: soft-cap,
   window, sinks), then the method's probability-weighted sum of the coded values (``code_values``)
@@ -151,7 +153,7 @@ class TokenQuantizer(Compressor):
         total = 0.0
         for sem in self.sem.layers:
             held = sem.held(n + steps)
-            window = min(held, r) if self.streaming or self.full else min(held, min(r, n) + steps)
+            window = min(held, r) if self.streaming or self.full or sem.is_local else min(held, min(r, n) + steps)
             coded = held - window
             total += info.n_kv_heads * (coded * self.token_bytes() + window * full) + self.fixed_bytes()
         return total
@@ -212,7 +214,7 @@ class TokenQuantizer(Compressor):
         st.res_v = torch.cat([st.res_v, v.to(st.res_v.dtype)], 1)
         st.n_seen += k.shape[1]
         over = st.res_k.shape[1] - self.residual
-        if self.streaming and not self.full and over > 0:
+        if (self.streaming or self.sem[layer].is_local) and not self.full and over > 0:
             sl = slice(layer, layer + 1)
             enc = self.encode(sl, st.res_k[None, :, :over], st.res_v[None, :, :over], [st.extra])
             st.add_codes({name: t[0] for name, t in enc.items()})

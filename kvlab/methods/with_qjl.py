@@ -13,8 +13,8 @@ per layer, drawn from the method's seed on a stream of its own (the inner method
 as they are alone); like ``qjl``, its bytes count only with ``count_sketch`` (it is regenerated from
 the seed). QJL's full-precision recent window and larger first-layer sketches are not used here: every
 kept token is sketched, and one token costs the same in every layer, as the token budget assumes.
-Without ``qjl_m`` the budget goes to tokens first (m = 2 x head_dim), and once every prompt token
-fits, what is left buys a larger sketch (``QJLStorage.fit``).
+Without ``qjl_m`` the budget goes to tokens first (m = 2 x head_dim), and once every token the
+layers hold fits (the prompt, or a local layer's window), what is left buys a larger sketch (``QJLStorage.fit``).
 
 The shared store, storage base and wrapper are in ``composed.py``.
 """
@@ -199,7 +199,8 @@ class QJLStorage(Storage):
             return
         target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
         per_token = self.method.per_token_bytes
-        fits = lambda: n_prompt * per_token(with_logw=True) + self.sketch_bytes() <= target  # noqa: E731
+        held = sum(s.held(n_prompt) for s in self.method.sem.layers) / self.info.n_layers  # per layer, on average
+        fits = lambda: held * per_token(with_logw=True) + self.sketch_bytes() <= target  # noqa: E731
         lo, hi = 2 * d, M_MAX_PER_D * d
         if not fits():
             return

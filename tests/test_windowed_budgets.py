@@ -1,0 +1,83 @@
+"""Every method on the matrix's windowed models (sliding windows, chunked attention, local and global
+layers mixed) holds its budget and uses it: at 0.25 and 0.5, peak bytes over the decode steps within
+[0.85, 1.05] of what the budget allows (``health.budget_limits``), no health flag, no refusal of the
+budget (a method that cannot compute the model's attention says so and is left out). A run below
+0.85 passes only when the method cannot hold more: its bytes at budget 0.99 are the same (a
+composition at fixed bits, say, that already holds every token its layers can see).
+
+The tiny random-weight models of ``tiny_models`` (32-token window or chunk), a 160-token prompt of
+CPython's reference manual, 6 decode steps; one comparison per model, every method at 0.25, 0.5 and
+0.99. Mistral runs in ``make test``; the other windowed families in ``make test-all``. ``GAPS`` lists
+what does not hold yet, each as a strict expected failure with its reason.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import tiny_models
+
+from kvlab.cli import method_names
+from kvlab.core.budgets import Budget
+from kvlab.engine.comparison import Engine
+from kvlab.engine.loader import from_model
+from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.measure import health
+from kvlab.methods import get
+
+PROMPT, NEW, BUDGETS, ROOMY = 160, 6, ("0.25", "0.5"), "0.99"
+FAMILIES = ("mistral", "gemma3", "gemma2", "olmo3", "gpt-oss", "llama4")
+METHODS = [m for m in method_names("all") if m != "exact"]
+_KIVI = "KIVI's residual is one length on every layer: the global layers cannot take what the windows leave"
+_EVICTOR = "a scored evictor's capacity is one count on every layer: a window holds fewer, the rest goes unused"
+_BALANCE = "BalanceKV's layout keeps whole halving rounds: its plan falls just under on mixed local/global layers"
+_STREAM = "MergeAndReduce's buffered tokens grow on the global layers only, faster than their share of the budget"
+GAPS = {
+    ("gemma3", "kivi"): _KIVI,
+    ("gemma2", "kivi"): _KIVI,
+    ("gpt-oss", "kivi"): _KIVI,
+    ("olmo3", "kivi"): _KIVI,
+    ("llama4", "kivi"): _KIVI,
+    ("gemma3", "scissorhands+kivi4"): _EVICTOR,
+    ("gemma2", "scissorhands+kivi4"): _EVICTOR,
+    ("gpt-oss", "scissorhands+kivi4"): _EVICTOR,
+    ("gemma3", "balancekv"): _BALANCE,
+    ("gemma3", "balancekv-stream"): _STREAM,
+    ("gemma2", "balancekv-stream"): _STREAM,
+}
+
+
+@functools.cache
+def _runs(family: str, tokenizer, text: str) -> dict:
+    loaded = from_model(tiny_models.build(family), tokenizer, family, check=False)
+    assert any(s.is_local for s in loaded.info.semantics.layers), family
+    ids = [int(i) for i in tokenizer(text)["input_ids"][:PROMPT]]
+    specs = [RunSpec(m, Budget.parse(b)) for m in METHODS for b in (*BUDGETS, ROOMY)]
+    result = Engine(loaded).compare(ids, specs, GenerationSettings(max_new_tokens=NEW))
+    return {r.label: r for r in result.runs}
+
+
+def _cases():
+    for family in FAMILIES:
+        for method in METHODS:
+            marks = [] if family == "mistral" else [pytest.mark.acceptance]
+            if (family, method) in GAPS:
+                marks.append(pytest.mark.xfail(reason=GAPS[family, method], strict=True))
+            yield pytest.param(family, method, marks=marks, id=f"{family}-{method}")
+
+
+@pytest.mark.parametrize(("family", "method"), list(_cases()))
+def test_holds_and_uses_its_budget(family, method, lm, long_text):
+    runs = _runs(family, lm.tokenizer, long_text)
+    for b in BUDGETS:
+        r = runs[f"{method}@{b}"]
+        if r.error and "cannot run on a model" in r.error:  # refused for the attention, not the budget
+            continue
+        assert not r.error and not r.health, f"{r.label}: {r.error or r.health}"
+        limits = health.budget_limits(r, PROMPT, get(method).streaming)
+        peak = max(h / a for h, a in zip(r.kv_bytes_per_step, limits))
+        roomy = runs[f"{method}@{ROOMY}"]
+        saturated = not roomy.error and max(roomy.kv_bytes_per_step) <= max(r.kv_bytes_per_step) * 1.001
+        assert peak <= 1.05, f"{r.label}: holds {peak:.3f} of its budget"
+        assert peak >= 0.85 or saturated, f"{r.label}: uses {peak:.3f} of its budget, and more at {ROOMY}"
