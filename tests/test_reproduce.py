@@ -24,7 +24,7 @@ TINY = {
     "qjl-kivi-rd": {"length": 224, "max_new_tokens": 4, "seed": 0, "bits": [2, 6]},
     "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 8},
     "scissorhands-persistence": {"length": 128},
-    "scissorhands-ppl": {"length": 128, "ratios": [2], "max_new_tokens": 4},
+    "scissorhands-ppl": {"documents": 2, "prefix": 64, "continuation": 6, "ratios": [2]},
     "balancekv-table1": {"tasks": ["passkey"], "length": 256, "seeds": 1, "budget": "0.25", "max_new_tokens": 8},
     "subgen-theorem1": {
         "n": 160,
@@ -36,7 +36,13 @@ TINY = {
         "seeds": 1,
     },
     "subgen-sublinear": {"lengths": [64, 256], "rel": [1.0], "layer_step": 15},
-    "scissorhands-fig3": {"length": 128, "ratios": [2], "max_new_tokens": 4, "methods": ["scissorhands@paper"]},
+    "scissorhands-fig3": {
+        "documents": 2,
+        "prefix": 64,
+        "continuation": 6,
+        "ratios": [2],
+        "methods": ["scissorhands@paper"],
+    },
     "scissorhands-table4": {"length": 192, "max_new_tokens": 4},  # one token of 192 is within 5% of the bytes
 }
 
@@ -234,7 +240,72 @@ def test_scissorhands_table4_matches_tokens_then_bytes(ctx, reports):
     assert abs(peak["shb"] - peak["q4"]) <= 0.05 * peak["q4"]  # matched bytes within 5%
 
 
-def test_scissorhands_fig3_reports_peak_and_mean_bytes(ctx, reports):
+def test_scissorhands_fig3_scores_held_out_text_and_reports_peak_and_mean_bytes(ctx, reports):
     rep = _run("scissorhands-fig3", ctx, reports)
-    run = rep.data["runs"]["scissorhands@paper@2x"]
-    assert run["mean"] <= run["peak"] <= 0.5 * 1.05 and run["perplexity"] is not None
+    assert len(rep.data["documents"]) == 2
+    for run in rep.data["runs"]["scissorhands@paper@2x"]:
+        assert run["mean"] <= run["peak"] <= 0.5 * 1.05 and run["nll"] > 0
+    cmp = rep.data["against_full"]["scissorhands@paper@2x"]
+    assert cmp["n"] == 2 and cmp["interval"] is not None and cmp["interval"][0] <= cmp["ratio"] <= cmp["interval"][1]
+    claim = next(r for r in rep.rows if r.kind == "claim")
+    assert claim.setting.startswith("scissorhands@paper 2x") and claim.n == 2
+
+
+def test_reference_scoring_of_the_exact_cache_is_the_models_own_likelihood(ctx):
+    """Teacher forcing the reference through the exact cache gives the NLL of one plain forward pass."""
+    import torch
+
+    from kvlab.engine.specs import RunSpec
+    from kvlab.reproduce.scissorhands_fig3 import documents, score_reference
+
+    (_, ids), *_ = documents(ctx, 1, 40)
+    prefix, ref = ids[:32], ids[32:]
+    (got,) = score_reference(ctx, prefix, ref, [RunSpec("exact")])
+    with torch.inference_mode():
+        logits = ctx.loaded.model(input_ids=torch.tensor([ids])).logits[0].double()
+    nll = -torch.log_softmax(logits[31:-1], dim=-1)[torch.arange(len(ref)), torch.tensor(ref)]
+    assert abs(got["nll"] - float(nll.mean())) < 0.02 * float(nll.mean())
+    assert got["peak"] == got["mean"] == 1.0
+
+
+def test_scissorhands_ppl_resumes_from_the_documents_already_measured(ctx, monkeypatch, tmp_path):
+    """Every document already measured: the run reads them back and measures nothing."""
+    import math
+
+    from kvlab.reproduce import scissorhands_fig3, scissorhands_ppl
+    from kvlab.reproduce.common import Progress
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    cfg = ctx.settings(scissorhands_ppl.NAME, scissorhands_ppl.FULL, scissorhands_ppl.QUICK)
+    progress = Progress.of(ctx, scissorhands_ppl.NAME, cfg, scissorhands_ppl.__file__, scissorhands_fig3.__file__)
+    docs = scissorhands_fig3.documents(ctx, cfg["documents"], cfg["prefix"] + cfg["continuation"])
+    nll = {"exact": 2.0, "scissorhands": 2.0 + math.log(1.5), "window": 2.0 + math.log(3.0), "sinks": 2.5}
+    for topic, _ in docs:  # exact, Scissorhands and the window at 2x, StreamingLLM with sinks
+        progress.put(topic, [{"nll": v, "peak": 0.5, "mean": 0.4, "params": {}, "error": ""} for v in nll.values()])
+
+    def measured(*a, **k):
+        raise AssertionError("a document was measured again")
+
+    monkeypatch.setattr(scissorhands_fig3, "score_reference", measured)
+    rep = scissorhands_ppl.run(ctx)
+    rows = {r.setting.split(":")[-1].strip(): r for r in rep.rows}
+    full = rows["Scissorhands / full perplexity"]
+    assert abs(rep.data["against_full"]["scissorhands@2x"]["ratio"] - 1.5) < 1e-9
+    assert full.verdict == "does not hold" and full.interval is not None and full.interval[0] > 1.05
+    window = rows["local window / Scissorhands perplexity"]
+    assert window.verdict == "holds" and abs(rep.data["window_vs_scissorhands"][2]["ratio"] - 2.0) < 1e-9
+    assert not progress.path.exists()  # the run finished: its progress is cleared
+
+
+def test_progress_keeps_units_under_the_settings_key(monkeypatch, tmp_path):
+    from kvlab.reproduce.common import Progress
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    a = Progress("demo", {"settings": {"n": 1}})
+    a.put("doc-1", {"nll": 1.25})
+    assert Progress("demo", {"settings": {"n": 1}}).get("doc-1") == {"nll": 1.25}
+    assert Progress("demo", {"settings": {"n": 2}}).get("doc-1") is None  # other settings: measured afresh
+    a.path.write_text("{cut sho")  # a file cut short reads as nothing measured
+    assert Progress("demo", {"settings": {"n": 1}}).get("doc-1") is None
+    a.clear()
+    assert not a.path.exists()

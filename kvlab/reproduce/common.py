@@ -14,10 +14,15 @@ row's note says why). A **control** row is kvlab's own check (a control method, 
 paper does not state) with a verdict in the same words; a **context** row gives settings, references
 or bookkeeping and has no verdict. The tally counts claim rows only; controls and context are
 listed apart.
+
+A long reproduction is resumable: ``Progress`` keeps each finished unit of work (a document, a
+prompt) on disk as it completes, and a rerun with the same settings reads those units back
+instead of measuring them again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -117,6 +122,51 @@ class Row:
         if self.interval is None:
             return f"n = {self.n}"
         return f"n = {self.n}, [{fmt(self.interval[0])}, {fmt(self.interval[1])}]"
+
+
+class Progress:
+    """The units of work one reproduction has finished, kept on disk so that an interrupted run resumes.
+
+    The file is ``<cache>/reproduce/<name>-<digest>.json`` (``<cache>``: ``$KVLAB_CACHE`` or
+    ``~/.cache/kvlab``, where the converted model lives too); the digest covers ``key`` (the model, the
+    settings, the source of the reproduction's module), so a unit is read back only by a run that
+    would measure it the same way. Each ``put`` rewrites the file whole (write, then rename); ``clear``
+    removes it once the reproduction has finished, so that the next run measures afresh."""
+
+    def __init__(self, name: str, key: dict):
+        text = json.dumps(key, sort_keys=True, default=str)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        root = os.environ.get("KVLAB_CACHE") or os.path.join(Path.home(), ".cache", "kvlab")
+        self.path = Path(root) / "reproduce" / f"{name}-{digest}.json"
+        self.units: dict[str, Any] = {}
+        if self.path.is_file():
+            try:
+                self.units = dict(json.loads(self.path.read_text()))
+            except (ValueError, TypeError):  # a file cut short: measure again
+                self.units = {}
+
+    @classmethod
+    def of(cls, ctx: Any, name: str, settings: dict, *module_files: str) -> Progress:
+        """The progress of reproduction ``name`` run by ``ctx`` (its model) with ``settings``; the source of
+        the modules that measure it (``module_files``) is part of the key, so a changed reproduction starts over."""
+        source = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in module_files]
+        return cls(name, {"model": getattr(ctx, "model", ""), "settings": settings, "source": source})
+
+    def get(self, unit: str) -> Any:
+        """What unit ``unit`` measured, or None when it has not finished."""
+        return self.units.get(unit)
+
+    def put(self, unit: str, value: Any) -> None:
+        """Record a finished unit (JSON-able) and write the file."""
+        self.units[unit] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.units))
+        os.replace(tmp, self.path)
+
+    def clear(self) -> None:
+        """The reproduction has finished: forget its units."""
+        self.path.unlink(missing_ok=True)
 
 
 def row_from_json(r: dict) -> Row:
