@@ -22,7 +22,13 @@ TINY = {
         "task_seeds": 1,
     },
     "qjl-kivi-rd": {"length": 224, "max_new_tokens": 4, "seed": 0, "bits": [2, 6]},
-    "clustergen-lines": {"length": 160, "seeds": 1, "budget": "0.5", "max_new_tokens": 8},
+    "clustergen-lines": {
+        "prompts": 2,
+        "filler_chars": 800,
+        "budgets": ["0.65"],
+        "recent_ratios": [0.25],
+        "max_new_tokens": 8,
+    },
     "scissorhands-persistence": {"length": 128},
     "scissorhands-ppl": {"documents": 2, "prefix": 64, "continuation": 6, "ratios": [2]},
     "balancekv-table1": {"tasks": ["passkey"], "length": 256, "seeds": 1, "budget": "0.25", "max_new_tokens": 8},
@@ -126,15 +132,38 @@ def test_qjl_3bit_uses_the_papers_configuration(ctx, reports):
     assert any(r.setting.startswith("passkey accuracy") for r in rep.rows)
 
 
-def test_clustergen_lines_is_not_testable_as_built(ctx, reports):
-    """One-line records always lie inside Sink's window: the claim row says "not testable here", and why."""
+def test_clustergen_lines_puts_the_record_outside_every_window(ctx, reports):
+    """The record lies outside the recent window of every method, so the claim is tested (not "not testable")."""
     rep = _run("clustergen-lines", ctx, reports)
+    n = TINY["clustergen-lines"]["prompts"]
     exact = rep.rows[0]
-    assert exact.setting == "exact" and exact.kind == "context" and exact.n == TINY["clustergen-lines"]["seeds"]
-    direction = rep.rows[-1]
-    assert direction.kind == "claim" and direction.verdict == "not testable here"
-    assert "exact itself fails" in direction.note or "inside Sink's recent window" in direction.note
-    assert rep.verdict == "not testable here"
+    assert exact.setting == "exact" and exact.kind == "context" and exact.n == n
+    for p in rep.data["prompts"]:
+        widest = max(r["window"] for r in p["runs"].values() if r["window"] is not None)
+        assert p["answer_at"] < p["tokens"] - widest  # every window ends after the record
+        assert {r["params"].get("l") for k, r in p["runs"].items() if k.startswith("kcenter")} != {None}
+    assert rep.data["outside"] == list(range(n))
+    claim = rep.rows[-1]
+    assert claim.kind == "claim" and claim.setting.startswith("budget 0.65")
+    if rep.data["accuracy"]["exact"] >= 0.8:
+        assert claim.verdict != "not testable here" and claim.n == n
+
+
+def test_clustergen_claim_row_is_paired_on_the_records_outside_the_windows():
+    from kvlab.reproduce.clustergen_lines import _claim_row
+
+    best = "kcenter l=0.25@0.65"
+    ahead = {best: [1.0] * 12, "streaming@0.65": [0.0] * 12, "h2o@0.65": [0.0] * 12}
+    assert _claim_row("0.65", best, ahead, list(range(12)), True).verdict == "holds"
+    near = {**ahead, "h2o@0.65": [1.0] * 11 + [0.0]}  # H2O nearly as good: inconclusive
+    row = _claim_row("0.65", best, near, list(range(12)), True)
+    assert row.verdict == "inconclusive" and row.n == 12 and row.interval is not None
+    behind = {**ahead, best: [0.0] * 12, "streaming@0.65": [1.0] * 12}
+    assert _claim_row("0.65", best, behind, list(range(12)), True).verdict == "does not hold"
+    zeros = {k: [0.0] * 12 for k in ahead}
+    assert "every method scores 0" in _claim_row("0.65", best, zeros, list(range(12)), True).note
+    assert _claim_row("0.65", best, ahead, [], True).verdict == "not testable here"
+    assert _claim_row("0.65", best, ahead, list(range(12)), False).verdict == "not testable here"
 
 
 def test_balancekv_table1_is_inconclusive_when_every_compressed_method_scores_zero():
