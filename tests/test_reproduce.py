@@ -31,7 +31,7 @@ TINY = {
     },
     "scissorhands-persistence": {"length": 128},
     "scissorhands-ppl": {"documents": 2, "prefix": 64, "continuation": 6, "ratios": [2]},
-    "balancekv-table1": {"tasks": ["passkey"], "length": 256, "seeds": 1, "budget": "0.25", "max_new_tokens": 8},
+    "balancekv-table1": {"tasks": ["passkey"], "length": 256, "seeds": 1, "rates": ["0.75"], "max_new_tokens": 8},
     "subgen-theorem1": {
         "n": 160,
         "queries": 8,
@@ -182,6 +182,20 @@ def test_balancekv_table1_is_inconclusive_when_every_compressed_method_scores_ze
     behind = {**zeros, "streaming": [1.0] * 4}
     behind = {m: v * 3 for m, v in behind.items()}
     assert _claim_row("balancekv", behind, ["passkey"], {}).verdict == "does not hold"
+    control = _claim_row("balancekv", behind, ["passkey"], {}, "control", "0.75")  # kvlab's configuration
+    assert control.kind == "control" and control.setting.startswith("rate 0.75") and "0.25" in control.note
+
+
+def test_balancekv_table1_judges_the_papers_rate_and_a_rate_the_methods_can_answer(ctx, reports):
+    from kvlab.reproduce.balancekv_table1 import FULL
+
+    assert FULL["rates"][0] == "0.25" and any(float(r) > 0.25 for r in FULL["rates"])
+    rep = _run("balancekv-table1", ctx, reports)
+    p = rep.data["prompts"][0]
+    assert p["depth"] == 0.1 and p["runs"]["exact"]["score"] == 1.0  # the calibrated task: exact answers
+    claims = [r for r in rep.rows if r.kind == "claim"]
+    assert [r.setting.split(":")[0] for r in claims] == ["rate 0.75"] and "balancekv@paper" in claims[0].setting
+    assert all(r.kind == "context" for r in rep.rows if " at rate " in r.setting)
 
 
 def test_the_tally_counts_the_papers_claims_apart_from_controls_and_context():
