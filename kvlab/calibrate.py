@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvlab.core.model import ModelLoadError
+from kvlab.core.statistics import score_interval
 from kvlab.engine.loader import load_model
 from kvlab.tasks import TASKS, TaskError, make_task, parse_length, prompt_ids
 
@@ -92,7 +93,9 @@ def calibrate(
 
 
 def summarize(samples: list[dict], lengths: list[int], seconds: dict[int, float] | None = None) -> list[dict]:
-    """One row per length with samples: accuracy, hits, seeds run, mean prompt tokens, hits by depth.
+    """One row per length with samples: accuracy, its 95% interval over the seeds (``interval``: the exact
+    binomial interval when every score is 0 or 1, else a bootstrap), hits, seeds run, mean prompt
+    tokens, hits by depth.
 
     ``hits`` sums the scores (1.0 per exact match; RULER's string match adds the share of the
     references found), so ``accuracy`` is the mean score.
@@ -108,10 +111,12 @@ def summarize(samples: list[dict], lengths: list[int], seconds: dict[int, float]
             d = by_depth.setdefault(f"{s['depth']:g}", {"hits": 0, "seeds": 0})
             d["hits"] += float(s["hit"] or 0)
             d["seeds"] += 1
+        interval = score_interval([float(s["hit"] or 0) for s in mine])
         out.append(
             {
                 "length": n,
                 "accuracy": hits / len(mine),
+                "interval": None if interval is None else interval.as_dict(),
                 "hits": hits,
                 "seeds": len(mine),
                 "prompt_tokens_mean": sum(s["prompt_tokens"] for s in mine) / len(mine),
@@ -124,11 +129,13 @@ def summarize(samples: list[dict], lengths: list[int], seconds: dict[int, float]
 
 def format_calibration(data: dict) -> str:
     rows = [f"task {data['task']} on {data['model']}: exact's accuracy (greedy, full cache)"]
-    rows.append(f"{'length':>7}  {'tokens':>6}  {'accuracy':>8}  hits/seeds  by depth")
+    rows.append(f"{'length':>7}  {'tokens':>6}  {'accuracy':>8}  {'95% interval':>12}  hits/seeds  by depth")
     for r in data["results"]:
         depth = " ".join(f"{d}:{round(v['hits'], 2):g}/{v['seeds']}" for d, v in r["by_depth"].items())
+        ci = r.get("interval") or {}
+        span = f"[{ci['low']:.2f}, {ci['high']:.2f}]" if ci.get("low") is not None else "—"
         rows.append(
-            f"{r['length']:>7}  {r['prompt_tokens_mean']:>6.0f}  {r['accuracy']:>8.2f}  "
+            f"{r['length']:>7}  {r['prompt_tokens_mean']:>6.0f}  {r['accuracy']:>8.2f}  {span:>12}  "
             f"{round(r['hits'], 2):>4g}/{r['seeds']:<5}  {depth}"
         )
     return "\n".join(rows)

@@ -61,6 +61,21 @@ def test_sweep_writes_results(small_sweep, lm):
     assert len(data["cells"]) == 4 and len(per_layer) == lm.info.n_layers
 
 
+def test_report_table_shows_each_labels_interval(small_sweep):
+    """The report's per-label table gives each mean over the 4 cells with its 95% interval and n: for the
+    0/1 task scores, the exact binomial interval of the hits."""
+    from kvlab.core.statistics import binomial_interval
+    from kvlab.report.sweep_report import summary_rows
+
+    recs = json.loads((small_sweep / "results.json").read_text())["cells"]
+    rows = {row[0]: row for row in summary_rows(recs)}
+    assert set(rows) == LABELS
+    hits = sum(r["metrics"]["task_score"] for rec in recs for r in rec["runs"] if r["label"] == "exact")
+    assert rows["exact"][6] == binomial_interval(int(hits), 4).text()
+    assert all(row[6].endswith("(n = 4)") and row[7].endswith("(n = 4)") for row in rows.values())
+    assert "task score [95% interval]" in (small_sweep / "report.html").read_text()
+
+
 def test_small_sweep_table_is_not_flat(small_sweep):
     """exact scores high and the methods differ: the table says something about them."""
     score: dict[str, list[float]] = {}

@@ -122,6 +122,9 @@ def test_calibrate_cli_writes_json(lm, tmp_path, capsys):
     (row,) = data["results"]
     assert row["length"] == 200 and row["seeds"] == 2 and 0 <= row["accuracy"] <= 1
     assert row["hits"] == sum(bool(s["hit"]) for s in data["samples"]) and len(data["samples"]) == 2
+    ci = row["interval"]  # the exact binomial interval of hits out of 2 seeds
+    assert ci["n"] == 2 and ci["method"] == "clopper-pearson" and ci["low"] <= row["accuracy"] <= ci["high"]
+    assert "95% interval" in printed and f"[{ci['low']:.2f}, {ci['high']:.2f}]" in printed
     assert data["command"].startswith("python -m kvlab tasks calibrate --task needle")
     assert main(["tasks", "calibrate", "--task", "document"]) == 2
     assert main(["tasks", "calibrate", "--task", "passkey", "--depths", "2"]) == 2

@@ -26,6 +26,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from kvlab.core.results import memory_figures
+from kvlab.core.statistics import mean_interval, score_interval
 from kvlab.report import charts as shared
 from kvlab.report import leaderboard
 from kvlab.report import needle_grids as grids
@@ -92,8 +93,8 @@ SUMMARY_HEAD = (
     "mean (of exact)",
     "budget use",
     "shared KiB",
-    "task score",
-    "text similarity",
+    "task score [95% interval]",
+    "text similarity [95% interval]",
     "KL",
     "top-1",
     "attn error",
@@ -102,12 +103,18 @@ SUMMARY_HEAD = (
 
 def summary_rows(recs: list[dict]) -> list[tuple]:
     """One row per label (``SUMMARY_HEAD``), averaged over the cells: the peak and mean bytes held as fractions
-    of the exact cache's, the mean budget use, shared per-model KiB, and the quality measures."""
+    of the exact cache's, the mean budget use, shared per-model KiB, and the quality measures (the task score
+    and the text similarity with their 95% intervals over the cells and n, ``kvlab.core.statistics``)."""
     out = []
     for label, runs in _by_label(recs).items():
 
         def avg(key, runs=runs):
             return _fmt(_mean(r["metrics"].get(key) for r in runs))
+
+        def with_interval(key, interval, runs=runs):
+            """The mean over the cells with its 95% interval and n (a single cell: its value)."""
+            est = interval([v for r in runs if (v := r["metrics"].get(key)) is not None])
+            return "—" if est is None else est.text()
 
         mem = [_memory(r) for r in runs]
         shared_kib = _mean(m["shared_bytes"] / 1024 for m in mem)
@@ -119,8 +126,8 @@ def summary_rows(recs: list[dict]) -> list[tuple]:
                 _fmt(_mean(m["mean_fraction"] for m in mem)),
                 _fmt(_mean(m["budget_use"] for m in mem), ".2f"),
                 _fmt(shared_kib, ",.0f") if shared_kib else "—",
-                avg("task_score"),
-                avg("text_similarity"),
+                with_interval("task_score", score_interval),
+                with_interval("text_similarity", mean_interval),
                 avg("kl_mean"),
                 avg("top1_agreement"),
                 avg("attn_rel_error_mean"),
