@@ -18,6 +18,9 @@ _MODULES = {
     "subgen-sublinear": "subgen_sublinear",
     "scissorhands-fig3": "scissorhands_fig3",
     "scissorhands-table4": "scissorhands_table4",
+    "turboquant-bounds": "turboquant_bounds",
+    "quantizers-matched": "quantizers_matched",
+    "polarquant-distortion": "polarquant_distortion",
 }
 REPRODUCTIONS = tuple(_MODULES)
 

@@ -1,0 +1,392 @@
+"""TurboQuant, QJL, KIVI, PolarQuant and FP8 at matched bytes; TurboQuant's "quality neutral at 3.5 bits".
+
+TurboQuant's abstract (Zandieh, Daliri, Hadian, Mirrokni, arXiv:2504.19874) reports "absolute quality
+neutrality with 3.5 bits per channel and marginal quality degradation with 2.5 bits per channel" for KV-cache
+quantization (LongBench and needle-in-a-haystack on 8B models, every token quantized). Here, on the embedded
+model, the five quantizers run side by side at two operating points, each matched on the peak bytes the runs
+really hold (measured from their tensors; matched when within 5% of each other):
+
+* **A: TurboQuant's 3.5 bits.** ``turboquant`` at the paper's setting (``bits=3.5``: half the channels at 4
+  bits, keys prod, values mse; ``residual=0``: every token quantized, generated ones too) sets the budget by
+  its planned peak (``matched.peak_fraction``); ``qjl``, ``kivi`` and ``polarquant`` are planned by their own
+  planners to that budget (bits, sketch size, full-precision window); ``fp8`` cannot hold it (e4m3 is half of
+  the 16-bit cache) and is refused, which the table says. TurboQuant at 2.5 bits (``bits=2.5``, ``residual=0``)
+  runs beside them at its own, smaller bytes.
+* **B: FP8's bytes.** Budget 0.5, the serving engines' e4m3 cache with per-head scales and no window; every
+  other quantizer is planned to it.
+
+Matched: every run of a point is planned so that its peak meets TurboQuant's (A) or FP8's (B): PolarQuant,
+which keeps generated tokens in 16 bits, gets the budget whose allowance at the last step is theirs; KIVI the
+full-precision residual that fills the budget best at the bits its planner picks; QJL, whose plan counts its
+window full though it flushes in groups, a budget raised by the share its plan leaves unused (measured once
+per point and decode length on random tensors). The table gives each run's peak bits per number and how far
+apart the peaks are on each prompt (matched when within 5%).
+
+Each prompt is one greedy comparison (the same prefill for every run): ``documents`` document-task prompts
+with every run of both points, the attention relative error and the teacher-forced KL(exact || method)
+along exact's tokens (``kvlab.measure.metrics.MetricsProbe``); and the calibrated tasks exact answers at this
+length (pass key and needle at 1k tokens: 20 of 20 each in ``bench/results/calibrate-*.json``), ``seeds``
+prompts per task, with point A and TurboQuant at 2.5 bits, scored. Means carry n and a 95% interval over
+prompts (bootstrap; exact binomial for accuracy); comparisons are paired over the same prompts.
+
+The claim is judged on the tasks, as ``qjl-3bit`` judges QJL's: "neutral" holds when the paired 95% interval
+of exact - TurboQuant's accuracy lies below ``MARGIN``, does not hold when it lies above, and is inconclusive
+when it reaches it; a task exact itself fails says nothing. The paper's LongBench and 8B models are not
+available offline, so the tasks are the calibrated ones the embedded model can do.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvlab.core.budgets import Budget, BudgetRefused, exact_bytes
+from kvlab.core.statistics import mean_interval, paired_difference, score_interval
+from kvlab.engine.specs import RunSpec
+from kvlab.measure.metrics import MetricsProbe, ProbeSettings
+from kvlab.methods.budget_search import planned
+from kvlab.methods.registry import get
+from kvlab.reproduce.common import CONTEXT, INCONCLUSIVE, Claim, Progress, Report, Row, estimate_fields
+from kvlab.reproduce.matched import (
+    MATCH_TOLERANCE,
+    fill_kivi,
+    held_fraction,
+    memory,
+    peak_fraction,
+    simulate_bytes,
+    spread,
+)
+from kvlab.reproduce.setup import ReproductionSetup
+from kvlab.run import finish
+from kvlab.tasks import make_task, prompt_ids
+
+NAME = "quantizers-matched"
+TITLE = "TurboQuant, QJL, KIVI, PolarQuant and FP8 at matched bytes; TurboQuant's quality neutrality at 3.5 bits"
+
+CLAIMS = (
+    Claim(
+        "turboquant",
+        "Abstract",
+        "absolute quality neutrality with 3.5 bits per channel",
+        "quality neutral at 3.5 bits per channel",
+    ),
+    Claim(
+        "turboquant",
+        "Abstract",
+        "marginal quality degradation with 2.5 bits per channel",
+        "marginal degradation at 2.5 bits per channel",
+    ),
+)
+
+FULL = {
+    "doc_length": 512,
+    "documents": 2,
+    "doc_new_tokens": 16,
+    "length": 1024,
+    "tasks": ("passkey", "needle"),
+    "seeds": 3,
+    "task_new_tokens": 10,
+    "b": True,
+}
+QUICK = {
+    "doc_length": 256,
+    "documents": 1,
+    "doc_new_tokens": 6,
+    "length": 256,
+    "tasks": ("passkey",),
+    "seeds": 2,
+    "task_new_tokens": 8,
+    "b": True,
+}
+QUANTIZERS = ("turboquant", "qjl", "kivi", "polarquant", "fp8")
+PAPER_35 = {"bits": 3.5, "residual": 0}  # the paper's 3.5-bit KV setting: every token quantized
+PAPER_25 = {"bits": 2.5, "residual": 0}
+FP8_BUDGET = 0.5
+POINTS = {"A": "TurboQuant's 3.5 bits", "B": f"FP8's bytes (budget {FP8_BUDGET})"}
+MARGIN = 0.2  # "neutral" / "marginal": exact - TurboQuant's accuracy below this, with 95% confidence (kvlab's)
+
+
+def labels(with_b: bool = True) -> list[str]:
+    """The runs of a prompt, in order: exact, the five at A, TurboQuant at 2.5 bits (and the five at B)."""
+    a = ["exact", *(f"{m}@A" for m in QUANTIZERS), "turboquant-2.5"]
+    return a + [f"{m}@B" for m in QUANTIZERS] if with_b else a
+
+
+def _matched(info, method: str, fraction: float, n: int, steps: int, qjl_fill: dict) -> RunSpec:
+    """``method`` planned so that its peak meets a streaming run's at budget ``fraction`` (``fraction`` x the exact
+    cache of n + steps tokens): a prefill-only method gets the budget whose allowance at the last step is the
+    same; KIVI the residual that fills it best at the bits its planner picks (``matched.fill_kivi``); QJL a
+    budget raised by what its plan leaves unused (its window is counted full but flushes in groups), measured
+    once per point and decode length on random tensors (``matched.simulate_bytes``)."""
+    budget = Budget(fraction=fraction)
+    if not get(method).streaming:
+        e0, e1 = exact_bytes(info, n), exact_bytes(info, n + steps)
+        return RunSpec(method, Budget(fraction=min(1.0, (fraction * e1 - (e1 - e0)) / e0)))
+    if method == "kivi":
+        comp = get("kivi")(info, budget)
+        comp.decode_steps = steps
+        try:
+            bits = planned(comp, n)["bits"]
+        except BudgetRefused:  # the engine refuses it too, and the table says so
+            return RunSpec("kivi", budget)
+        residual = fill_kivi(info, budget, n, steps, bits, 32)
+        return RunSpec("kivi", budget, {} if residual is None else {"bits": bits, "group": 32, "residual": residual})
+    if method == "qjl":
+        key = (round(fraction, 4), steps)
+        if key not in qjl_fill:
+            held = simulate_bytes(info, "qjl", budget, {}, n, steps)
+            qjl_fill[key] = max(1.0, fraction / held_fraction(info, held, n))
+        return RunSpec("qjl", Budget(fraction=min(1.0, round(fraction * qjl_fill[key], 4))))
+    return RunSpec(method, budget)
+
+
+def matched_runs(info, n_prompt: int, steps: int, with_b: bool, qjl_fill: dict) -> tuple[list[RunSpec], dict]:
+    """The runs of ``labels(with_b)`` for one prompt of ``n_prompt`` tokens decoded ``steps`` steps, and each
+    point's budget fraction (``qjl_fill``: QJL's measured fill factors, reused across prompts)."""
+    a = peak_fraction(info, "turboquant", PAPER_35, n_prompt, steps)
+    low = peak_fraction(info, "turboquant", PAPER_25, n_prompt, steps)
+    runs = [RunSpec("exact"), RunSpec("turboquant", Budget(fraction=a), PAPER_35)]
+    runs += [_matched(info, m, a, n_prompt, steps, qjl_fill) for m in QUANTIZERS[1:]]
+    runs.append(RunSpec("turboquant", Budget(fraction=low), PAPER_25))
+    if with_b:
+        runs += [_matched(info, m, FP8_BUDGET, n_prompt, steps, qjl_fill) for m in QUANTIZERS]
+    return runs, {"A": a, "2.5": low, "B": FP8_BUDGET}
+
+
+def measure_prompt(
+    ctx: ReproductionSetup, ids: list[int], steps: int, task=None, qjl_fill: dict | None = None, b: bool = True
+) -> dict:
+    """One comparison on ``ids``: per label the peak bytes and bits, the score; on a document (no ``task``) point
+    A, TurboQuant at 2.5 bits and (``b``) point B, with the attention error and teacher-forced KL; on a task
+    prompt point A and TurboQuant at 2.5 bits, scored."""
+    document = task is None
+    with_b = document and b
+    runs, budgets = matched_runs(ctx.info, len(ids), steps, with_b, {} if qjl_fill is None else qjl_fill)
+    probes = [MetricsProbe(ProbeSettings(attn_error=True, fidelity=True, maps=False))] if document else []
+    result = finish(ctx.compare(ids, runs, steps, probes), task)
+    out: dict = {"tokens": len(ids), "budgets": budgets, "runs": {}}
+    for label, spec, r in zip(labels(with_b), runs, result.runs):
+        ran = not r.error
+        out["runs"][label] = {
+            "ran": ran,
+            "error": r.error,
+            "budget": spec.budget.label if spec.budget is not None else None,
+            "params": r.params,
+            "text": r.text,
+            **(memory(r, ctx.info) if ran else {}),
+            "kl_mean": r.metrics.get("kl_mean") if ran else None,
+            "attn_rel_error_mean": r.metrics.get("attn_rel_error_mean") if ran else None,
+            "task_score": r.metrics.get("task_score") if ran else None,
+        }
+    return out
+
+
+def run(ctx: ReproductionSetup) -> Report:
+    t0 = time.perf_counter()
+    cfg = ctx.settings(NAME, FULL, QUICK)
+    progress = Progress.of(ctx, NAME, cfg, __file__)
+    encode = lambda t: ctx.loaded.encode(t)  # noqa: E731
+    prompts: dict[str, dict] = {}
+    qjl_fill: dict = {}
+    for seed in range(cfg["documents"]):
+        unit = f"document/{seed}"
+        if progress.get(unit) is None:
+            task = make_task("document", cfg["doc_length"], seed, encode)
+            ids = ctx.loaded.encode(task.prompt)
+            ctx.log(f"{NAME}: document {seed}, {len(ids)} tokens")
+            progress.put(unit, measure_prompt(ctx, ids, cfg["doc_new_tokens"], qjl_fill=qjl_fill, b=cfg["b"]))
+        prompts[unit] = progress.get(unit)
+    for name in cfg["tasks"]:
+        for seed in range(cfg["seeds"]):
+            unit = f"{name}/{seed}"
+            if progress.get(unit) is None:
+                task = make_task(name, cfg["length"], seed, encode)
+                ids = prompt_ids(ctx.loaded, task)
+                ctx.log(f"{NAME}: {name} seed {seed}, {len(ids)} tokens")
+                progress.put(unit, measure_prompt(ctx, ids, cfg["task_new_tokens"], task, qjl_fill))
+            prompts[unit] = progress.get(unit)
+    rows = _rows(prompts, cfg)
+    first = prompts["document/0"]
+    setting = (
+        f"{cfg['documents']} document prompt(s) ({first['tokens']} tokens, {cfg['doc_new_tokens']} greedy tokens) "
+        f"and {', '.join(cfg['tasks'])} x {cfg['seeds']} prompts of ~{cfg['length']} tokens "
+        f"({cfg['task_new_tokens']} tokens); A: every quantizer at TurboQuant 3.5 bits' peak (budget "
+        f"~{first['budgets']['A']:.3f}), " + (f"B: at budget {FP8_BUDGET}; " if cfg["b"] else "") + "TurboQuant 2.5 "
+        "bits at its own peak"
+    )
+    report = Report(
+        NAME,
+        TITLE,
+        ctx.command(NAME),
+        setting,
+        rows,
+        {"settings": cfg, "labels": labels(), "prompts": prompts},
+        list(CLAIMS),
+        _figure(prompts),
+        time.perf_counter() - t0,
+        [
+            "bits per number = 16 x the run's peak bytes / the exact cache's peak bytes over the same points; "
+            "turboquant@A and turboquant-2.5 hold every token coded (residual 0), the others choose their own knobs"
+        ],
+    )
+    progress.clear()
+    return report
+
+
+def _values(prompts: dict, label: str, key: str, units: list[str] | None = None) -> list[float]:
+    """``key`` of run ``label`` on each prompt that ran it (and measured the key)."""
+    out = []
+    for unit, p in prompts.items():
+        r = p["runs"].get(label)
+        if r is None or (units is not None and unit not in units):
+            continue
+        if r["ran"] and r.get(key) is not None:
+            out.append(float(r[key]))
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _text(est, digits: int = 3) -> str:
+    if est is None:
+        return "-"
+    if est.low is None:
+        return f"{est.mean:.{digits}g}"
+    return f"{est.mean:.{digits}g} [{est.low:.{digits}g}, {est.high:.{digits}g}]"
+
+
+def _rows(prompts: dict, cfg: dict) -> list[Row]:
+    rows: list[Row] = []
+    docs = [u for u in prompts if u.startswith("document/")]
+    tasks = [u for u in prompts if u not in docs]
+    for point, title in POINTS.items():
+        group = [f"{m}@{point}" for m in QUANTIZERS]
+        ran = [x for x in group if _values(prompts, x, "peak_bits")]
+        if not ran:  # point B not run (a setting for tests)
+            continue
+        refused = [x for x in group if x not in ran]
+        gaps = []
+        for p in prompts.values():
+            peaks = [p["runs"][x]["peak_bytes"] for x in ran if x in p["runs"] and p["runs"][x]["ran"]]
+            if len(peaks) > 1:
+                gaps.append(spread(peaks))
+        worst = max(gaps, default=0.0)
+        bits = ", ".join(f"{x.split('@')[0]} {_mean(_values(prompts, x, 'peak_bits')):.2f}" for x in ran)
+        why = "; ".join(
+            f"{x.split('@')[0]} refused: {next(p['runs'][x]['error'] for p in prompts.values() if x in p['runs'])}"
+            for x in refused
+        )
+        units = len(prompts) if point == "A" else len(docs)
+        rows.append(
+            Row(
+                f"{point}: {title}: bits per number at the peak (mean over {units} prompts)",
+                "matched bytes",
+                bits + (f"; {why}" if why else ""),
+                kind=CONTEXT,
+                note=f"the peaks within {100 * worst:.1f}% of each other on every prompt "
+                f"({'matched' if worst <= MATCH_TOLERANCE else f'not within {100 * MATCH_TOLERANCE:.0f}%'})",
+            )
+        )
+        for key, name in (("attn_rel_error_mean", "attention relative error"), ("kl_mean", "teacher-forced KL")):
+            ests = {x.split("@")[0]: mean_interval(_values(prompts, x, key)) for x in ran}
+            rows.append(
+                Row(
+                    f"{point}: {name}, mean over steps and layers (documents)",
+                    "-",
+                    "; ".join(f"{m} {_text(e)}" for m, e in ests.items()),
+                    kind=CONTEXT,
+                    n=len(docs),
+                )
+            )
+        for x in ran:
+            if x == f"turboquant@{point}":
+                continue
+            diff = paired_difference(
+                _values(prompts, f"turboquant@{point}", "kl_mean"), _values(prompts, x, "kl_mean"),
+                names=("turboquant", x.split("@")[0]),
+            )  # fmt: skip
+            if diff is not None:
+                rows.append(
+                    Row(
+                        f"{point}: KL, TurboQuant - {x.split('@')[0]} (paired over documents)",
+                        "-",
+                        f"{diff.difference.text(digits=3)}: {diff.verdict}",
+                        kind=CONTEXT,
+                        **estimate_fields(diff.difference),
+                    )
+                )
+        if point == "A":
+            accs = {x.split("@")[0]: score_interval(_values(prompts, x, "task_score", tasks)) for x in ran}
+            exact_acc = score_interval(_values(prompts, "exact", "task_score", tasks))
+            rows.append(
+                Row(
+                    f"A: task accuracy ({', '.join(cfg['tasks'])}, {len(tasks)} prompts)",
+                    "-",
+                    f"exact {_text(exact_acc, 2)}; " + "; ".join(f"{m} {_text(e, 2)}" for m, e in accs.items()),
+                    kind=CONTEXT,
+                )
+            )
+    rows.append(_neutral_row(prompts, tasks, "turboquant@A", "3.5", "quality neutral (absolute)"))
+    rows.append(_neutral_row(prompts, tasks, "turboquant-2.5", "2.5", "marginal degradation"))
+    kl = mean_interval(_values(prompts, "turboquant-2.5", "kl_mean"))
+    err = mean_interval(_values(prompts, "turboquant-2.5", "attn_rel_error_mean"))
+    rows.append(
+        Row(
+            "TurboQuant 2.5 bits (its own bytes): attention error, KL (documents)",
+            "-",
+            f"{_mean(_values(prompts, 'turboquant-2.5', 'peak_bits')):.2f} bits per number; attention error "
+            f"{_text(err)}; KL {_text(kl)}",
+            kind=CONTEXT,
+            n=len(docs),
+        )
+    )
+    return rows
+
+
+def _neutral_row(prompts: dict, units: list[str], label: str, bits: str, paper: str) -> Row:
+    """Exact's accuracy against ``label``'s, paired over the task prompts, judged against ``MARGIN``."""
+    exact = _values(prompts, "exact", "task_score", units)
+    mine = _values(prompts, label, "task_score", units)
+    setting = f"TurboQuant {bits} bits vs exact: task accuracy ({len(units)} prompts)"
+    measured = f"exact {sum(exact) / max(1, len(exact)):.2f}, TurboQuant {sum(mine) / max(1, len(mine)):.2f}"
+    if not exact or len(exact) != len(mine):
+        return Row(setting, paper, measured, verdict=INCONCLUSIVE, note="the runs did not all complete")
+    if sum(exact) / len(exact) < 0.5:
+        return Row(setting, paper, measured, verdict=INCONCLUSIVE, note="exact itself fails: the tasks say nothing")
+    d = paired_difference(exact, mine, names=("exact", "turboquant"))
+    assert d is not None
+    est = d.difference
+    measured += f"; exact - TurboQuant {est.text()}"
+    extra = estimate_fields(est)
+    if est.high is not None and est.high < MARGIN:
+        return Row(setting, paper, measured, True, f"the interval lies below {MARGIN}", **extra)
+    if est.low is not None and est.low > MARGIN:
+        return Row(setting, paper, measured, False, f"the interval lies above {MARGIN}", **extra)
+    return Row(
+        setting, paper, measured, verdict=INCONCLUSIVE, note=f"the interval reaches {MARGIN} (or n < 2)", **extra
+    )
+
+
+def _figure(prompts: dict):
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("teacher-forced KL against bits per number", "attention error"))
+    colors = {"turboquant": "#d62728", "qjl": "#1f77b4", "kivi": "#2ca02c", "polarquant": "#9467bd", "fp8": "#8c564b"}
+    for col, key in enumerate(("kl_mean", "attn_rel_error_mean"), 1):
+        for m, c in colors.items():
+            xs, ys = [], []
+            for x in (f"{m}@A", *(["turboquant-2.5"] if m == "turboquant" else []), f"{m}@B"):
+                bits, vals = _values(prompts, x, "peak_bits"), _values(prompts, x, key)
+                if bits and vals:
+                    xs.append(sum(bits) / len(bits))
+                    ys.append(sum(vals) / len(vals))
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=m, line={"color": c}, showlegend=col == 1,
+                            row=1, col=col)  # fmt: skip
+    fig.update_xaxes(title_text="bits per number at the peak")
+    fig.update_yaxes(type="log")
+    fig.update_layout(height=420, title=TITLE)
+    return fig
+
+
+__all__ = ["FULL", "QUICK", "labels", "matched_runs", "measure_prompt"]
