@@ -170,6 +170,52 @@ def test_qjl_3bit_prompts_are_long_enough_for_the_window_to_be_small():
     assert 16 * 128 / FULL["length"] <= 0.5  # the window's share of the bits per number, at most half a bit
 
 
+def test_qjl_3bit_reports_a_run_that_does_not_fit_and_pairs_the_rest(ctx, monkeypatch, tmp_path):
+    """KIVI-4 refused on every prompt (it does not fit QJL's bytes on long prompts): its rows say so, and
+    QJL against KIVI-2 is still judged, paired over the prompts."""
+    from kvlab.reproduce import qjl_3bit
+    from kvlab.reproduce.common import Progress
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    cfg = ctx.settings(qjl_3bit.NAME, qjl_3bit.FULL, qjl_3bit.QUICK)
+    progress = Progress.of(ctx, qjl_3bit.NAME, cfg, qjl_3bit.__file__)
+    kl = {"exact": 0.0, "qjl": 0.1, "qjl-no-outliers": 0.3, "kivi-2": 0.2, "kivi-3": 0.05}
+
+    def ran(label):
+        return {
+            "peak_bytes": 1000,
+            "peak_bits": 4.6,
+            "mean_bits": 4.5,
+            "window_bits": 0.5,
+            "bits_outside_window": 4.1,
+            "kl_mean": kl[label],
+            "top1_agreement": 1.0,
+            "score": 1.0,
+            "params": {},
+            "text": "",
+            "error": "",
+        }
+
+    refused = {"kl_mean": None, "top1_agreement": None, "score": None, "params": {}, "text": "", "error": "refused"}
+    for unit, task, *_ in qjl_3bit.prompts_of(cfg):
+        runs = {x: ran(x) for x in kl} | {"kivi-4": refused}
+        progress.put(unit, {"task": task, "seed": 0, "depth": None, "tokens": 4000, "budget": 0.29, "runs": runs})
+
+    def measured(*a, **k):
+        raise AssertionError("a prompt was measured again")
+
+    monkeypatch.setattr(qjl_3bit, "measure_prompt", measured)
+    rep = qjl_3bit.run(ctx)
+    assert "kivi-4 refused" in rep.rows[0].kvlab and rep.data["ran"] == {
+        **{x: True for x in kl if x != "exact"},
+        "kivi-4": False,
+    }
+    kivi4 = next(r for r in rep.rows if "KIVI-4" in r.setting)
+    assert kivi4.kind == "context" and "did not run" in kivi4.kvlab
+    kivi2 = next(r for r in rep.rows if r.setting.startswith("QJL vs KIVI-2"))
+    assert kivi2.verdict == "holds" and kivi2.n == len(qjl_3bit.prompts_of(cfg))
+
+
 def test_clustergen_lines_puts_the_record_outside_every_window(ctx, reports):
     """The record lies outside the recent window of every method, so the claim is tested (not "not testable")."""
     rep = _run("clustergen-lines", ctx, reports)

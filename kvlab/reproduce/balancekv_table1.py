@@ -71,7 +71,7 @@ BALANCEKV = {"balancekv@paper": CLAIM, "balancekv": CONTROL}  # the paper's conf
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # the key's depth, cycled over the seeds as in the calibration
 PAPER_RATE = "0.25"
 
-FULL = {"tasks": ["passkey", "needle"], "length": 1024, "seeds": 10, "rates": ["0.25", "0.75"], "max_new_tokens": 8}
+FULL = {"tasks": ["passkey", "needle"], "length": 1024, "seeds": 15, "rates": ["0.25", "0.75"], "max_new_tokens": 8}
 QUICK = {"tasks": ["passkey"], "length": 512, "seeds": 2, "rates": ["0.25", "0.75"], "max_new_tokens": 8}
 EXACT_MIN = 0.8  # a task informs only where exact answers this share of its prompts
 

@@ -97,7 +97,7 @@ PAPER = {
 BASELINES = {"streaming": "Sink (StreamingLLM)", "h2o": "H2O"}
 
 FULL = {
-    "prompts": 24,
+    "prompts": 40,
     "filler_chars": 1200,
     "budgets": ["0.65", "0.58", "0.5"],
     "recent_ratios": [0.25, 0.5, 0.75],

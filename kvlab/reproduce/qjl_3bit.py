@@ -96,7 +96,7 @@ FULL = {
     "documents": 2,
     "max_new_tokens": 16,
     "tasks": ["passkey", "needle"],
-    "task_seeds": 4,
+    "task_seeds": 5,
     "task_new_tokens": 10,
 }
 QUICK = {
@@ -217,7 +217,7 @@ def run(ctx: ReproductionSetup) -> Report:
     progress.clear()
 
     def values(label: str, key: str, where=None) -> list:
-        return [p["runs"][label][key] for p in prompts if where is None or where(p)]
+        return [p["runs"][label].get(key) for p in prompts if where is None or where(p)]
 
     def avg(label: str, key: str) -> float | None:
         xs = [x for x in values(label, key) if x is not None]
