@@ -30,7 +30,8 @@ from kvlab.methods.handover import PrefillNeeds
 PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
 LOCAL = {"mistral", "gemma2", "gemma3", "olmo3", "gpt-oss", "llama4"}  # families with sliding-window or chunked layers
-NEEDS_ROPE = {"expected-attention", "ada-expected-attention"}  # refuse a model without a rotary embedding kvlab can read (per layer)
+# refused on a model without a rotary embedding kvlab can read (per layer)
+NEEDS_ROPE = {"expected-attention", "ada-expected-attention"}
 
 
 @pytest.fixture(scope="module")
