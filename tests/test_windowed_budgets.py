@@ -29,19 +29,9 @@ from kvlab.methods import get
 PROMPT, NEW, BUDGETS, ROOMY = 160, 6, ("0.25", "0.5"), "0.99"
 FAMILIES = ("mistral", "gemma3", "gemma2", "olmo3", "gpt-oss", "llama4")
 METHODS = [m for m in method_names("all") if m != "exact"]
-_KIVI = "KIVI's residual is one length on every layer: the global layers cannot take what the windows leave"
-_EVICTOR = "a scored evictor's capacity is one count on every layer: a window holds fewer, the rest goes unused"
 _BALANCE = "BalanceKV's layout keeps whole halving rounds: its plan falls just under on mixed local/global layers"
 _STREAM = "MergeAndReduce's buffered tokens grow on the global layers only, faster than their share of the budget"
 GAPS = {
-    ("gemma3", "kivi"): _KIVI,
-    ("gemma2", "kivi"): _KIVI,
-    ("gpt-oss", "kivi"): _KIVI,
-    ("olmo3", "kivi"): _KIVI,
-    ("llama4", "kivi"): _KIVI,
-    ("gemma3", "scissorhands+kivi4"): _EVICTOR,
-    ("gemma2", "scissorhands+kivi4"): _EVICTOR,
-    ("gpt-oss", "scissorhands+kivi4"): _EVICTOR,
     ("gemma3", "balancekv"): _BALANCE,
     ("gemma3", "balancekv-stream"): _STREAM,
     ("gemma2", "balancekv-stream"): _STREAM,

@@ -375,16 +375,28 @@ class KIVI(Compressor):
         shrinks (32 -> 16 -> 8) when nothing fits at the given one: short prompts then quantize at all, at a
         higher cost per token in scales and minimums. On a model with local layers, where a window holds
         few tokens and the residual's up to group - 1 full-precision tokens weigh most, the key group then
-        shrinks alone (values stay in groups of the given size). Nothing fits: the smallest setting (refused)."""
+        shrinks alone (values stay in groups of the given size), and every group is tried: the residual moves
+        the bytes a whole group at a time on every layer, so at the given group the plan can fall far under its
+        budget; the highest bits, then the best fill, win. Nothing fits: the smallest setting (refused)."""
         given = self.group_size
         shrunk = [g for g in (16, 8) if g < given] if "group" not in self.params_given else []
         groups: list[tuple[int, int | None]] = [(g, None) for g in [given, *shrunk]]
-        if self.info.semantics.has_local:
+        local = self.info.semantics.has_local
+        if local:
             groups += [(g, given) for g in shrunk]
+        best: tuple[tuple[int, float], tuple[int, int, int, int | None]] | None = None
         for g, vg in groups:
             fit = solve_kivi(self.info, n, self.budget, g, bits, residual, self.horizon(n), vg)
-            if fit is not None:
+            if fit is None:
+                continue
+            if not local:
                 return (*fit, g, vg)
+            fill = kivi_worst_ratio(self.info, self.budget, n, fit[0], g, fit[1], self.horizon(n), vg)
+            rank = (fit[0], round(fill, 2))  # ties keep the larger group (tried first)
+            if best is None or rank > best[0]:
+                best = (rank, (*fit, g, vg))
+        if best is not None:
+            return best[1]
         return bits or KIVI_BITS[-1], residual or 0, given, None
 
     def budget_ratio(self, n_prompt: int) -> float | None:

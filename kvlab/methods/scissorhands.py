@@ -109,10 +109,14 @@ class Scissorhands(ScoredEvictionCompressor):
         self.carry_window = max(0, min(self.prompt_window, self.w - (B - n_after)))
         knobs = {"B": B, "m": self.m, "w": self.w, "r": self.recent, "w_decode": min(self.w, self.m)}
         self.per_layer = None
+        n_layers = self.info.n_layers
+        caps = None
         if cfg["layer_ramp"] > 0 and not self.full:
-            n_layers = self.info.n_layers
             caps = pyramid_budgets(n_layers * B, n_layers, 1.0 / (1.0 - cfg["layer_ramp"]), 1 << 30)[::-1]
             caps = [max(2, c) for c in caps]
+        elif self.sem.has_local and not self.full and cfg["B"] is None:
+            caps = self.spread_capacity(n_prompt, B)
+        if caps is not None:
             ms = [max(1, round(cfg["m_ratio"] * c)) for c in caps]
             self.per_layer = {
                 "B": caps,
@@ -124,10 +128,12 @@ class Scissorhands(ScoredEvictionCompressor):
         return {**knobs, "prompt": "token"} if self.token_prompt else knobs
 
     def planned_tokens(self, n_prompt: int) -> int:
-        """Mean kept tokens per layer (per-layer budgets sum to L x B, each capped by the prompt)."""
+        """Mean kept tokens per layer (per-layer budgets sum to L x B, each capped by the prompt and by what a
+        local layer's window holds)."""
         if self.per_layer is None:
             return super().planned_tokens(n_prompt)
-        return sum(min(n_prompt, c) for c in self.per_layer["B"]) / self.info.n_layers
+        caps = zip(self.sem.layers, self.per_layer["B"])
+        return sum(min(s.held(n_prompt), c) for s, c in caps) / self.info.n_layers
 
     def layer_capacity(self, layer: int) -> int:
         return self.capacity if self.per_layer is None else self.per_layer["B"][layer]

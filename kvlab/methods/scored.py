@@ -30,6 +30,7 @@ block's attention is one matrix product, which may round a probability's last bi
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import ClassVar
@@ -133,9 +134,37 @@ class ScoredEvictionCompressor(DenseCompressor):
         """How many tokens to drop when an append takes ``layer``'s cache to ``n`` > its capacity."""
         return n - self.layer_capacity(layer)
 
+    layer_caps: list[int] | None = None  # set by plan() on a model with local layers (None: ``capacity`` everywhere)
+
+    def plan(self, n_prompt: int) -> dict:
+        knobs = super().plan(n_prompt)
+        self.layer_caps = self.spread_capacity(n_prompt, self.capacity)
+        return knobs if self.layer_caps is None else {**knobs, "layer_capacity": self.layer_caps}
+
+    def spread_capacity(self, n_prompt: int, capacity: int) -> list[int] | None:
+        """Per-layer capacities on a model with local layers: a window that holds fewer than ``capacity``
+        tokens leaves the rest of its share to the global layers, evenly (``spread_over_layers``); a local
+        layer keeps ``capacity`` as its own cap (its window drops tokens before the cap is reached). None when
+        every layer can hold ``capacity`` (always on a model without local layers)."""
+        if self.full or not self.sem.has_local:
+            return None
+        n_layers = self.info.n_layers
+        held = self.spread_over_layers(n_prompt, [capacity] * n_layers)
+        if held == [min(capacity, n_prompt)] * n_layers:
+            return None
+        return [capacity if s.is_local else c for s, c in zip(self.sem.layers, held)]
+
+    def planned_tokens(self, n_prompt: int) -> int:
+        """After ``plan``: mean kept tokens per layer and KV head, rounded up (a local layer: what its window
+        holds)."""
+        if self.layer_caps is None:
+            return super().planned_tokens(n_prompt)
+        caps = zip(self.sem.layers, self.layer_caps)
+        return math.ceil(sum(min(s.held(n_prompt), c) for s, c in caps) / self.info.n_layers)
+
     def layer_capacity(self, layer: int) -> int:
-        """Tokens per KV head ``layer`` holds at most (``capacity`` in every layer unless a method spreads it)."""
-        return self.capacity
+        """Tokens per KV head ``layer`` holds at most (``capacity`` in every layer unless spread)."""
+        return self.capacity if self.layer_caps is None else self.layer_caps[layer]
 
     def layer_recent(self, layer: int) -> int:
         """Last tokens of ``layer`` never evicted."""
@@ -158,6 +187,19 @@ class ScoredEvictionCompressor(DenseCompressor):
     def _priority(self, scores: Tensor) -> Tensor:
         return scores if self.evict_highest else -scores.float()
 
+    def _layer_keep(self, rank: Tensor, drop: int, recent: int, first: int, pos: Tensor | None = None) -> Tensor:
+        """``eviction_keep`` for one layer (rank [Hkv, n]; ``pos`` the tokens' positions, the prompt's 0..n-1
+        when None); on a local layer whose window starts at ``first`` the tokens before it go first (its
+        newest query no longer sees them), then the lowest ranked."""
+        priority = self._priority(rank)
+        if first > 0:
+            n = rank.shape[-1]
+            outside = (torch.arange(n, device=rank.device) if pos is None else pos) < first
+            priority = priority.float().masked_fill(outside, math.inf)
+            recent = min(recent, n - int(outside.sum(-1).max()))  # a local layer protects what its window shows
+            drop = min(max(drop, int(outside.sum(-1).min())), n - recent)
+        return eviction_keep(priority, drop, recent)
+
     def select(self, state: PrefillState):
         n_layers, n = state.keys.shape[0], state.n_tokens
         if self.full:
@@ -166,11 +208,12 @@ class ScoredEvictionCompressor(DenseCompressor):
         rank, carry = self.initial_scores(state)
         drops = [self.prefill_drop(n, i) for i in range(n_layers)]
         recents = [self.layer_recent(i) for i in range(n_layers)]
-        if len(set(drops)) == 1 and len(set(recents)) == 1:  # every layer alike: one call for all
+        firsts = [self.sem[i].visible_from(n - 1) for i in range(n_layers)]
+        if len(set(drops)) == 1 and len(set(recents)) == 1 and not any(firsts):  # every layer alike: one call
             together = eviction_keep(self._priority(rank), drops[0], recents[0])
             self.scores = list(gather_tokens(carry.to(self.score_dtype), together).unbind(0))
             return together
-        idx = [eviction_keep(self._priority(rank[i]), drops[i], recents[i]) for i in range(n_layers)]
+        idx = [self._layer_keep(rank[i], drops[i], recents[i], firsts[i]) for i in range(n_layers)]
         self.scores = [gather_tokens(carry[i].to(self.score_dtype), ix) for i, ix in enumerate(idx)]
         return idx
 
@@ -181,14 +224,30 @@ class ScoredEvictionCompressor(DenseCompressor):
         if self.full:
             return
         self.scores[layer] = self._score_room[layer].extend(self.scores[layer], k.shape[1])
+        first = self._window_start(layer)
+        if first > 0:  # a local layer: the oldest tokens no head's window shows any more
+            out = int((cache.positions() < first).sum(-1).min())
+            if out:
+                h, n = cache.positions().shape
+                self._keep(layer, torch.arange(out, n, device=k.device).expand(h, n - out))
         if cache.n > self.layer_capacity(layer):
             self._evict(layer, self.decode_drop(cache.n, layer))
 
-    def _evict(self, layer: int, n_drop: int) -> None:
-        idx = eviction_keep(self._priority(self.scores[layer]), n_drop, self.layer_recent(layer))
+    def _window_start(self, layer: int) -> int:
+        """The first position the newest query of ``layer`` sees (0 on a global layer)."""
+        s = self.sem[layer]
+        return s.visible_from(self.position) if s.is_local else 0
+
+    def _keep(self, layer: int, idx: Tensor) -> None:
         self.layers[layer].keep(idx)
         s = self.scores[layer]
         self.scores[layer] = s.new_zeros(idx.shape) if self.reset_after_eviction else gather_tokens(s, idx)
+
+    def _evict(self, layer: int, n_drop: int) -> None:
+        first = self._window_start(layer)
+        pos = self.layers[layer].positions() if first > 0 else None
+        idx = self._layer_keep(self.scores[layer], n_drop, self.layer_recent(layer), first, pos)
+        self._keep(layer, idx)
 
     def after_attend(self, layer: int, probs: Tensor) -> None:
         self.observe(layer, pooled_step_attention(probs, self.info.n_kv_heads))
