@@ -7,8 +7,9 @@
 * ``score_interval``: whichever of the two fits a list of task scores: the exact binomial interval
   when every score is 0 or 1 (accuracy), the bootstrap otherwise (RULER's share of references found).
 * ``paired_difference``: two methods on the same prompts, the mean of their per-prompt differences
-  with a paired bootstrap interval; a difference is called only when the interval excludes zero,
-  else the comparison reads "inconclusive".
+  with a paired bootstrap interval (an exact interval conditional on the discordant prompts when both
+  are 0/1 scores, ``paired_binary_interval``); a difference is called only when the interval excludes
+  zero, else the comparison reads "inconclusive".
 
 Degenerate cases are answered rather than warned about: no values give no estimate; one value, a
 mean with no interval; values all equal (every resample the same) an interval of that one value.
@@ -39,7 +40,7 @@ class Estimate:
     n: int
     low: float | None
     high: float | None
-    method: str  # "bootstrap", "clopper-pearson" or "none" (fewer than two values)
+    method: str  # "bootstrap", "clopper-pearson", "exact-paired" or "none" (fewer than two values)
     confidence: float = CONFIDENCE
 
     def as_dict(self, scale: float = 1.0) -> dict:
@@ -128,6 +129,30 @@ def score_interval(
     return mean_interval(x, confidence, seed, resamples)
 
 
+def paired_binary_interval(a: Values, b: Values, confidence: float = CONFIDENCE) -> Estimate | None:
+    """Two 0/1 scores per prompt (right or wrong, a and b on the same prompts): the mean of a - b with an
+    exact interval conditional on the discordant prompts (McNemar's setting). Of the m prompts where they
+    differ, a is right on k; the Clopper-Pearson interval of k / m, [p_lo, p_hi], gives the difference's
+    [(2 p_lo - 1) m / n, (2 p_hi - 1) m / n]. With no discordant prompt, the share of prompts on which they
+    could differ is bounded by the exact interval of 0 in n, and the difference by plus or minus it. Unlike
+    a bootstrap, a few prompts that all go one way give a wide interval (4 of 4: [-0.20, 1.00]), not [1, 1]."""
+    x, y = _values(a), _values(b)
+    n = int(x.size)
+    if not n:
+        return None
+    if n < 2:
+        return Estimate(float(x[0] - y[0]), 1, None, None, "none", confidence)
+    k, m = int(((x == 1) & (y == 0)).sum()), int((x != y).sum())
+    if m == 0:
+        bound = binomial_interval(0, n, confidence)
+        high = 0.0 if bound is None or bound.high is None else bound.high
+        return Estimate(0.0, n, -high, high, "exact-paired", confidence)
+    p = binomial_interval(k, m, confidence)
+    assert p is not None and p.low is not None and p.high is not None
+    share = m / n
+    return Estimate((2 * k - m) / n, n, (2 * p.low - 1) * share, (2 * p.high - 1) * share, "exact-paired", confidence)
+
+
 @dataclass(frozen=True)
 class PairedDifference:
     """Method a against method b on the same prompts: the mean of a - b with its paired interval."""
@@ -158,7 +183,8 @@ def paired_difference(
     x, y = _values(a), _values(b)
     if x.shape != y.shape:
         raise ValueError(f"statistics: a paired comparison needs the same prompts ({x.size} values against {y.size})")
-    est = mean_interval(x - y, confidence, seed, resamples)
+    binary = x.size > 1 and np.isin(x, (0.0, 1.0)).all() and np.isin(y, (0.0, 1.0)).all()
+    est = paired_binary_interval(x, y, confidence) if binary else mean_interval(x - y, confidence, seed, resamples)
     if est is None:
         return None
     if est.excludes(0.0):
@@ -176,6 +202,7 @@ __all__ = [
     "Values",
     "binomial_interval",
     "mean_interval",
+    "paired_binary_interval",
     "paired_difference",
     "score_interval",
 ]
