@@ -80,11 +80,11 @@ CLAIMS = (
 
 FULL = {
     "doc_length": 512,
-    "documents": 2,
+    "documents": 4,
     "doc_new_tokens": 10,
     "length": 1024,
     "tasks": ("passkey", "needle"),
-    "seeds": 2,
+    "seeds": 10,
     "task_new_tokens": 10,
     "b": True,
 }
@@ -94,7 +94,7 @@ QUICK = {
     "doc_new_tokens": 6,
     "length": 256,
     "tasks": ("passkey",),
-    "seeds": 2,
+    "seeds": 10,
     "task_new_tokens": 8,
     "b": True,
 }
