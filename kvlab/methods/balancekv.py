@@ -352,8 +352,30 @@ class BalanceKV(DenseCompressor):
         if self.is_full:
             self.layout = Layout(n_prompt, n_prompt, 0, 0)
         else:
-            self.layout = self.layout_for(n_prompt, self.tokens_for_budget(n_prompt, with_logw=True))
+            cap = self.tokens_for_budget(n_prompt, with_logw=True)
+            self.layout = self.layout_for(n_prompt, cap)
+            if self.sem.has_local:  # a window keeps fewer: the largest layout whose bytes still fit
+                lo, hi = cap, n_prompt
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if self._fits_with(n_prompt, mid) else (lo, mid - 1)
+                self._fits_with(n_prompt, lo)
         return self.layout_knobs()
+
+    def _fits_with(self, n_prompt: int, cap: int) -> bool:
+        """Take the layout for ``cap`` kept tokens; whether it holds the budget."""
+        self.layout = self.layout_for(n_prompt, cap)
+        return self.budget_ratio(n_prompt) <= 1.0
+
+    def planned_bytes(self, n_prompt: int) -> float:
+        """The layout's kept tokens on every layer, a local layer's capped by what its window shows (the
+        prefill keeps only that, ``DenseCompressor.compress_tokens``)."""
+        if not self.sem.has_local:
+            return super().planned_bytes(n_prompt)
+        kept = self.planned_tokens(n_prompt)
+        tokens = sum(min(kept, s.held(n_prompt)) for s in self.sem.layers)
+        per_token = self.per_token_bytes(self.planned_logw())
+        return self.info.n_kv_heads * (tokens * per_token + self.info.n_layers * self.fixed_stream_bytes())
 
     def layout_for(self, n_prompt: int, cap: int) -> Layout:
         c = self.cfg
@@ -426,9 +448,10 @@ class BalanceKVStream(BalanceKV):
     streaming = True
 
     def plan_tokens(self, n_prompt: int) -> dict:
+        self.batch = max(2, int(self.cfg["block_size"]) // 2 * 2)
+        self.rounds = int(self.cfg["T"])
         knobs = super().plan_tokens(n_prompt)
         self.rounds = self.layout.rounds or int(self.cfg["T"])
-        self.batch = max(2, int(self.cfg["block_size"]) // 2 * 2)
         if not self.is_full and self.budget_ratio(n_prompt) > 1.0:
             knobs = self._fit_stream(n_prompt)
         return {**knobs, "stream_T": self.rounds, "stream_block": self.batch}
@@ -464,6 +487,11 @@ class BalanceKVStream(BalanceKV):
         per_token = self.info.n_layers * self.info.n_kv_heads * self.per_token_bytes(True)
         seen, b = n_prompt + j, self.budget  # streaming: the budget's share of every token seen
         assert b is not None  # a compressing plan's
+        if self.sem.has_local:  # a local layer holds what compression kept (``local_held``); the others grow
+            n_local = sum(s.is_local for s in self.sem.layers)
+            tokens = self.info.n_layers * self.layout.kept + (self.info.n_layers - n_local) * held
+            allowed = torch.tensor([b.allowed_bytes(self.info, n_prompt, int(i), True) for i in j], dtype=torch.float64)
+            return float((tokens * per_token / self.info.n_layers / allowed.clamp_min(1.0)).max())
         allowed = exact_bytes(self.info, 1) * (
             seen.clamp(max=b.tokens) if b.tokens is not None else b.as_fraction * seen
         )
