@@ -365,7 +365,8 @@ class BalanceKV(DenseCompressor):
     def _fits_with(self, n_prompt: int, cap: int) -> bool:
         """Take the layout for ``cap`` kept tokens; whether it holds the budget."""
         self.layout = self.layout_for(n_prompt, cap)
-        return self.budget_ratio(n_prompt) <= 1.0
+        ratio = self.budget_ratio(n_prompt)
+        return ratio is not None and ratio <= 1.0
 
     def planned_bytes(self, n_prompt: int) -> float:
         """The layout's kept tokens on every layer, a local layer's capped by what its window shows (the
@@ -471,7 +472,7 @@ class BalanceKVStream(BalanceKV):
 
     def _fits_with(self, n_prompt: int, cap: int) -> bool:
         self.layout = self.layout_for(n_prompt, cap)
-        self.rounds = self.layout.rounds or int(self.cfg["T"])
+        self.rounds = self.layout.rounds or int(self.cfg["T"])  # the stream's merge tree as deep as the layout's
         return self.budget_ratio(n_prompt) <= 1.0
 
     def planned_logw(self) -> bool:
