@@ -299,6 +299,7 @@ class BalanceKV(DenseCompressor):
     name = "balancekv"
     title = "BalanceKV"
     group = "paper"
+    window_capped = True  # one capacity; a window keeps less of it, the global layers more
     paper = (
         "Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
         "Theory, arXiv:2502.07861 (2025), https://arxiv.org/abs/2502.07861"
@@ -367,16 +368,6 @@ class BalanceKV(DenseCompressor):
         self.layout = self.layout_for(n_prompt, cap)
         ratio = self.budget_ratio(n_prompt)
         return ratio is not None and ratio <= 1.0
-
-    def planned_bytes(self, n_prompt: int) -> float:
-        """The layout's kept tokens on every layer, a local layer's capped by what its window shows (the
-        prefill keeps only that, ``DenseCompressor.compress_tokens``)."""
-        if not self.sem.has_local:
-            return super().planned_bytes(n_prompt)
-        kept = self.planned_tokens(n_prompt)
-        tokens = sum(min(kept, s.held(n_prompt)) for s in self.sem.layers)
-        per_token = self.per_token_bytes(self.planned_logw())
-        return self.info.n_kv_heads * (tokens * per_token + self.info.n_layers * self.fixed_stream_bytes())
 
     def layout_for(self, n_prompt: int, cap: int) -> Layout:
         c = self.cfg

@@ -244,6 +244,9 @@ class DenseCompressor(Compressor):
     # declared: ``ranking(state)`` gives the prompt's scores before the choice, so Ada-KV's allocation can
     # wrap the method (``ada-NAME``, ``kvlab.methods.adakv``)
     ranks_prompt: ClassVar[bool] = False
+    # declared: one capacity on every layer, a local layer's capped by its window (``capacity_over_windows``
+    # plans it), so ``planned_bytes`` counts each layer's own
+    window_capped: ClassVar[bool] = False
 
     def ranking(self, state: PrefillState) -> Ranking | None:
         """After ``plan``, for a method that ``ranks_prompt``: its scores before the choice (None: it keeps every
@@ -314,13 +317,37 @@ class DenseCompressor(Compressor):
         """After ``plan``: whether kept tokens carry a log-weight."""
         return False
 
+    def window_capped_bytes(self, n_prompt: int, kept: int) -> float:
+        """The bytes of ``kept`` tokens on every layer, a local layer's capped by what its window shows (a
+        plain store keeps only that, ``compress_tokens``), + fixed bytes: a capacity's cost on a model with
+        local layers."""
+        tokens = sum(min(kept, s.held(n_prompt)) for s in self.sem.layers)
+        per_token = self.per_token_bytes(self.planned_logw())
+        return self.info.n_kv_heads * (tokens * per_token + self.info.n_layers * self.fixed_stream_bytes())
+
+    def capacity_over_windows(self, n_prompt: int, capacity: int) -> int:
+        """The largest capacity, from ``capacity`` up to the prompt, whose ``window_capped_bytes`` fit the
+        budget after prefill: the share a window cannot hold goes to the global layers (``capacity`` itself
+        on a model without local layers)."""
+        if not self.sem.has_local:
+            return capacity
+        allowed = self.allowed(n_prompt, 0)
+        lo, hi = capacity, n_prompt
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.window_capped_bytes(n_prompt, mid) <= allowed else (lo, mid - 1)
+        return lo
+
     def fixed_stream_bytes(self) -> float:
         """Bytes per layer and KV head held besides the kept tokens (e.g. a storage's counted sketches)."""
         storage = self.held_in()
         return 0.0 if storage is None else storage.fixed_bytes()
 
     def planned_bytes(self, n_prompt: int) -> float:
-        """After ``plan``: the bytes the compressed prompt will hold (kept tokens x their cost, + fixed bytes)."""
+        """After ``plan``: the bytes the compressed prompt will hold (kept tokens x their cost, + fixed bytes;
+        ``window_capped``: a local layer's tokens capped by its window)."""
+        if self.window_capped and self.sem.has_local:
+            return self.window_capped_bytes(n_prompt, self.planned_tokens(n_prompt))
         per_stream = self.planned_tokens(n_prompt) * self.per_token_bytes(self.planned_logw())
         return self.info.n_layers * self.info.n_kv_heads * (per_stream + self.fixed_stream_bytes())
 
@@ -346,12 +373,8 @@ class DenseCompressor(Compressor):
             layer_lw = None if lw is None else lw[layer]
             first = self.sem[layer].visible_from(n - 1)
             if first > 0 and self._plain_feed():  # a local layer holds what its last query sees
-                inside = _in_window(ix, first)
-                if inside is not None:
-                    ix = torch.gather(ix, 1, inside)
-                    layer_lw = None if layer_lw is None else torch.gather(layer_lw, 1, inside)
-                    ix, layer_lw = _filled_recent(ix, layer_lw, first, n, self.planned_tokens(n))
-                    pos = ix.to(torch.int32)
+                ix, layer_lw = _filled_recent(ix, layer_lw, first, n, self.planned_tokens(n))
+                pos = ix.to(torch.int32)
             self.layers.append(
                 DenseLayer.make(
                     self.as_cached(gather_tokens(state.keys[layer], ix)),
@@ -477,23 +500,24 @@ def _past_span(sem: sm.LayerSemantics, held: int, newest: int, m: int) -> bool:
 
 
 def _filled_recent(ix: Tensor, lw: Tensor | None, first: int, n: int, cap: int) -> tuple[Tensor, Tensor | None]:
-    """A local layer's kept indices ``ix`` [Hkv, m] (all >= ``first``, in order) topped up to ``cap`` tokens
-    (at most the n - first its last query sees) with the newest ones not kept, at log-weight 0: a selection
-    made over the whole prompt whose picks left the window then still uses the layer's share of the budget."""
-    want = min(cap, n - first)
-    if ix.shape[-1] >= want:
-        return ix, lw
-    h = ix.shape[0]
-    free = torch.ones(h, n - first, dtype=torch.bool, device=ix.device)
-    free.scatter_(1, ix - first, False)
+    """A local layer's kept indices ``ix`` [Hkv, m] (in order) without those before ``first``, which its last
+    query no longer sees, topped up to ``cap`` tokens (at most the n - first it sees) with the newest ones
+    not kept, at log-weight 0: a selection made over the whole prompt whose picks left the window then still
+    uses the layer's share of the budget. Heads may keep different counts inside the window; each ends with
+    the same count (more than ``cap`` only where a head kept more inside). Returns ([Hkv, m'], log-weights)."""
+    h, span = ix.shape[0], n - first
+    inside = ix >= first
+    slot = (ix - first).clamp_min(0)
+    taken = torch.zeros(h, span, dtype=torch.int32, device=ix.device).scatter_add_(1, slot, inside.int()) > 0
+    held = taken.sum(-1, keepdim=True)
+    want = max(min(cap, span), int(held.max()))
+    free = ~taken
     rank = free.flip(-1).cumsum(-1).flip(-1)  # newest free token: 1
-    add = free & (rank <= want - ix.shape[-1])
-    keep = ~free | add
+    keep = taken | (free & (rank <= want - held))
     idx = torch.arange(first, n, device=ix.device).expand(h, -1)[keep].view(h, -1)
     if lw is None:
         return idx, None
-    w = torch.zeros(h, n - first, dtype=lw.dtype, device=lw.device)
-    w.scatter_(1, ix - first, lw)
+    w = torch.zeros(h, span, dtype=lw.dtype, device=lw.device).scatter_add_(1, slot, torch.where(inside, lw, 0))
     return idx, w[keep].view(h, -1)
 
 

@@ -41,6 +41,7 @@ class Uniform(DenseCompressor):
     name = "uniform"
     title = "Uniform sampling"
     group = "baseline"
+    window_capped = True  # one capacity; a window keeps less of it, the global layers more
     paper = (
         "Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
         "Theory, Sec. 4.1 baseline (arXiv:2502.07861)"
@@ -61,6 +62,8 @@ class Uniform(DenseCompressor):
     def plan_tokens(self, n_prompt: int) -> dict:
         self.full = self.is_full
         self.capacity = self.tokens_for_budget(n_prompt, with_logw=self.cfg["reweight"])
+        if not self.full:  # on a model with local layers, the global layers take what the windows leave
+            self.capacity = self.capacity_over_windows(n_prompt, self.capacity)
         self.first = min(int(self.cfg["n_first"]), self.capacity // 4)
         self.last = min(int(self.cfg["n_last"]), self.capacity // 4)
         self.sampled = self.capacity - self.first - self.last
