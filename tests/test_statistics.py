@@ -53,17 +53,21 @@ def test_a_paired_difference_is_called_only_when_its_interval_excludes_zero():
 
 
 def test_right_or_wrong_pairs_get_an_exact_interval_not_a_degenerate_bootstrap():
-    # 4 of 4 prompts go one way: a bootstrap would answer [1, 1]; 4 heads in 4 tosses is p = 0.125 (two-sided)
+    # 4 of 4 prompts go one way: a bootstrap would answer [1, 1]; here the split 4 of 4 and the share of
+    # prompts that differ, 4 of 4, each have a 97.5% Clopper-Pearson interval: the lower end 0.0125 ** (1/4)
     few = st.paired_difference([1, 1, 1, 1], [0, 0, 0, 0], names=("exact", "turboquant"))
     assert few.difference.method == "exact-paired" and few.verdict == "inconclusive"
-    assert few.difference.low == pytest.approx(2 * 0.025**0.25 - 1) and few.difference.high == 1.0
-    # 10 of 20 discordant, all one way: k / m = 10 / 10, p_lo = 0.025 ** (1 / 10)
+    assert few.difference.low == pytest.approx(2 * 0.0125**0.25 - 1) and few.difference.high == 1.0
+    # 10 of 20 differ, all one way: called, and the upper end is not the observed 0.5 (the share that
+    # differs is uncertain too)
     many = st.paired_difference([1] * 20, [1] * 10 + [0] * 10, names=("a", "b"))
     assert many.verdict == "a higher" and many.difference.mean == 0.5
-    assert many.difference.low == pytest.approx((2 * 0.025**0.1 - 1) * 0.5)
-    # no discordant prompt: zero, bounded by the exact interval of 0 in n
+    share = st.binomial_interval(10, 20, 0.975)
+    assert many.difference.low == pytest.approx((2 * 0.0125**0.1 - 1) * share.low)
+    assert many.difference.high == pytest.approx(share.high)
+    # no prompt differs: zero, bounded by the share that could differ (0 of 4 at 97.5%)
     same = st.paired_difference([1, 0, 1, 0], [1, 0, 1, 0])
-    assert same.difference.mean == 0 and same.difference.high == pytest.approx(1 - 0.025**0.25)
+    assert same.difference.mean == 0 and same.difference.high == pytest.approx(1 - 0.0125**0.25)
     assert same.difference.low == -same.difference.high and same.verdict == "inconclusive"
     # a score that is not 0 or 1: the bootstrap, as before
     assert st.paired_difference([0.5, 1, 1, 1], [0, 0, 0, 0]).difference.method == "bootstrap"

@@ -7,9 +7,9 @@
 * ``score_interval``: whichever of the two fits a list of task scores: the exact binomial interval
   when every score is 0 or 1 (accuracy), the bootstrap otherwise (RULER's share of references found).
 * ``paired_difference``: two methods on the same prompts, the mean of their per-prompt differences
-  with a paired bootstrap interval (an exact interval conditional on the discordant prompts when both
-  are 0/1 scores, ``paired_binary_interval``); a difference is called only when the interval excludes
-  zero, else the comparison reads "inconclusive".
+  with a paired bootstrap interval (an exact interval when both are 0/1 scores: the share of prompts
+  where they differ and the split of those, ``paired_binary_interval``); a difference is called only
+  when the interval excludes zero, else the comparison reads "inconclusive".
 
 Degenerate cases are answered rather than warned about: no values give no estimate; one value, a
 mean with no interval; values all equal (every resample the same) an interval of that one value.
@@ -131,11 +131,11 @@ def score_interval(
 
 def paired_binary_interval(a: Values, b: Values, confidence: float = CONFIDENCE) -> Estimate | None:
     """Two 0/1 scores per prompt (right or wrong, a and b on the same prompts): the mean of a - b with an
-    exact interval conditional on the discordant prompts (McNemar's setting). Of the m prompts where they
-    differ, a is right on k; the Clopper-Pearson interval of k / m, [p_lo, p_hi], gives the difference's
-    [(2 p_lo - 1) m / n, (2 p_hi - 1) m / n]. With no discordant prompt, the share of prompts on which they
-    could differ is bounded by the exact interval of 0 in n, and the difference by plus or minus it. Unlike
-    a bootstrap, a few prompts that all go one way give a wide interval (4 of 4: [-0.20, 1.00]), not [1, 1]."""
+    exact interval. The difference is (2p - 1) q, with q the share of prompts on which the two differ and p
+    the share of those that a gets right (McNemar's setting). Each has its Clopper-Pearson interval at
+    half the miss rate (Bonferroni: both hold together with at least ``confidence``), and the difference's
+    interval spans (2p - 1) q over both; with no prompt where they differ, p is anything in [0, 1]. Unlike a
+    bootstrap, a few prompts that all go one way give a wide interval (4 of 4: [-0.33, 1.00]), not [1, 1]."""
     x, y = _values(a), _values(b)
     n = int(x.size)
     if not n:
@@ -143,14 +143,13 @@ def paired_binary_interval(a: Values, b: Values, confidence: float = CONFIDENCE)
     if n < 2:
         return Estimate(float(x[0] - y[0]), 1, None, None, "none", confidence)
     k, m = int(((x == 1) & (y == 0)).sum()), int((x != y).sum())
-    if m == 0:
-        bound = binomial_interval(0, n, confidence)
-        high = 0.0 if bound is None or bound.high is None else bound.high
-        return Estimate(0.0, n, -high, high, "exact-paired", confidence)
-    p = binomial_interval(k, m, confidence)
-    assert p is not None and p.low is not None and p.high is not None
-    share = m / n
-    return Estimate((2 * k - m) / n, n, (2 * p.low - 1) * share, (2 * p.high - 1) * share, "exact-paired", confidence)
+    each = 1 - (1 - confidence) / 2
+    q = binomial_interval(m, n, each)
+    p = binomial_interval(k, m, each) if m else None
+    assert q is not None and q.low is not None and q.high is not None
+    p_low, p_high = (0.0, 1.0) if p is None or p.low is None or p.high is None else (p.low, p.high)
+    corners = [(2 * pp - 1) * qq for pp in (p_low, p_high) for qq in (q.low, q.high)]
+    return Estimate((2 * k - m) / n, n, min(corners), max(corners), "exact-paired", confidence)
 
 
 @dataclass(frozen=True)
