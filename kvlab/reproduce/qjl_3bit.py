@@ -355,10 +355,13 @@ def _task_row(prompts: list[dict], tasks: list[str]) -> Row:
     below ``MARGIN`` holds, above it does not, across it is inconclusive; tasks exact fails say nothing."""
     scored = [p for p in prompts if p["runs"]["exact"]["score"] is not None]
     per = {t: {x: [p["runs"][x]["score"] or 0.0 for p in scored if p["task"] == t] for x in LABELS} for t in tasks}
+    refused = {x for p in scored for x in LABELS if p["runs"][x]["error"]}  # no score: shown as refused, not 0
+
+    def shown(x: str, v: list[float]) -> str:
+        return f"{x} refused" if x in refused else f"{x} {sum(v) / len(v):.2f}"
+
     measured = "; ".join(
-        f"{t}: " + ", ".join(f"{x} {sum(v) / len(v):.2f}" for x, v in per[t].items() if v)
-        for t in tasks
-        if per[t]["exact"]
+        f"{t}: " + ", ".join(shown(x, v) for x, v in per[t].items() if v) for t in tasks if per[t]["exact"]
     )
     able = [t for t in tasks if per[t]["exact"] and sum(per[t]["exact"]) / len(per[t]["exact"]) >= 0.8]
     setting = f"retrieval accuracy ({', '.join(tasks)}; {len(scored)} prompts): QJL comparable to exact"
