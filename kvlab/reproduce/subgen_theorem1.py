@@ -9,10 +9,11 @@ with no cluster cap, the theorem's regime) is built over the first n - w tokens 
 measured eps = ||z - a|| / (||softmax||_2 ||V||_op) per query head and query, averaged over them and
 seeds; ||z - a|| / ||a|| (kvlab's usual metric) is shown beside it.
 
-Theorem 1 gives sufficient s and t for an upper bound, not a rate, so it is checked as a bound:
-s = eps^-2 d (the Omega's constant taken as 1) promises eps <= sqrt(d / s), and the largest error of
-any query head and query at each measured (s, t) must stay below it (the t condition only loosens
-the bound further). Never violated: holds. How eps falls with s and t is reported as context.
+Theorem 1 gives sufficient s and t for an upper bound, not a rate, and states them as Omega(.) with no
+constant: no finite run can refute it ("not testable here"). What is measured is the bound at constant 1,
+s = eps^-2 d promising eps <= sqrt(d / s), against the largest error of any query head and query at each
+(s, t), and the constant each point needs (largest eps / sqrt(d / s)); how eps falls with s and t is
+reported as context.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kernels.tensor_ops import group_queries, ungroup
 from kvlab.core import semantics as sm
 from kvlab.methods.clustering import Clustering, cluster_stream
 from kvlab.methods.subgen import SubGenState
-from kvlab.reproduce.common import Claim, Report, Row, fmt
+from kvlab.reproduce.common import NOT_TESTABLE, Claim, Report, Row, fmt
 from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.reproduce.subgen_sublinear import slope
 
@@ -121,6 +122,9 @@ def run(ctx: ReproductionSetup) -> Report:
     points = [(axis, x) for axis, grid in (("s", s_grid), ("t", t_grid)) for x in grid]
     violated = [(a, x) for a, x in points if results[a][x]["max_eps"] > results[a][x]["bound"]]
 
+    ratios = {(a, x): results[a][x]["max_eps"] / results[a][x]["bound"] for a, x in points}
+    need = ", ".join(f"{a}={x}: {r:.2g}" for (a, x), r in ratios.items())
+
     def at(a, x):
         s_, t_ = (x, T_FIXED) if a == "s" else (S_FIXED, x)
         return f"s={s_}, t={t_}: {fmt(results[a][x]['max_eps'])} <= {fmt(results[a][x]['bound'])}"
@@ -129,9 +133,15 @@ def run(ctx: ReproductionSetup) -> Report:
         Row(
             "largest eps over every query head and query, against sqrt(d / s), at every (s, t) measured",
             "||z - a|| <= eps ||softmax||_2 ||V||_op with s = eps^-2 d (Eq. 4, constant 1)",
-            "; ".join(at(a, x) for a, x in points),
-            not violated,
-            "never violated" if not violated else f"violated at {', '.join(f'{a}={x}' for a, x in violated)}",
+            "; ".join(at(a, x) for a, x in points) + f"; the constant the errors need: {need}",
+            verdict=NOT_TESTABLE,
+            note="Theorem 1's s and t are Omega(.) with no constant, so no finite run can refute it; at constant 1 "
+            + (
+                "it is never exceeded"
+                if not violated
+                else f"it is exceeded at {', '.join(f'{a}={x}' for a, x in violated)}"
+            )
+            + "; the largest error over every query is stricter than the theorem's probability 0.99",
             n=len(points) * cfg["seeds"],
         ),
         Row(
