@@ -259,7 +259,7 @@ def test_balancekv_table1_is_inconclusive_when_every_compressed_method_scores_ze
     ahead = {**zeros, "balancekv": [1.0] * 4}
     ahead = {m: v * 3 for m, v in ahead.items()}  # 12 prompts: BalanceKV right on each, every baseline wrong
     assert _claim_row("balancekv", ahead, ["passkey"], {}).verdict == "holds"
-    mixed = {**ahead, "snapkv": [1.0, 0.0] * 6}  # SnapKV right on half: the interval still excludes zero
+    mixed = {**ahead, "snapkv": [1.0, 0.0, 0.0, 0.0] * 3}  # SnapKV right on a quarter: the interval still excludes 0
     assert _claim_row("balancekv", mixed, ["passkey"], {}).verdict == "holds"
     tied = {**ahead, "uniform": [1.0] * 11 + [0.0]}  # uniform nearly as good: inconclusive
     assert _claim_row("balancekv", tied, ["passkey"], {}).verdict == "inconclusive"
