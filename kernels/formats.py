@@ -102,6 +102,8 @@ class TurboQuantCodes:
     A vector x is stored as ||x|| and, for u = x / ||x||, the index of the nearest centroid of every
     coordinate of Pi u (TurboQuant-mse, ``bits`` bits per coordinate; none when ``bits`` is 0). Keys
     through TurboQuant-prod add the residual r = u - Pi^T c[idx] as 1-bit QJL: sign(S r) and ||r||.
+    vLLM's presets (kvlab/methods/vllm_turboquant.py) use a Walsh-Hadamard Pi (``hadamard``) and may
+    rescale c[idx] to a unit vector before use (``norm_correction``).
     """
 
     norms: Tensor  # float16 [Hkv, n]: ||x||
@@ -112,6 +114,8 @@ class TurboQuantCodes:
     sketch: Tensor | None = None  # float32 [m, m]: S, i.i.d. N(0, 1) (prod)
     signs: Tensor | None = None  # uint8 [Hkv, n, ceil(m / 8)]: sign(S r), LSB first, bit 1 = (S r) >= 0 (prod)
     residual_norms: Tensor | None = None  # float16 [Hkv, n]: ||r|| (prod with an mse part)
+    hadamard: bool = False  # Pi is the orthonormal Walsh-Hadamard matrix (kernels.hadamard), applied by its transform
+    norm_correction: bool = False  # c[idx] rescaled to unit norm before use (vLLM's "_nc" presets)
 
     def __post_init__(self) -> None:
         if (self.codes is None) != (self.bits == 0):
@@ -122,6 +126,10 @@ class TurboQuantCodes:
             raise ValueError("TurboQuant-prod with an mse part needs the residual norms")
         if self.codes is None and self.signs is None:
             raise ValueError("TurboQuant codes hold mse codes, QJL signs or both")
+        if self.hadamard and self.m & (self.m - 1):
+            raise ValueError(f"a Hadamard rotation needs a power-of-two channel count, not {self.m}")
+        if self.norm_correction and self.prod:
+            raise ValueError("norm correction applies to mse codes alone (no QJL residual)")
 
     @property
     def m(self) -> int:

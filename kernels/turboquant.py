@@ -22,6 +22,13 @@ R = g x t rows per KV head, already restricted to the instance's channels.
 The outlier channels of the method's Sec. 4.3 split are a second instance: its logits are added, its
 values concatenated (the method does both). The kernels take any m (padded to a power of two and
 masked), any R, and code bits 1-4 (3-bit codes 8 in 3 bytes, ``kernels.quant.pack_codes``).
+
+The Hadamard path (vLLM's TurboQuant presets, kvlab/methods/vllm_turboquant.py): with ``codes.hadamard``, Pi
+is the orthonormal Walsh-Hadamard matrix H (``kernels.hadamard``). The logits kernel then takes q itself and
+makes H q inside, tile by tile, from H's entries (-1)^popcount(i & j) / sqrt(m) computed from their indices
+(no rotation matrix is read); the reference uses the fast transform (``kernels.hadamard.fwht``). With
+``codes.norm_correction`` (vLLM's "_nc" presets) the key's centroid vector c[idx] is taken at unit norm:
+the kernel sums c[idx]^2 over the channel tiles it already reads and divides the mse term by its root.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from torch import Tensor
 
 from kernels import _runtime
 from kernels.formats import TurboQuantCodes
+from kernels.hadamard import fwht
 from kernels.qjl import _estimate_torch
 from kernels.quant import packed_bytes, unpack_codes
 
@@ -56,13 +64,26 @@ def centroid_rows(codes: TurboQuantCodes) -> Tensor:
     return codes.centroids[idx.long()]
 
 
+def rotated_queries(qg: Tensor, codes: TurboQuantCodes) -> Tensor:
+    """(Pi q) as rows, float32 [Hkv, R, m]: the fast Walsh-Hadamard transform for a Hadamard Pi, else a matmul."""
+    if codes.hadamard:
+        return fwht(qg)
+    return torch.matmul(qg.float(), codes.rotation.float().T)
+
+
+def unit_rows(c: Tensor) -> Tensor:
+    """Rows of c [..., m] rescaled to unit norm (vLLM's norm correction: c / sqrt(sum c^2 + 1e-16))."""
+    return c * torch.rsqrt(c.pow(2).sum(-1, keepdim=True) + 1e-16)
+
+
 def turboquant_logits_torch(qg: Tensor, codes: TurboQuantCodes) -> Tensor:
     """Reference of ``turboquant_logits``: qg [Hkv, R, m] -> float32 [Hkv, R, n]."""
     norms = codes.norms.float()
     out = None
     if codes.bits:
-        qr = torch.matmul(qg, codes.rotation.T)  # (Pi q) as rows
-        out = torch.matmul(qr, centroid_rows(codes).transpose(-1, -2)) * norms.unsqueeze(-2)
+        qr = rotated_queries(qg, codes)
+        rows = unit_rows(centroid_rows(codes)) if codes.norm_correction else centroid_rows(codes)
+        out = torch.matmul(qr, rows.transpose(-1, -2)) * norms.unsqueeze(-2)
     if codes.sketch is not None and codes.signs is not None:
         rn = codes.residual_norms
         gamma = rn.float() * norms if codes.bits and rn is not None else norms
@@ -72,8 +93,14 @@ def turboquant_logits_torch(qg: Tensor, codes: TurboQuantCodes) -> Tensor:
     return out
 
 
+def _check_values(codes: TurboQuantCodes) -> None:
+    if codes.norm_correction:
+        raise ValueError("turboquant_values reads plain mse codes (no norm correction)")
+
+
 def turboquant_values_torch(p: Tensor, codes: TurboQuantCodes) -> Tensor:
     """Reference of ``turboquant_values``: p [Hkv, R, n] -> float32 [Hkv, R, m]."""
+    _check_values(codes)
     pw = p * codes.norms.float().unsqueeze(-2)
     return torch.matmul(torch.matmul(pw, centroid_rows(codes)), codes.rotation)
 
@@ -111,17 +138,37 @@ if _runtime.HAVE_TRITON:
         return code
 
     @triton.jit
+    def _hadamard_tile(q_ptr, q_rows, mask_r, offs_j, M: tl.constexpr, LOG2_M: tl.constexpr,
+                       R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+        """Channels ``offs_j`` of (H q) for the rows ``q_rows`` of q [*, M] (M a power of two): H's entries are
+        made from their indices, (-1)^popcount(i & j) / sqrt(M), never loaded -> float32 [R_PAD, BLOCK_M]."""
+        acc = tl.zeros((R_PAD, BLOCK_M), dtype=tl.float32)
+        for i0 in tl.static_range(0, M, BLOCK_M):
+            offs_i = i0 + tl.arange(0, BLOCK_M)
+            q = tl.load(q_ptr + q_rows + offs_i[None, :], mask=mask_r[:, None] & (offs_i < M)[None, :], other=0.0)
+            both = offs_i[:, None] & offs_j[None, :]
+            parity = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.int32)
+            for b in tl.static_range(LOG2_M):
+                parity = parity ^ ((both >> b) & 1)
+            h = (1 - 2 * parity).to(tl.float32)
+            acc += tl.dot(q, h, input_precision="ieee")
+        return acc / tl.sqrt(M * 1.0)
+
+    @triton.jit
     def _tq_logits_kernel(
         qr_ptr, sq_ptr, codes_ptr, cent_ptr, norms_ptr, rn_ptr, signs_ptr, out_ptr,
         n, R, coef,
         M: tl.constexpr, B: tl.constexpr, CODE_BYTES: tl.constexpr, SIGN_BYTES: tl.constexpr,
-        HAS_MSE: tl.constexpr, PROD: tl.constexpr,
+        HAS_MSE: tl.constexpr, PROD: tl.constexpr, HADAMARD: tl.constexpr, LOG2_M: tl.constexpr,
+        NORM_CORRECTION: tl.constexpr,
         R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     ):  # fmt: skip
         """Grid (Hkv, cdiv(n, BLOCK_N)): Pi q, S q [Hkv, R, M] + one instance's codes -> logits out [Hkv, R, n].
 
         logit = ||k|| (<Pi q, c[idx]> + coef ||r|| <S q, sign>) (HAS_MSE and PROD), ||k|| <Pi q, c[idx]>
-        (HAS_MSE only), ||k|| coef <S q, sign> (PROD only)."""
+        (HAS_MSE only), ||k|| coef <S q, sign> (PROD only). With HADAMARD, ``qr_ptr`` holds q itself and Pi q
+        is made here (Pi the Walsh-Hadamard matrix, ``_hadamard_tile``); with NORM_CORRECTION the mse term
+        is divided by ||c[idx]|| (c[idx] taken as a unit vector)."""
         h = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, R_PAD)
@@ -130,21 +177,29 @@ if _runtime.HAVE_TRITON:
         norm = tl.load(norms_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
         mse = tl.zeros((R_PAD, BLOCK_N), dtype=tl.float32)
         qjl = tl.zeros((R_PAD, BLOCK_N), dtype=tl.float32)
+        csq = tl.zeros((BLOCK_N,), dtype=tl.float32)
         q_rows = (h * R + offs_r)[:, None] * M
         for j0 in tl.static_range(0, M, BLOCK_M):
             offs_j = j0 + tl.arange(0, BLOCK_M)
             mask_j = offs_j < M
             mask_q = mask_r[:, None] & mask_j[None, :]
             if HAS_MSE:
-                qr = tl.load(qr_ptr + q_rows + offs_j[None, :], mask=mask_q, other=0.0)
+                if HADAMARD:
+                    qr = _hadamard_tile(qr_ptr, q_rows, mask_r, offs_j, M, LOG2_M, R_PAD, BLOCK_M)
+                else:
+                    qr = tl.load(qr_ptr + q_rows + offs_j[None, :], mask=mask_q, other=0.0)
                 code = _codes_tile(codes_ptr, rows, mask_n, j0, offs_j, mask_j, CODE_BYTES, B, BLOCK_N, BLOCK_M)
                 kc = tl.load(cent_ptr + code, mask=mask_n[:, None] & mask_j[None, :], other=0.0)
                 mse += tl.dot(qr, tl.trans(kc), input_precision="ieee")
+                if NORM_CORRECTION:
+                    csq += tl.sum(kc * kc, axis=1)
             if PROD:
                 sq = tl.load(sq_ptr + q_rows + offs_j[None, :], mask=mask_q, other=0.0)
                 bit = _codes_tile(signs_ptr, rows, mask_n, j0, offs_j, mask_j, SIGN_BYTES, 1, BLOCK_N, BLOCK_M)
                 sign = tl.where(mask_j[None, :], bit.to(tl.float32) * 2.0 - 1.0, 0.0)
                 qjl += tl.dot(sq, tl.trans(sign), input_precision="ieee")
+        if NORM_CORRECTION:
+            mse = mse / tl.sqrt(csq + 1e-16)[None, :]
         if PROD:
             if HAS_MSE:
                 gamma = tl.load(rn_ptr + rows, mask=mask_n, other=0.0).to(tl.float32) * coef
@@ -216,7 +271,10 @@ def turboquant_logits_triton(qg: Tensor, codes: TurboQuantCodes) -> Tensor:
     if not n:
         return out
     has_mse, prod = codes.bits > 0, codes.prod
-    qr = torch.matmul(q, codes.rotation.float().T).contiguous() if has_mse else q.contiguous()
+    if codes.hadamard or not has_mse:  # a Hadamard Pi q is made inside the kernel
+        qr = q.contiguous()
+    else:
+        qr = torch.matmul(q, codes.rotation.float().T).contiguous()
     sq = torch.matmul(q, codes.sketch.float().T).contiguous() if codes.sketch is not None else qr
     norms = codes.norms.contiguous()
     packed = codes.codes.contiguous() if codes.codes is not None else norms  # placeholders the kernel never reads
@@ -227,6 +285,7 @@ def turboquant_logits_triton(qg: Tensor, codes: TurboQuantCodes) -> Tensor:
         n, r, _coef(m),
         M=m, B=max(codes.bits, 1), CODE_BYTES=packed_bytes(m, codes.bits) if has_mse else 1,
         SIGN_BYTES=packed_bytes(m, 1), HAS_MSE=has_mse, PROD=prod,
+        HADAMARD=codes.hadamard, LOG2_M=max(1, (m - 1).bit_length()), NORM_CORRECTION=codes.norm_correction,
         R_PAD=_runtime.next_pow2(r), BLOCK_N=BLOCK_N, BLOCK_M=_block_m(m),
     )  # fmt: skip
     return out
@@ -236,6 +295,7 @@ def turboquant_values_triton(p: Tensor, codes: TurboQuantCodes, splits: int | No
     """The kernel path of ``turboquant_values``: p [Hkv, R, n] -> float32 [Hkv, R, m].
 
     The kernel writes per-split partial sums in the rotated basis; they are summed, then rotated back once."""
+    _check_values(codes)
     hkv, r, n = p.shape
     m, dev = codes.m, p.device
     if codes.codes is None:

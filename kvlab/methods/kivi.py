@@ -38,12 +38,27 @@ from kvlab.core.budgets import exact_bytes
 from kvlab.core.model import ModelInfo
 from kvlab.core.semantics import LayerSemantics, grouped_softmax
 from kvlab.methods.base import Compressor
+from kvlab.methods.bit_split import candidates, choose, side_params, split_param
 from kvlab.methods.budget_search import fits_budget
 from kvlab.methods.dense import _Growable
 from kvlab.methods.handover import PrefillState
 from kvlab.methods.params import Param, ParamError
 
 KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
+Bits = int | tuple[int, int]  # one width for keys and values, or (key bits, value bits)
+
+
+def kv_bits(bits: Bits) -> tuple[int, int]:
+    """(key bits, value bits) of ``bits``: one width for both, or a pair."""
+    if isinstance(bits, (tuple, list)):
+        return int(bits[0]), int(bits[1])
+    return int(bits), int(bits)
+
+
+def shown_bits(bits: Bits) -> Bits:
+    """A width as plans report it: one int when keys and values share it, else the pair."""
+    kb, vb = kv_bits(bits)
+    return kb if kb == vb else (kb, vb)
 
 
 def extend_groups(a: QuantizedGroups | None, b: QuantizedGroups) -> QuantizedGroups:
@@ -63,14 +78,13 @@ def extend_groups(a: QuantizedGroups | None, b: QuantizedGroups) -> QuantizedGro
 
 
 def quantize_kv(
-    k: Tensor, v: Tensor, bits: int, group: int, value_group: int | None = None
+    k: Tensor, v: Tensor, bits: Bits, group: int, value_group: int | None = None
 ) -> tuple[QuantizedGroups, QuantizedGroups]:
     """KIVI's asymmetric pair for k, v [..., n, d] (n a multiple of ``group``): keys grouped along
     tokens (per channel), values grouped along head_dim (per token), in groups of ``value_group``
-    channels (None: ``group``), at most head_dim."""
-    return quantize_groups(k, bits, group, dim=-2), quantize_groups(
-        v, bits, min(value_group or group, v.shape[-1]), dim=-1
-    )
+    channels (None: ``group``), at most head_dim; ``bits`` one width or (key bits, value bits)."""
+    kb, vb = kv_bits(bits)
+    return quantize_groups(k, kb, group, dim=-2), quantize_groups(v, vb, min(value_group or group, v.shape[-1]), dim=-1)
 
 
 def split_layers(q: QuantizedGroups) -> list[QuantizedGroups]:
@@ -85,17 +99,18 @@ def quantized_len(n: int, residual: int, group: int) -> int:
     return max(0, (n - residual) // group) * group
 
 
-def kivi_held(info: ModelInfo, nq: int, r: int, bits: int, group: int, value_group: int | None = None) -> int:
+def kivi_held(info: ModelInfo, nq: int, r: int, bits: Bits, group: int, value_group: int | None = None) -> int:
     """Bytes ``KIVI`` holds with ``nq`` quantized tokens (whole groups) and ``r`` full-precision ones."""
     return info.n_layers * info.n_kv_heads * kivi_stream_bytes(info, nq, r, bits, group, value_group)
 
 
-def kivi_stream_bytes(info: ModelInfo, nq, r, bits: int, group: int, value_group: int | None = None):
+def kivi_stream_bytes(info: ModelInfo, nq, r, bits: Bits, group: int, value_group: int | None = None):
     """``kivi_held`` of one layer and KV head (``nq``, ``r``: ints, or integer tensors of them)."""
     d = info.head_dim
+    kb, vb = kv_bits(bits)
     gv = min(value_group or group, d)
-    key = d * (nq // group) * (packed_bytes(group, bits) + 4)  # packed codes + fp16 scale + fp16 min per group
-    val = nq * (-(-d // gv)) * (packed_bytes(gv, bits) + 4)
+    key = d * (nq // group) * (packed_bytes(group, kb) + 4)  # packed codes + fp16 scale + fp16 min per group
+    val = nq * (-(-d // gv)) * (packed_bytes(gv, vb) + 4)
     return key + val + r * d * 2 * info.dtype_bytes
 
 
@@ -120,7 +135,7 @@ def local_quantized_held(sem: LayerSemantics, seen: Tensor, recent: Tensor, grou
     return (end - first_group_held(sem, seen - 1, group)).clamp(min=0)
 
 
-def kivi_bytes(info: ModelInfo, n: int, bits: int, group: int, residual: int) -> int:
+def kivi_bytes(info: ModelInfo, n: int, bits: Bits, group: int, residual: int) -> int:
     """The bytes ``KIVI`` will hold for ``n`` tokens (for planning; the run counts its tensors)."""
     nq = quantized_len(n, residual, group)
     return kivi_held(info, nq, n - nq, bits, group)
@@ -134,7 +149,7 @@ def residual_after(n: int, residual: int, group: int, steps: int) -> int:
 
 
 def kivi_worst_ratio(
-    info: ModelInfo, budget, n: int, bits: int, group: int, residual: int, horizon: int, value_group: int | None = None
+    info: ModelInfo, budget, n: int, bits: Bits, group: int, residual: int, horizon: int, value_group: int | None = None
 ) -> float:
     """The largest ratio of held to allowed bytes from prefill to ``horizon`` decode steps (streaming).
 
@@ -156,7 +171,7 @@ def kivi_worst_ratio(
 
 
 def kivi_local_worst_ratio(
-    info: ModelInfo, budget, n: int, bits: int, group: int, residual: int, horizon: int, value_group: int | None
+    info: ModelInfo, budget, n: int, bits: Bits, group: int, residual: int, horizon: int, value_group: int | None
 ) -> float:
     """``kivi_worst_ratio`` on a model with local layers, at every step from prefill to ``horizon``: a
     local layer drops its quantized groups once they have left the window whole (``KiviLayer.trim``),
@@ -166,7 +181,7 @@ def kivi_local_worst_ratio(
 
 
 def kivi_local_held(
-    info: ModelInfo, n: int, bits: int, group: int, residual: int, horizon: int, value_group: int | None = None
+    info: ModelInfo, n: int, bits: Bits, group: int, residual: int, horizon: int, value_group: int | None = None
 ) -> Tensor:
     """The bytes ``KIVI`` holds after prefill and each decode step up to ``horizon`` (int64 [horizon + 1]),
     a local layer without its quantized groups that left the window whole (global layers: ``kivi_held``)."""
@@ -203,30 +218,39 @@ def solve_kivi(
     n: int,
     budget,
     group: int,
-    bits: int | None,
+    bits: Bits | None,
     residual: int | None,
     horizon: int,
     value_group: int | None = None,
+    pairs: list[tuple[int, int]] | None = None,
 ):
     """(bits, residual) for ``budget`` on an ``n``-token prompt, held for ``horizon`` decode steps: the
-    highest bits that fit with no residual, then the longest residual that still fits (unless given).
-    Returns None when nothing fits (the caller refuses or degrades the group)."""
+    width that fits with no residual and holds the most bytes (``bit_split.choose``: ``bits`` given, that one;
+    else among ``pairs`` of (key bits, value bits), by default the equal ones), then the longest residual that
+    still fits (unless given). The bits come back as ``shown_bits`` gives them. Returns None when nothing fits
+    (the caller refuses or degrades the group)."""
 
-    def fits(b: int, r: int) -> bool:
+    def fits(b: Bits, r: int) -> bool:
         return kivi_worst_ratio(info, budget, n, b, group, r, horizon, value_group) <= 1.0
 
-    for b in (bits,) if bits else KIVI_BITS:
-        if residual is not None:
-            if fits(b, residual):
-                return b, residual
-            continue
-        if fits(b, 0):
-            lo, hi = 0, n  # bytes grow with the residual: binary search the largest that fits
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if fits(b, mid) else (lo, mid - 1)
-            return b, lo
-    return None
+    if bits is not None:
+        options = [kv_bits(bits)]
+    else:
+        options = [(int(k), int(v)) for k, v in pairs] if pairs is not None else [(b, b) for b in KIVI_BITS]
+    r0 = residual if residual is not None else 0
+    chosen, ok = choose(
+        options, lambda p: fits(p, r0), lambda p: float(kivi_stream_bytes(info, group, 0, p, group, value_group))
+    )
+    if not ok:
+        return None
+    b = shown_bits(chosen)
+    if residual is not None:
+        return b, residual
+    lo, hi = 0, n  # bytes grow with the residual: binary search the largest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(b, mid) else (lo, mid - 1)
+    return b, lo
 
 
 @dataclass
@@ -301,7 +325,7 @@ class KiviLayer:
         kq, vq = quantized
         return torch.cat([dequantize_groups(kq), k], -2), torch.cat([dequantize_groups(vq), v], -2)
 
-    def flush(self, bits: int, group: int, value_group: int | None = None) -> None:
+    def flush(self, bits: Bits, group: int, value_group: int | None = None) -> None:
         """Quantize the residual's oldest ``group`` tokens."""
         k, v = self.rk.view(), self.rv.view()
         kq, vq = quantize_kv(k[..., :group, :], v[..., :group, :], bits, group, value_group)
@@ -340,18 +364,24 @@ class KIVI(Compressor):
         Param(
             "residual", None, "recent tokens kept in full precision (paper: 128; chosen from the budget when not given)"
         ),
+        *side_params(KIVI_BITS, int, "bits per code"),
+        split_param("equal"),
     )
 
     def plan(self, n_prompt: int) -> dict:
         c, info = self.cfg, self.info
-        bits = None if c["bits"] is None else int(c["bits"])
-        if bits is not None and bits not in KIVI_BITS:
-            raise ParamError(f"kivi: parameter bits={bits} is not one of 2, 3, 4")
+        given = None if c["bits"] is None else kv_bits(c["bits"])
+        if given is not None and not set(given) <= set(KIVI_BITS):
+            raise ParamError(f"kivi: parameter bits={c['bits']} is not one of 2, 3, 4")
+        self.pairs = candidates(
+            KIVI_BITS, KIVI_BITS, None, given[0] if given else c["kbits"], given[1] if given else c["vbits"], c["split"]
+        )
+        bits: Bits | None = shown_bits(self.pairs[0]) if len(self.pairs) == 1 else None  # type: ignore[arg-type]
         residual = None if c["residual"] is None else max(0, int(c["residual"]))
         self.group_size = int(c["group"])
         self.value_group: int | None = None  # None: the key group (at most head_dim)
         if self.is_full:
-            self.bits, self.residual = bits or KIVI_BITS[0], n_prompt if residual is None else residual
+            self.bits, self.residual = shown_bits(self.pairs[0]), n_prompt if residual is None else residual  # type: ignore[arg-type]
         else:
             self.bits, self.residual, self.group_size, self.value_group = self._fit(n_prompt, bits, residual)
         if info.semantics.has_local:  # a local layer holds the groups its window still sees
@@ -360,8 +390,11 @@ class KIVI(Compressor):
         else:
             predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
         shown = {} if self.value_group is None else {"value_group": min(self.value_group, info.head_dim)}
+        kb, vb = kv_bits(self.bits)
         return {
             "bits": self.bits,
+            "kbits": kb,
+            "vbits": vb,
             "group": self.group_size,
             **shown,
             "residual": self.residual,
@@ -370,7 +403,7 @@ class KIVI(Compressor):
             "fits_budget": self.is_full or fits_budget(self, n_prompt),
         }
 
-    def _fit(self, n: int, bits: int | None, residual: int | None) -> tuple[int, int, int, int | None]:
+    def _fit(self, n: int, bits: Bits | None, residual: int | None) -> tuple[Bits, int, int, int | None]:
         """(bits, residual, group, value group) that hold the budget up to the horizon. A group not given
         shrinks (32 -> 16 -> 8) when nothing fits at the given one: short prompts then quantize at all, at a
         higher cost per token in scales and minimums. On a model with local layers, where a window holds
@@ -384,20 +417,21 @@ class KIVI(Compressor):
         local = self.info.semantics.has_local
         if local:
             groups += [(g, given) for g in shrunk]
-        best: tuple[tuple[int, float], tuple[int, int, int, int | None]] | None = None
+        pairs = [(int(k), int(v)) for k, v in self.pairs]
+        best: tuple[tuple[int, float], tuple[Bits, int, int, int | None]] | None = None
         for g, vg in groups:
-            fit = solve_kivi(self.info, n, self.budget, g, bits, residual, self.horizon(n), vg)
+            fit = solve_kivi(self.info, n, self.budget, g, bits, residual, self.horizon(n), vg, pairs)
             if fit is None:
                 continue
             if not local:
                 return (*fit, g, vg)
             fill = kivi_worst_ratio(self.info, self.budget, n, fit[0], g, fit[1], self.horizon(n), vg)
-            rank = (fit[0], round(fill, 2))  # ties keep the larger group (tried first)
+            rank = (sum(kv_bits(fit[0])), round(fill, 2))  # ties keep the larger group (tried first)
             if best is None or rank > best[0]:
                 best = (rank, (*fit, g, vg))
         if best is not None:
             return best[1]
-        return bits or KIVI_BITS[-1], residual or 0, given, None
+        return bits if bits is not None else shown_bits(min(pairs, key=sum)), residual or 0, given, None
 
     def budget_ratio(self, n_prompt: int) -> float | None:
         return kivi_worst_ratio(

@@ -14,9 +14,11 @@ from kvlab.methods.adakv import adaptive
 from kvlab.methods.adakv import resolve as resolve_adaptive
 from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
+from kvlab.methods.engine_flags import ENGINE_METHODS
 from kvlab.methods.exact import Exact
 from kvlab.methods.expected_attention import ExpectedAttention
 from kvlab.methods.fp8 import FP8
+from kvlab.methods.ggml_cache import GGMLCache
 from kvlab.methods.h2o import H2O
 from kvlab.methods.keydiff import KeyDiff
 from kvlab.methods.kivi import KIVI
@@ -33,6 +35,7 @@ from kvlab.methods.subgen import SubGen, SubGenKCenter, SubGenKCenterWeighted
 from kvlab.methods.tova import TOVA
 from kvlab.methods.turboquant import TurboQuant
 from kvlab.methods.uniform import Uniform
+from kvlab.methods.vllm_turboquant import VLLMTurboQuant
 from kvlab.methods.with_kivi import quantized
 from kvlab.methods.with_kivi import resolve as resolve_kivi
 from kvlab.methods.with_qjl import qjl_keyed, resolve_qjl
@@ -68,6 +71,9 @@ METHODS: tuple[Method, ...] = (
     FP8,
     TurboQuant,
     PolarQuant,
+    VLLMTurboQuant,
+    GGMLCache,
+    *ENGINE_METHODS,  # the engines' flags: vLLM's TurboQuant presets, llama.cpp's cache types
     adaptive(SnapKV),  # the AdaKV paper's own pairing
     adaptive(ExpectedAttention, epsilon=1e-2),  # kvpress's benchmarked Expected Attention (AdaKVPress, epsilon 1e-2)
     quantized(Scissorhands, 4),  # the Scissorhands paper's own combination (Table 4)

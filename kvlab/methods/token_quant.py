@@ -112,6 +112,10 @@ class TokenQuantizer(Compressor):
         """Bytes held per layer whatever the number of tokens (per-head constants), summed over KV heads."""
         return 0.0
 
+    def full_layers(self) -> frozenset[int]:
+        """Layers that keep every token in the cache dtype, never coded (vLLM's boundary layers); none here."""
+        return frozenset()
+
     def prepare(self, keys: Tensor, values: Tensor) -> list[Codes]:
         """Before encoding the prefill keys/values [L, Hkv, n, d]: per-layer constants held per sequence."""
         return [{} for _ in range(keys.shape[0])]
@@ -151,8 +155,12 @@ class TokenQuantizer(Compressor):
         info = self.info
         full = (info.head_dim + info.v_head_dim) * info.dtype_bytes
         total = 0.0
-        for sem in self.sem.layers:
+        uncoded = self.full_layers()
+        for i, sem in enumerate(self.sem.layers):
             held = sem.held(n + steps)
+            if i in uncoded:
+                total += info.n_kv_heads * held * full
+                continue
             window = min(held, r) if self.streaming or self.full or sem.is_local else min(held, min(r, n) + steps)
             coded = held - window
             total += info.n_kv_heads * (coded * self.token_bytes() + window * full) + self.fixed_bytes()
@@ -184,12 +192,13 @@ class TokenQuantizer(Compressor):
     def compress(self, state: PrefillState) -> None:
         keys, values = state.keys, state.values
         n_layers, _, n, _ = keys.shape
-        n_coded = 0 if self.full else max(0, n - self.residual)
+        uncoded = self.full_layers()
         extra = [{} for _ in range(n_layers)] if self.full else self.prepare(keys, values)
         self.layers = []
         for i in range(n_layers):
             cancel.checkpoint()
             codes = {}
+            n_coded = 0 if self.full or i in uncoded else max(0, n - self.residual)
             if n_coded:  # one layer at a time: the float intermediates stay the size of one layer's cache
                 enc = self.encode(
                     slice(i, i + 1), keys[i : i + 1, :, :n_coded], values[i : i + 1, :, :n_coded], extra[i : i + 1]
@@ -214,7 +223,8 @@ class TokenQuantizer(Compressor):
         st.res_v = torch.cat([st.res_v, v.to(st.res_v.dtype)], 1)
         st.n_seen += k.shape[1]
         over = st.res_k.shape[1] - self.residual
-        if (self.streaming or self.sem[layer].is_local) and not self.full and over > 0:
+        coding = not self.full and layer not in self.full_layers()
+        if (self.streaming or self.sem[layer].is_local) and coding and over > 0:
             sl = slice(layer, layer + 1)
             enc = self.encode(sl, st.res_k[None, :, :over], st.res_v[None, :, :over], [st.extra])
             st.add_codes({name: t[0] for name, t in enc.items()})

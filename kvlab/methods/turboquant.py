@@ -58,6 +58,7 @@ from kernels.formats import TurboQuantCodes
 from kernels.qjl import make_sketch
 from kernels.quant import pack_codes, pack_signs, packed_bytes, unpack_signs
 from kernels.turboquant import centroid_rows, turboquant_logits, turboquant_values
+from kvlab.methods.bit_split import candidates, choose, side_params, split_param
 from kvlab.methods.params import Param, ParamError
 from kvlab.methods.token_quant import CodedLayer, Codes, TokenQuantizer
 
@@ -265,43 +266,55 @@ class TurboQuant(TokenQuantizer):
             choices=("prod", "mse"),
         ),
         Param("orthogonalize", False, "orthogonalize the QJL sketch's rows (paper: i.i.d. Gaussian)"),
+        *side_params(BITS),
+        split_param("equal"),
     )
 
     # ----- the code --------------------------------------------------------------------------------
-    def _setting(self, bits: float) -> None:
+    def _setting(self, kbits: float, vbits: float) -> None:
         info = self.info
-        self.bits = float(bits)
-        self.k_split = split_bits(bits, info.head_dim)
-        self.v_split = split_bits(bits, info.v_head_dim)
+        self.kbits, self.vbits = float(kbits), float(vbits)
+        self.bits = (self.kbits + self.vbits) / 2
+        self.k_split = split_bits(kbits, info.head_dim)
+        self.v_split = split_bits(vbits, info.v_head_dim)
 
     def pick(self, n_prompt: int) -> dict:
-        given = self.cfg["bits"]
-        if given is not None or self.is_full:
-            self._setting(given if given is not None else BITS[0])
+        c = self.cfg
+        pairs = candidates(BITS, BITS, c["bits"], c["kbits"], c["vbits"], c["split"], self.name)
+        if self.is_full or len(pairs) == 1:
+            self._setting(*pairs[0])
         else:
-            for bits in BITS:
-                self._setting(bits)
-                if self._worst_ratio(n_prompt, 0) <= 1.0:
-                    break
-        (b, n_out), (_, v_out) = self.k_split, self.v_split
+
+            def fits(p: tuple[float, float]) -> bool:
+                self._setting(*p)
+                return self._worst_ratio(n_prompt, 0) <= 1.0
+
+            def size(p: tuple[float, float]) -> float:
+                self._setting(*p)
+                return self.token_bytes()
+
+            self._setting(*choose(pairs, fits, size)[0])
+        (kb, n_out), (vb, v_out) = self.k_split, self.v_split
         return {
             "bits": self.bits,
-            "key_bits": (f"{b - 1} mse + 1 qjl" if self.cfg["keys"] == "prod" else f"{b} mse")
+            "kbits": self.kbits,
+            "vbits": self.vbits,
+            "key_bits": (f"{kb - 1} mse + 1 qjl" if c["keys"] == "prod" else f"{kb} mse")
             + (f" ({n_out} outlier channels: one more)" if n_out else ""),
-            "value_bits": f"{b} mse" + (f" ({v_out} outlier channels: {b + 1})" if v_out else ""),
+            "value_bits": f"{vb} mse" + (f" ({v_out} outlier channels: {vb + 1})" if v_out else ""),
             "outlier_channels": n_out,
         }
 
     def _layout(self) -> list[tuple[str, int, int, bool]]:
         """(prefix, channels, bits, prod) of every instance."""
-        (b, ko), (_, vo) = self.k_split, self.v_split
+        (kb, ko), (vb, vo) = self.k_split, self.v_split
         dk, dv = self.info.head_dim, self.info.v_head_dim
         prod = self.cfg["keys"] == "prod"
-        out = [("key", dk - ko, b, prod), ("value", dv - vo, b, False)]
+        out = [("key", dk - ko, kb, prod), ("value", dv - vo, vb, False)]
         if ko:
-            out.append(("outlier_key", ko, b + 1, prod))
+            out.append(("outlier_key", ko, kb + 1, prod))
         if vo:
-            out.append(("outlier_value", vo, b + 1, False))
+            out.append(("outlier_value", vo, vb + 1, False))
         return out
 
     def token_bytes(self) -> float:
