@@ -45,7 +45,7 @@ from kvlab.methods.handover import PrefillState
 from kvlab.methods.params import Param, ParamError
 
 KIVI_BITS = (4, 3, 2)  # highest first: the budget solver tries them in this order
-Bits = int | tuple[int, int]  # one width for keys and values, or (key bits, value bits)
+Bits = int | tuple[float, float]  # one width for keys and values, or (key bits, value bits)
 
 
 def kv_bits(bits: Bits) -> tuple[int, int]:
@@ -376,12 +376,12 @@ class KIVI(Compressor):
         self.pairs = candidates(
             KIVI_BITS, KIVI_BITS, None, given[0] if given else c["kbits"], given[1] if given else c["vbits"], c["split"]
         )
-        bits: Bits | None = shown_bits(self.pairs[0]) if len(self.pairs) == 1 else None  # type: ignore[arg-type]
+        bits: Bits | None = shown_bits(self.pairs[0]) if len(self.pairs) == 1 else None
         residual = None if c["residual"] is None else max(0, int(c["residual"]))
         self.group_size = int(c["group"])
         self.value_group: int | None = None  # None: the key group (at most head_dim)
         if self.is_full:
-            self.bits, self.residual = shown_bits(self.pairs[0]), n_prompt if residual is None else residual  # type: ignore[arg-type]
+            self.bits, self.residual = shown_bits(self.pairs[0]), n_prompt if residual is None else residual
         else:
             self.bits, self.residual, self.group_size, self.value_group = self._fit(n_prompt, bits, residual)
         if info.semantics.has_local:  # a local layer holds the groups its window still sees

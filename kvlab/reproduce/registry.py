@@ -21,6 +21,8 @@ _MODULES = {
     "turboquant-bounds": "turboquant_bounds",
     "quantizers-matched": "quantizers_matched",
     "polarquant-distortion": "polarquant_distortion",
+    "kv-asymmetric-bits": "kv_asymmetric_bits",
+    "turboquant-qjl-residual": "turboquant_qjl_residual",
 }
 REPRODUCTIONS = tuple(_MODULES)
 
