@@ -82,6 +82,10 @@ TQ_CASES = [
         (128, 4, False, 1, 70, 1),
     ]
 ]
+TQ_HADAMARD_CASES = [  # vLLM's presets: a Walsh-Hadamard Pi made in the kernel, norm correction
+    (f"tq_hadamard_b{bits}_m{m}" + ("_nc" if nc else ""), dict(m=m, bits=bits, nc=nc, g=g, n=n))
+    for m, bits, nc, g, n in [(64, 3, True, 3, 80), (64, 4, False, 3, 77), (256, 4, True, 4, 70), (128, 3, True, 1, 65)]
+]
 TQ_COMPRESSOR_BITS = (2.0, 3.0, 3.5)  # d = 64, Hkv = 2, g = 3: 3.5 splits 32 outlier channels off
 
 
@@ -276,6 +280,61 @@ def _case_tq(m, bits, prod, g, n, t, hkv=2):
     return out
 
 
+def _tq_hadamard_codes(m, bits, nc, n, hkv=2, seed=3):
+    """One layer of vLLM-style key codes: random indices of the Gaussian codebook, float16 norms, Hadamard Pi."""
+    from kernels.formats import TurboQuantCodes
+    from kernels.hadamard import hadamard
+    from kernels.quant import pack_codes
+    from kvlab.methods.vllm_turboquant import gaussian_codebook
+
+    g = torch.Generator().manual_seed(seed)
+    c, _ = gaussian_codebook(m, bits)
+    idx = torch.randint(0, 1 << bits, (hkv, n, m), generator=g)
+    norms = (torch.rand(hkv, n, generator=g) * 4 + 0.5).half()
+    return TurboQuantCodes(
+        norms, hadamard(m), torch.tensor(c).float(), bits, pack_codes(idx, bits), hadamard=True, norm_correction=nc
+    )
+
+
+def _case_tq_hadamard(m, bits, nc, g, n, hkv=2):
+    """The logits kernel's Hadamard path (H q made in the kernel, norm correction) vs the torch reference."""
+    from kernels import turboquant as T
+
+    part = _tq_hadamard_codes(m, bits, nc, n, hkv)
+    qg = _rand(hkv, g, m, seed=17) * 2
+    ref, got = T.turboquant_logits_torch(qg, part), T.turboquant_logits_triton(qg, part)
+    return {"rel_err": ((got - ref).abs().max() / ref.abs().max()).item(), "shape_ok": got.shape == ref.shape}
+
+
+def _case_vllm_compressor():
+    """vLLM's k3v4_nc preset attending through the Hadamard kernel vs the torch references; the kernel ran."""
+    import kernels
+    from kernels import turboquant as T
+    from kvlab.core.budgets import Budget
+    from kvlab.core.model import ModelInfo
+    from kvlab.methods.handover import PrefillState
+    from kvlab.methods.registry import get
+
+    info = ModelInfo("synthetic", 2, 6, 2, 64, "float32", "cpu", 4096)
+    state = PrefillState(_rand(2, 2, 80, 64, seed=21), _rand(2, 2, 80, 64, seed=22), _rand(2, 6, 4, 64, seed=23), 0.125)
+    comp = get("vllm-k3v4-nc")(info, Budget.parse("0.5"), {"skip_layers": 0}, seed=0)
+    budget_search.planned(comp, 80)
+    comp.compress(state)
+    calls = []
+    orig = T.turboquant_logits_triton
+    T.turboquant_logits_triton = lambda *a: calls.append("logits") or orig(*a)
+    q = _rand(6, 1, 64, seed=24) * 2
+    try:
+        with kernels.using("triton"):
+            got = [comp.attend(layer, q) for layer in range(2)]
+        with kernels.using("torch"):
+            ref = [comp.attend(layer, q) for layer in range(2)]
+    finally:
+        T.turboquant_logits_triton = orig
+    err = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref))
+    return {"rel_err": err, "calls": len(calls), "n_coded": comp.layers[1].n_coded}
+
+
 def _case_tq_compressor(bits):
     """The TurboQuant compressor's decode attention (prefill codes, one streamed token, outliers at 3.5 bits)
     forced through the kernels vs the torch references; and that the kernels really ran."""
@@ -318,6 +377,8 @@ def run_cases() -> dict:
     jobs += [(n, _case_attn, kw) for n, kw in ATTN_CASES] + [("dispatch", _case_dispatch, {})]
     jobs += [("qjl_compressor", _case_qjl_compressor, {}), ("dense_compressor", _case_dense_compressor, {})]
     jobs += [(n, _case_tq, kw) for n, kw in TQ_CASES]
+    jobs += [(n, _case_tq_hadamard, kw) for n, kw in TQ_HADAMARD_CASES]
+    jobs += [("vllm_compressor", _case_vllm_compressor, {})]
     jobs += [(f"tq_compressor_{b}", _case_tq_compressor, {"bits": b}) for b in TQ_COMPRESSOR_BITS]
     for name, fn, kw in jobs:
         try:
@@ -402,6 +463,32 @@ def test_turboquant_kernels_match_reference(interpreted, name):
     if "values_rel_err" in r:
         assert r["values_shape_ok"]
         assert r["values_rel_err"] < 1e-5
+
+
+@pytest.mark.parametrize("name", [c[0] for c in TQ_HADAMARD_CASES])
+def test_turboquant_hadamard_path_matches_reference(interpreted, name):
+    r = _result(interpreted, name)
+    assert r["shape_ok"]
+    assert r["rel_err"] < 1e-5
+
+
+def test_vllm_preset_attends_through_the_hadamard_kernel(interpreted):
+    r = _result(interpreted, "vllm_compressor")
+    assert r["n_coded"] == 80 and r["calls"] == 2  # the logits of both layers through the kernel
+    assert r["rel_err"] < 1e-5
+
+
+def test_hadamard_reference_is_the_dense_rotation_with_unit_centroid_rows():
+    """The torch reference of the Hadamard path: (q H) . (c[idx] / ||c[idx]||) x ||k||, as a dense matmul."""
+    from kernels.quant import unpack_codes
+    from kernels.turboquant import turboquant_logits_torch
+
+    part = _tq_hadamard_codes(64, 3, True, 40)
+    qg = _rand(2, 3, 64, seed=5)
+    rows = part.centroids[unpack_codes(part.codes, 3, 64).long()]
+    rows = rows / rows.norm(dim=-1, keepdim=True)
+    want = torch.matmul(qg @ part.rotation, rows.transpose(-1, -2)) * part.norms.float().unsqueeze(-2)
+    torch.testing.assert_close(turboquant_logits_torch(qg, part), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits", TQ_COMPRESSOR_BITS)
