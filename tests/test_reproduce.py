@@ -63,6 +63,8 @@ TINY = {
         "seed": 0,
     },
     "polarquant-distortion": {"n": 96, "seeds": 2, "layer_step": 15},
+    "kv-asymmetric-bits": {"tasks": ["passkey"], "length": 160, "seeds": 1, "new_tokens": 3},
+    "turboquant-qjl-residual": {"tasks": ["passkey"], "length": 160, "seeds": 1, "new_tokens": 3, "bits": [2, 4]},
     "quantizers-matched": {
         "doc_length": 160,
         "documents": 1,
@@ -480,3 +482,29 @@ def test_quantizers_matched_runs_every_quantizer_and_judges_the_3_5_bit_claim(ct
         assert max(peaks) / min(peaks) < 1.1  # planned to one peak (within 5% on the full run's 1k prompts)
     claims = [r for r in rep.rows if r.kind == "claim"]
     assert [r.paper for r in claims] == ["quality neutral (absolute)", "marginal degradation"]
+
+
+def test_kv_asymmetric_bits_splits_hold_the_same_bytes_and_judge_kl(ctx, reports):
+    from kvlab.reproduce.kv_asymmetric_bits import FAMILIES, label
+
+    rep = _run("kv-asymmetric-bits", ctx, reports)
+    prompt = next(iter(rep.data["prompts"].values()))
+    for family, (_, _, splits) in FAMILIES.items():
+        peaks = {prompt["runs"][label(family, s)]["peak_bytes"] for s in splits}
+        assert len(peaks) == 1, (family, peaks)  # every split of a quantizer: the same bytes
+    claims = [r for r in rep.rows if r.kind == "claim"]
+    assert len(claims) == 6 and all("teacher-forced KL" in r.setting for r in claims)  # K vs V (4), K vs equal (2)
+
+
+def test_turboquant_qjl_residual_matches_bytes_and_sees_prod_unbiased(ctx, reports):
+    rep = _run("turboquant-qjl-residual", ctx, reports)
+    prompt = next(iter(rep.data["prompts"].values()))
+    for b in (2, 4):
+        prod, mse = prompt["runs"][f"prod-{b}"], prompt["runs"][f"mse-{b}"]
+        assert prod["params"]["residual"] == 0 and mse["params"]["residual"] > 0  # mse's spare bytes: a window
+        assert abs(prod["peak_bytes"] / mse["peak_bytes"] - 1) <= 0.02
+        logits = prompt["logits"][str(b)]
+        assert abs(logits["prod"]["slope"] - 1) < 0.02 < 1 - logits["mse"]["slope"] or b == 4
+    assert prompt["logits"]["2"]["mse"]["slope"] < 0.95  # 2-bit mse shrinks inner products, prod does not
+    claims = [r for r in rep.rows if r.kind == "claim"]
+    assert len(claims) == 8  # per width: logit variance, attention error, KL, agreement
