@@ -6,9 +6,12 @@ import os
 import socket
 
 import pytest
-import torch
 
-torch.set_num_threads(int(os.environ.get("KVLAB_THREADS", "2")))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP, as kvlab/__init__.py does
+import torch  # noqa: E402
+
+os.environ.setdefault("KVLAB_THREADS", "2")  # pinned: results repeat bit for bit (kvlab.core.threads)
+torch.set_num_threads(int(os.environ["KVLAB_THREADS"]))
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from kvlab.core import cancel
+from kvlab.core import cancel, threads
 from kvlab.core.budgets import exact_bytes
 from kvlab.core.model import LoadedModel
 from kvlab.core.results import CompareResult, RunResult, RunTimings
@@ -88,7 +88,8 @@ class Engine:
         """
         why = f"stopped at the time limit of {self.time_limit_s:g} s (KVLAB_TIME_LIMIT_S)" if self.time_limit_s else ""
         token = cancel.Token.within(self.time_limit_s, f"{why} before the first token: nothing was generated")
-        return cancel.scoped(self._stream(prompt_ids, runs, gen, prompt_text, probes, questions), token)
+        governed = threads.governed(self._stream(prompt_ids, runs, gen, prompt_text, probes, questions))
+        return cancel.scoped(governed, token)
 
     @torch.inference_mode()
     def _stream(
