@@ -6,7 +6,8 @@ probes on (teacher-forced KL and top-1 agreement along exact's tokens, attention
 flag the bytes its cache held after the prefill, per token, layer and KV head, are set beside the layout's
 formula (docs/methods/engine-caches.md): llama.cpp (d / 32) x (key block bytes + value block bytes); vLLM
 ceil(d kbits / 8) + 2 (or d for e4m3 keys) + ceil(d vbits / 8) + 4 on the coded layers, 4 d on its 2 + 2
-16-bit boundary layers. Writes ``bench/results/engine_caches[-MODEL].json`` and prints a Markdown table.
+16-bit boundary layers (per token held: a sliding-window layer holds its window). Writes
+``bench/results/engine_caches[-MODEL].json`` and prints a Markdown table.
 
     python -m bench.engine_caches [--model embedded] [--length 768] [--new 16] [--budget 0.6]
 """
@@ -23,16 +24,24 @@ PAPERS = ["fp8", "kivi", "turboquant", "polarquant"]
 BLOCK_BYTES = {"q8_0": 34, "q5_0": 22, "q4_0": 18}
 
 
-def formula(flag, d: int, n_layers: int) -> float:
-    """The flag's bytes per token, layer and KV head (mean over layers), from the docs' formula alone."""
+def layer_bytes(flag, d: int, n_layers: int) -> list[float]:
+    """The flag's bytes per token and KV head in each layer, from the docs' formula alone."""
     s = flag.settings
     if flag.engine == "llama.cpp":
         kind = {8: "q8_0", 5: "q5_0", 4: "q4_0"}
-        return d / 32 * (BLOCK_BYTES[kind[s["kbits"]]] + BLOCK_BYTES[kind[s["vbits"]]])
+        return [d / 32 * (BLOCK_BYTES[kind[s["kbits"]]] + BLOCK_BYTES[kind[s["vbits"]]])] * n_layers
     key = d if s["kbits"] == 8 else math.ceil(d * s["kbits"] / 8) + 2
     slot = key + math.ceil(d * s["vbits"] / 8) + 4
-    edge = min(2, n_layers // 2) * 2
-    return ((n_layers - edge) * slot + edge * 4 * d) / n_layers
+    edge = min(2, n_layers // 2)
+    return [4 * d if i < edge or i >= n_layers - edge else slot for i in range(n_layers)]
+
+
+def formula(flag, info, n: int) -> float:
+    """Bytes per token held, layer and KV head (mean over the tokens each layer holds: a sliding-window layer
+    holds its window) from the formula."""
+    per = layer_bytes(flag, info.head_dim, info.n_layers)
+    held = [sem.held(n) for sem in info.semantics.layers]
+    return sum(b * h for b, h in zip(per, held)) / sum(held)
 
 
 def main() -> None:
@@ -57,7 +66,7 @@ def main() -> None:
     probe = MetricsProbe(ProbeSettings(attn_error=True, fidelity=True, maps=False))
     res = ctx.compare(ids, runs, args.new, [probe])
     flags = {f.name: f for f in FLAGS}
-    per_token = len(ids) * info.n_layers * info.n_kv_heads
+    per_token = sum(sem.held(len(ids)) for sem in info.semantics.layers) * info.n_kv_heads  # tokens held
     rows = []
     for name, r in zip(names, res.runs[1:]):
         fr = [b / e for b, e in zip(r.kv_bytes_per_step, r.exact_kv_bytes_per_step) if e]
@@ -73,7 +82,7 @@ def main() -> None:
                 "peak": max(fr) if fr else None,
                 "mean": sum(fr) / len(fr) if fr else None,
                 "bytes_per_token_head": r.kv_bytes_per_step[0] / per_token if r.kv_bytes_per_step else None,
-                "formula": None if flag is None else formula(flag, info.head_dim, info.n_layers),
+                "formula": None if flag is None else formula(flag, info, len(ids)),
                 "knobs": {k: v for k, v in r.params.items() if not isinstance(v, (list, dict))},
             }
         )
