@@ -96,3 +96,19 @@ def test_prefill_only_generated_tokens_stay_16_bit(lm, prefill_state):
     coded, window = st.n_coded, st.res_k.shape[1]
     comp.append(2, prefill_state.keys[2, :, -1:], prefill_state.values[2, :, -1:], n)
     assert st.n_coded == coded and st.res_k.shape[1] == window + 1
+
+
+def test_keys_and_values_take_their_own_level_bits(lm, prefill_state):
+    """``key_level_bits`` / ``value_level_bits``: each side coded (and counted) at its own levels' bits."""
+    from kv_samples import compressed
+
+    info, n = lm.info, prefill_state.n_tokens
+    comp, knobs = compressed(lm, prefill_state, "polarquant", "0.6", key_level_bits="4,4,2,2", residual=0)
+    assert (knobs["key_level_bits"], knobs["value_level_bits"]) == ("4,4,2,2", "4,2,2,2")
+    key = 32 * 4 // 8 + 16 * 4 // 8 + (8 + 4) * 2 // 8 + 2 * 4  # 4-bit level 1 and 2, 2-bit 3 and 4, fp16 radii
+    value = 32 * 4 // 8 + (16 + 8 + 4) * 2 // 8 + 2 * 4
+    assert comp.nbytes() == info.n_layers * info.n_kv_heads * n * (key + value)
+    st = comp.layers[3]
+    k_err = (comp.decoded(3, st, "key") - prefill_state.keys[3].float()).norm()
+    even, _ = compressed(lm, prefill_state, "polarquant", "0.6", residual=0)
+    assert k_err < (even.decoded(3, even.layers[3], "key") - prefill_state.keys[3].float()).norm()  # finer keys

@@ -123,6 +123,8 @@ class PolarQuant(TokenQuantizer):
     )
     params = (
         Param("level_bits", PAPER_BITS, "bits of the angles of each polar level, comma-separated (paper: 4,2,2,2)"),
+        Param("key_level_bits", None, "the keys' own level bits (default: level_bits)", kind=str),
+        Param("value_level_bits", None, "the values' own level bits (default: level_bits)", kind=str),
         Param("precondition", True, "multiply by a random rotation first (PolarQuant-R; without: PolarQuant)"),
         Param(
             "residual",
@@ -133,38 +135,47 @@ class PolarQuant(TokenQuantizer):
         ),
     )
 
+    def side_bits(self) -> dict[str, tuple[int, ...]]:
+        """The level bits of the keys ("key") and of the values ("value")."""
+        c = self.cfg
+        return {side: parse_level_bits(c[f"{side}_level_bits"] or c["level_bits"]) for side in ("key", "value")}
+
     def check_semantics(self) -> None:
         super().check_semantics()
-        block = 1 << len(parse_level_bits(self.cfg["level_bits"]))
-        for dim in {self.info.head_dim, self.info.v_head_dim}:
+        for side, dim in (("key", self.info.head_dim), ("value", self.info.v_head_dim)):
+            block = 1 << len(self.side_bits()[side])
             if dim % block:
                 raise sm.UnsupportedAttention(
                     f"polarquant cannot run on head size {dim}: its polar blocks are {block} coordinates"
                 )
 
     def pick(self, n_prompt: int) -> dict:
-        self.level_bits = parse_level_bits(self.cfg["level_bits"])
+        self.bits_of = self.side_bits()
+        self.level_bits = self.bits_of["key"]
         self.levels = len(self.level_bits)
-        per_vector = sum(self.vector_bytes(d) for d in (self.info.head_dim, self.info.v_head_dim))
+        per_vector = self.token_bytes()
         d2 = self.info.head_dim + self.info.v_head_dim
-        return {"level_bits": ",".join(map(str, self.level_bits)), "bits_per_number": round(8 * per_vector / d2, 4)}
+        shown = {side: ",".join(map(str, b)) for side, b in self.bits_of.items()}
+        bits = {"level_bits": shown["key"]} if shown["key"] == shown["value"] else {
+            "key_level_bits": shown["key"], "value_level_bits": shown["value"]}  # fmt: skip
+        return {**bits, "bits_per_number": round(8 * per_vector / d2, 4)}
 
-    def _widths(self) -> dict[int, list[int]]:
-        """Bit width -> the levels (1-based) whose angles are packed together at that width."""
+    def _widths(self, side: str = "key") -> dict[int, list[int]]:
+        """Bit width -> the levels (1-based) of ``side`` whose angles are packed together at that width."""
         out: dict[int, list[int]] = {}
-        for level, b in enumerate(self.level_bits, 1):
+        for level, b in enumerate(self.bits_of[side], 1):
             out.setdefault(b, []).append(level)
         return out
 
-    def vector_bytes(self, d: int) -> int:
+    def vector_bytes(self, d: int, side: str = "key") -> int:
         """Bytes of one coded vector of d numbers: the packed angles of each width and the float16 radii."""
-        total = 2 * (d >> self.levels)
-        for b, levels in self._widths().items():
+        total = 2 * (d >> len(self.bits_of[side]))
+        for b, levels in self._widths(side).items():
             total += packed_bytes(sum(d >> lv for lv in levels), b)
         return total
 
     def token_bytes(self) -> float:
-        return float(self.vector_bytes(self.info.head_dim) + self.vector_bytes(self.info.v_head_dim))
+        return float(self.vector_bytes(self.info.head_dim, "key") + self.vector_bytes(self.info.v_head_dim, "value"))
 
     def prepare(self, keys: Tensor, values: Tensor) -> list[Codes]:
         """The rotation(s) S and the angle codebooks: per-model state (nothing per sequence)."""
@@ -174,10 +185,10 @@ class PolarQuant(TokenQuantizer):
             s = make_sketch(1, d, d, self.generator, orthogonalize=True)[0] / math.sqrt(d)
             rot[f"rotation_{d}"] = (s if self.cfg["precondition"] else torch.eye(d)).to(keys.device)
         books = {}
-        for level, b in enumerate(self.level_bits, 1):
+        for level, b in {(lv, b) for bits in self.bits_of.values() for lv, b in enumerate(bits, 1)}:
             c, bd = angle_codebook(level, b)
-            books[f"centroids_{level}"] = torch.tensor(c, dtype=torch.float32, device=keys.device)
-            books[f"boundaries_{level}"] = torch.tensor(bd, dtype=torch.float32, device=keys.device)
+            books[f"centroids_{level}_{b}"] = torch.tensor(c, dtype=torch.float32, device=keys.device)
+            books[f"boundaries_{level}_{b}"] = torch.tensor(bd, dtype=torch.float32, device=keys.device)
         self.state = Shared(**rot, **books)
         return [{} for _ in range(keys.shape[0])]
 
@@ -185,23 +196,24 @@ class PolarQuant(TokenQuantizer):
         out: Codes = {}
         for name, x in (("key", k), ("value", v)):
             y = torch.matmul(x.float(), self.state[f"rotation_{x.shape[-1]}"])  # x S (rows)
-            angles, radii = polar(y, self.levels)
+            angles, radii = polar(y, len(self.bits_of[name]))
             out[f"{name}_radii"] = radii.half()
-            for b, levels in self._widths().items():
-                idx = [torch.bucketize(angles[lv - 1], self.state[f"boundaries_{lv}"]) for lv in levels]
+            for b, levels in self._widths(name).items():
+                idx = [torch.bucketize(angles[lv - 1], self.state[f"boundaries_{lv}_{b}"]) for lv in levels]
                 out[f"{name}_angles_{b}bit"] = pack_codes(torch.cat(idx, -1), b)
         return out
 
     def rotated(self, name: str, codes: Codes) -> Tensor:
         """The dequantized rotated vectors y_hat [Hkv, n, d] float32 (Algorithm 1's DeQuant before S^T)."""
         radii = codes[f"{name}_radii"].float()
-        d = radii.shape[-1] << self.levels
-        angles: list[Tensor] = [radii] * self.levels
-        for b, levels in self._widths().items():
+        n_levels = len(self.bits_of[name])
+        d = radii.shape[-1] << n_levels
+        angles: list[Tensor] = [radii] * n_levels
+        for b, levels in self._widths(name).items():
             sizes = [d >> lv for lv in levels]
             idx = unpack_codes(codes[f"{name}_angles_{b}bit"], b, sum(sizes)).long()
             for lv, part in zip(levels, idx.split(sizes, -1)):
-                angles[lv - 1] = self.state[f"centroids_{lv}"][part]
+                angles[lv - 1] = self.state[f"centroids_{lv}_{b}"][part]
         return unpolar(angles, radii)
 
     def code_logits(self, layer: int, qg: Tensor, st: CodedLayer) -> Tensor:
