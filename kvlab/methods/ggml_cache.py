@@ -45,7 +45,7 @@ from torch import Tensor
 from kernels.ggml_blocks import BLOCK, block_type, ggml_dequantize, ggml_quantize
 from kernels.hadamard import block_rotate, hadamard
 from kvlab.core import semantics as sm
-from kvlab.methods.bit_split import candidates, choose, side_params, split_param
+from kvlab.methods.bit_split import candidates, side_params, split_param
 from kvlab.methods.params import Param
 from kvlab.methods.token_quant import CodedLayer, Codes, TokenQuantizer
 
@@ -106,19 +106,7 @@ class GGMLCache(TokenQuantizer):
     def pick(self, n_prompt: int) -> dict:
         c = self.cfg
         pairs = candidates(WIDTHS, WIDTHS, None, c["kbits"], c["vbits"], c["split"], self.name)
-        if self.is_full or len(pairs) == 1:
-            self._set(*pairs[0])
-        else:
-
-            def fits(p: tuple[float, float]) -> bool:
-                self._set(*p)
-                return self._worst_ratio(n_prompt, int(c["residual"] or 0)) <= 1.0
-
-            def size(p: tuple[float, float]) -> float:
-                self._set(*p)
-                return self.token_bytes()
-
-            self._set(*choose(pairs, fits, size)[0])
+        self.choose_pair(pairs, self._set, n_prompt, int(c["residual"] or 0))
         d, dv = self.info.head_dim, self.info.v_head_dim
         rot = f"Hadamard {key_rotation_block(d)} (keys), {V_ROT} (values)" if c["rotate"] else "none"
         return {

@@ -27,7 +27,7 @@ A budget of 1.0 keeps every token in the window: the exact cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,7 @@ from kvlab.core import cancel
 from kvlab.core.budgets import exact_bytes
 from kvlab.core.semantics import grouped_softmax
 from kvlab.methods.base import Compressor
+from kvlab.methods.bit_split import Pair, choose
 from kvlab.methods.budget_search import fits_budget
 from kvlab.methods.handover import PrefillState
 
@@ -177,6 +178,26 @@ class TokenQuantizer(Compressor):
         if self.full:
             return None
         return self._worst_ratio(n_prompt)
+
+    def choose_pair(
+        self, pairs: list[Pair], set_pair: Callable[[float, float], None], n: int, residual: int = 0
+    ) -> None:
+        """Set the (key bits, value bits) pair to plan with (``set_pair``): the only one, or the full cache's first,
+        else ``bit_split.choose``'s among ``pairs`` (the most bytes within the budget with a window of
+        ``residual`` tokens, at every decode step up to the horizon)."""
+        if self.is_full or len(pairs) == 1:
+            set_pair(*pairs[0])
+            return
+
+        def fits(p: Pair) -> bool:
+            set_pair(*p)
+            return self._worst_ratio(n, residual) <= 1.0
+
+        def size(p: Pair) -> float:
+            set_pair(*p)
+            return self.token_bytes()
+
+        set_pair(*choose(pairs, fits, size)[0])
 
     def _longest_window(self, n: int) -> int:
         """The largest window (up to the prompt) whose bytes stay within the budget at every step."""

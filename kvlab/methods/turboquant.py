@@ -58,7 +58,7 @@ from kernels.formats import TurboQuantCodes
 from kernels.qjl import make_sketch
 from kernels.quant import pack_codes, pack_signs, packed_bytes, unpack_signs
 from kernels.turboquant import centroid_rows, turboquant_logits, turboquant_values
-from kvlab.methods.bit_split import candidates, choose, side_params, split_param
+from kvlab.methods.bit_split import candidates, side_params, split_param
 from kvlab.methods.params import Param, ParamError
 from kvlab.methods.token_quant import CodedLayer, Codes, TokenQuantizer
 
@@ -281,19 +281,7 @@ class TurboQuant(TokenQuantizer):
     def pick(self, n_prompt: int) -> dict:
         c = self.cfg
         pairs = candidates(BITS, BITS, c["bits"], c["kbits"], c["vbits"], c["split"], self.name)
-        if self.is_full or len(pairs) == 1:
-            self._setting(*pairs[0])
-        else:
-
-            def fits(p: tuple[float, float]) -> bool:
-                self._setting(*p)
-                return self._worst_ratio(n_prompt, 0) <= 1.0
-
-            def size(p: tuple[float, float]) -> float:
-                self._setting(*p)
-                return self.token_bytes()
-
-            self._setting(*choose(pairs, fits, size)[0])
+        self.choose_pair(pairs, self._setting, n_prompt, 0)
         (kb, n_out), (vb, v_out) = self.k_split, self.v_split
         return {
             "bits": self.bits,

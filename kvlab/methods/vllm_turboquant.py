@@ -62,7 +62,7 @@ from kernels.hadamard import fwht, hadamard, is_power_of_two
 from kernels.quant import QuantizedGroups, pack_codes, packed_bytes, unpack_codes, weighted_token_sum
 from kernels.turboquant import turboquant_logits, unit_rows
 from kvlab.core import semantics as sm
-from kvlab.methods.bit_split import candidates, choose, split_param
+from kvlab.methods.bit_split import candidates, split_param
 from kvlab.methods.fp8 import to_fp8
 from kvlab.methods.params import Param
 from kvlab.methods.token_quant import CodedLayer, Codes, Shared, TokenQuantizer
@@ -146,19 +146,7 @@ class VLLMTurboQuant(TokenQuantizer):
     def pick(self, n_prompt: int) -> dict:
         c = self.cfg
         pairs = candidates(KEY_BITS, VALUE_BITS, None, c["kbits"], c["vbits"], c["split"], self.name)
-        if self.is_full or len(pairs) == 1:
-            self._set(*pairs[0])
-        else:
-
-            def fits(p: tuple[float, float]) -> bool:
-                self._set(*p)
-                return self._worst_ratio(n_prompt, int(c["residual"] or 0)) <= 1.0
-
-            def size(p: tuple[float, float]) -> float:
-                self._set(*p)
-                return self.token_bytes()
-
-            self._set(*choose(pairs, fits, size)[0])
+        self.choose_pair(pairs, self._set, n_prompt, int(c["residual"] or 0))
         return {
             "kbits": self.kbits,
             "vbits": self.vbits,
