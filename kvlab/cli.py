@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--depths", default="", help="needle depths, e.g. 0,0.5,1: a depth x length grid")
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
     s.add_argument(
+        "--fidelity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="teacher-forced log-probability of exact's answer, also with --no-probes (default on)",
+    )
+    s.add_argument(
         "--protocol",
         default="query-agnostic",
         choices=("query-agnostic", "query-aware"),
@@ -436,6 +442,7 @@ def cmd_sweep(args) -> int:
         args.out,
         depths=sorted(set(depths)),
         protocol=args.protocol,
+        fidelity=args.fidelity,
     )
 
     def engine_factory():

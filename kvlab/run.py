@@ -30,6 +30,7 @@ from kvlab.engine import faults
 from kvlab.engine.comparison import Engine, each_in_own_prompt
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec, expand_runs, results_of
+from kvlab.measure.fidelity import add_fidelity
 from kvlab.measure.health import HealthProbe
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
 from kvlab.tasks import Task, join_question, prompt_ids, prompt_text, score_result, split_ids
@@ -163,7 +164,7 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
                 for r in ev.results:
                     if task is not None and not r.question:  # a task run query-aware: its question is inside
                         r.question = task.question
-                    finish(r, task)
+                    finish(r, task, engine.lm.decode)
                     if task is not None and comparison.measure is not None:  # where the maps mark the answer
                         r.settings["answer_positions"] = answer_positions(
                             r.prompt_token_ids, task.answer, engine.lm.decode
@@ -189,11 +190,16 @@ def compare_all(
     return results_of(stream(model, comparison, probes))
 
 
-def finish(result: CompareResult, task: Task | None = None) -> CompareResult:
-    """Text metrics against the exact run (diff, first divergence, similarity) and the task's scores."""
+def finish(
+    result: CompareResult, task: Task | None = None, decode: Callable[[list[int]], str] | None = None
+) -> CompareResult:
+    """Text metrics against the exact run (diff, first divergence, similarity), the task's scores and, with
+    ``decode`` (token ids -> text), the fidelity to exact's answer (``kvlab.measure.fidelity``)."""
     add_text_metrics(result)
     if task is not None:
         score_result(task, result)
+    if decode is not None:
+        add_fidelity(result, task, decode)
     return result
 
 

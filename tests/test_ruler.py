@@ -169,6 +169,9 @@ def test_sweep_writes_the_leaderboard(lm, tmp_path):
     assert {r["protocol"] for r in rows} == {"query-agnostic"}
     assert {"niah_single_1_n", "niah_single_1_low", "niah_single_1_high", "average_n"} <= set(rows[0])
     assert {r["niah_single_1_n"] for r in rows} == {"1"}  # one prompt: n = 1, and its exact binomial interval
+    # fidelity to exact, teacher-forced even without the costly probes: exact agrees with itself
+    assert {"agreement", "agreement_n", "answer_logprob", "answer_logprob_low"} <= set(rows[0])
+    assert rows[0]["agreement"] == "100.00" and rows[0]["agreement_n"] == "2" and float(rows[0]["answer_logprob"]) < 0
     data = json.loads((out / "results.json").read_text())
     assert data["protocol"] == "query-agnostic" and {c["protocol"] for c in data["cells"]} == {"query-agnostic"}
     for r, board in zip(rows, leaderboard.rows_from_results(data)):
