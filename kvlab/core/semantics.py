@@ -385,10 +385,13 @@ class Recorder:
     def __init__(self):
         self.layers: dict[int, LayerSemantics] = {}
         self.heads: tuple[int, int] | None = None  # (query heads, KV heads) the attention function sees
+        self.first_keys: Tensor | None = None  # [Hkv, m, d]: the first layer's keys, as its attention sees them
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         self.layers[module.layer_idx] = sem
         self.heads = (query.shape[1], key.shape[1])
+        if module.layer_idx == 0:
+            self.first_keys = key[0].detach().clone()
         return reference_attention(query, key, value, sem), None
 
     def semantics(self, n_layers: int) -> ModelSemantics:
@@ -429,11 +432,18 @@ def from_call(module, query: Tensor, key: Tensor, value: Tensor, scaling: float,
 
 
 def _config_window(config, layer: int) -> int | None:
-    """The window of ``layer`` from config.layer_types (when the model does not pass it)."""
+    """The window of ``layer`` when the model does not pass it: from config.layer_types, or, on a config
+    without them, its ``sliding_window`` (PhiMoE applies it through the mask alone, on every layer; the
+    load-time self-check, whose probe runs past that window, confirms it)."""
     types = getattr(config, "layer_types", None)
-    if types and layer < len(types) and types[layer] == "sliding_attention":
-        return getattr(config, "sliding_window", None)
-    return None
+    if types:
+        if layer < len(types) and types[layer] == "sliding_attention":
+            return getattr(config, "sliding_window", None)
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
 
 
 def _config_chunk(config, layer: int) -> int | None:
