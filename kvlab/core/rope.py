@@ -271,7 +271,8 @@ def model_rotary(model: nn.Module, head_dim: int, n_layers: int, sample: SameTok
     placed = _placement(rotations, head_dim, text, sample if 0 not in without else None)
     if placed is None:
         return None
-    return Rotary([None if r is None else r.placed(*placed) for r in rotations])
+    moved = {id(r): r.placed(*placed) for r in rotations if r is not None}  # one object per distinct rotation
+    return Rotary([None if r is None else moved[id(r)] for r in rotations])
 
 
 def _rope_free_layers(model: nn.Module, config, n_layers: int) -> set[int]:
