@@ -105,6 +105,35 @@ class LayerSemantics:
         span = self.span
         return n_tokens if span is None else min(n_tokens, span)
 
+    def sees_many(self, n_tokens: Tensor) -> Tensor:
+        """``sees`` of every count in ``n_tokens`` (an integer tensor of counts >= 1)."""
+        last = n_tokens - 1
+        first = torch.zeros_like(last)
+        if self.window is not None:
+            first = torch.maximum(first, last - self.window + 1)
+        if self.chunk is not None:
+            first = torch.maximum(first, last - last % self.chunk)
+        return n_tokens - first
+
+    def sees(self, n_tokens: int) -> int:
+        """Keys the query of the ``n_tokens``-th token (at position n_tokens - 1) sees: ``held`` on a global or
+        sliding-window layer; on a chunked layer only its block's, fewer than ``held`` inside a block."""
+        return n_tokens - self.visible_from(n_tokens - 1) if n_tokens > 0 else 0
+
+    def reach(self, n_tokens: int, steps: int = 0) -> int:
+        """The most tokens a cache that keeps only what this layer's queries see may need on it, from the
+        ``n_tokens``-th token through ``steps`` more, beyond what the exact cache's own growth pays for (a
+        budget allows a prefill-only method's generated tokens as the exact cache holds them): the largest
+        ``sees(m) - (held(m) - held(n))`` for m in n .. n + steps. ``held(n)`` on a global or sliding-window
+        layer (their queries see what their exact cache holds); on a chunked layer the most its queries see
+        until the horizon: a whole block when one ends before it, else the last query's view."""
+        if self.chunk is None:
+            return self.held(n_tokens)
+        last = n_tokens + steps
+        ends = -(-n_tokens // self.chunk) * self.chunk  # the first block end at or after the prompt's
+        marks = {n_tokens, last} | ({ends} if ends <= last else set())
+        return max(self.sees(m) - (self.held(m) - self.held(n_tokens)) for m in marks)
+
     def cap(self, logits: Tensor) -> Tensor:
         """Soft-capped logits (unchanged when the layer has no cap)."""
         if self.softcap is None:
