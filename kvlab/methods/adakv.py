@@ -262,9 +262,10 @@ class AdaKV(DenseCompressor):
                 mask = topped_up(mask & (positions >= first), mask.sum(-1).clamp(max=n - first), first)
             ks, vs = self.as_cached(state.keys[layer]), self.as_cached(state.values[layer])
             self.layers.append(RaggedLayer.kept(ks, vs, mask))
-            if first > 0:  # the reserve is per head, as ``local_growth`` counts it
-                self.hold_as_compressed(layer, int(mask.sum()), int(mask.sum()) // h)
-                self.local_reserve[layer] = max(0, min(planned[layer], self.reach(layer, n)) - int(mask.sum()) // h)
+            if first > 0:  # held over the heads; the growth (and its reserve) per head, as ``append`` counts it
+                kept = int(mask.sum())
+                self.local_held[layer] = kept
+                self.local_reserve[layer] = max(0, min(planned[layer], self.reach(layer, n)) - kept // h)
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         """The new tokens go to every head; on a local layer, what leaves the window goes, and the layer then
