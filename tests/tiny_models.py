@@ -221,7 +221,11 @@ FAMILIES: dict[str, tuple[type, type, str]] = {
     "olmo3": (tf.Olmo3ForCausalLM, tf.Olmo3Config, "sdpa"),
     "gpt-oss": (tf.GptOssForCausalLM, tf.GptOssConfig, "eager"),
     "deepseek-v3": (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config, "sdpa"),
+    "deepseek-v2": (tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config, "sdpa"),
     "falcon": (tf.FalconForCausalLM, tf.FalconConfig, "sdpa"),
+    "llama4": (tf.Llama4ForCausalLM, tf.Llama4TextConfig, "sdpa"),
+    "phimoe": (tf.PhimoeForCausalLM, tf.PhimoeConfig, "sdpa"),
+    "mpt": (tf.MptForCausalLM, tf.MptConfig, "eager"),
 }
 
 
