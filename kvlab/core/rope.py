@@ -7,12 +7,18 @@ computes at a position, and back. Local and global layers may rotate with differ
 first dimension is the layers apply each layer's own. Angles come from the loaded model's own
 rotary-embedding module (``model.model.rotary_emb`` for Llama-like models), called with the
 positions, so every scaling type transformers implements (linear, dynamic, YaRN, Llama 3, ...) and
-the attention scaling it folds into cos/sin are the model's. The pairing of dimensions is read from
+the attention scaling it folds into cos/sin are the model's; complex angles (``torch.polar``: DeepSeek-V2,
+Llama 4) are read as the cos and sin of neighbouring pairs. The pairing of dimensions is read from
 the angles: the first half with the second (Llama's ``rotate_half``) or neighbours (GPT-J's
-interleaved pairs). Partial rotary embeddings rotate the first dimensions only.
+interleaved pairs). Partial rotary embeddings rotate the first dimensions, multi-head latent attention
+the last ones (after its unrotated part); which, and the pairing, are checked against the model's own
+keys of one token at two positions (``SameToken``). A layer whose attention applies no RoPE (Llama 4,
+SmolLM3) has none. ``Rotary.factor_switches`` finds the sequence lengths where the angles of every
+position change (Phi-3's longrope), which a run must not cross.
 
 ``ModelInfo.rope`` is None on a model whose rotary embedding kvlab cannot read (none, several
-modules, angles in another form); a method that needs it refuses such a model in ``check_semantics``.
+modules, angles in another form, a placement its keys contradict); a method that needs it refuses
+such a model in ``check_semantics``.
 """
 
 from __future__ import annotations
