@@ -9,8 +9,9 @@ already holds every token its layers can see).
 The tiny random-weight models of ``tiny_models`` (32-token window or chunk), a 160-token prompt of
 CPython's reference manual (168 on Llama 4: it ends 8 tokens into a chunk, so a chunked layer's queries
 see far less than its exact cache's whole block; 520 on DeepSeek-V2), 6 decode steps; one comparison per
-model, every method at 0.25, 0.5 and 0.99. Mistral and Llama 4 run in ``make test``; the other families in ``make test-all``. ``GAPS`` lists
-what does not hold yet, each as a strict expected failure with its reason.
+model, every method at 0.25, 0.5 and 0.99. Mistral and Llama 4 run in ``make test``; the other families
+in ``make test-all``. ``GAPS`` lists what does not hold yet, each as a strict expected failure with its
+reason.
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class Budget:
         """``allowed_bytes`` after 0, 1, .., ``steps`` decode steps: float64 [steps + 1] (at least 1 each)."""
         seen = n_prompt + torch.arange(steps + 1, dtype=torch.float64)
         spans = [s.span for s in info.semantics.layers]
-        held = sum(seen if sp is None else seen.clamp(max=sp) for sp in spans)
+        held = torch.zeros_like(seen)
+        for sp in spans:
+            held += seen if sp is None else seen.clamp(max=sp)
         now = held * per_token_bytes(info) * info.n_kv_heads
         if streaming:
             share = (

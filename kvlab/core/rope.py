@@ -304,10 +304,10 @@ def _placement(
     first = next(r for r in rotations if r is not None)
     r = first.cos_sin(torch.arange(1, 3))[0].shape[-1]
     nope = getattr(config, "qk_nope_head_dim", None)
-    split = isinstance(nope, int) and nope + r == head_dim
+    start = nope if isinstance(nope, int) and nope + r == head_dim else 0
     if sample is None:
-        return first.pairing, nope if split else 0
-    offsets = dict.fromkeys([nope if split else 0, 0, head_dim - r])
+        return first.pairing, start
+    offsets = dict.fromkeys([start, 0, head_dim - r])
     pairings = dict.fromkeys([first.pairing, HALF, INTERLEAVED])
     a, b = sample.positions
     pa, pb = torch.tensor([a]), torch.tensor([b])

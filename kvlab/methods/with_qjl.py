@@ -179,8 +179,9 @@ class QJLStorage(Storage):
         return self.sketch_rows // 8 + 2 + (self.m_out // 8 + 2 + self.n_out if self.n_out else 0)
 
     def kv_bytes(self) -> int:
-        c = self.cfg
-        return self.key_bytes() + quantized_token_bytes(self.info.v_head_dim, int(c["value_bits"]), int(c["value_group"]))
+        c = self.cfg  # values at their own head size (smaller than keys under latent attention)
+        value = quantized_token_bytes(self.info.v_head_dim, int(c["value_bits"]), int(c["value_group"]))
+        return self.key_bytes() + value
 
     def sketch_bytes(self) -> float:
         """The sketches' bytes per layer and KV head when counted (``count_sketch``), else 0."""
