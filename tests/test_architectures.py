@@ -27,7 +27,7 @@ from kvlab.core.rope import HALF, INTERLEAVED, SameToken, model_rotary
 from kvlab.engine import attention as attn
 from kvlab.engine.comparison import Engine
 from kvlab.engine.loader import from_model, load_model, refuse_unsupported, uses_alibi, verdict_of
-from kvlab.engine.prefill import prefill
+from kvlab.engine.prefill import ExactExtension, prefill
 from kvlab.engine.selfcheck import divergence, probe_ids, self_check
 from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.methods import names
@@ -251,6 +251,23 @@ def test_a_run_crossing_the_rope_switch_is_refused(lm):
     # the refusal is needed: decoding across the switch, kvlab's cache keeps keys of the short factors
     errs, _ = divergence(loaded, prefix=switch - 2)
     assert max(errs[3:]) > 1e-2
+
+
+def test_kvzip_reconstructs_within_the_rope_switch(lm, monkeypatch):
+    """KVzip runs the prompt again after itself to score it; on a prompt within the switch that forward stays
+    within it too (past it, its queries would turn with other factors than the prompt's keys)."""
+    loaded = from_model(build("phi3-longrope"), lm.tokenizer, "phi3-longrope", check=False)
+    reached: list[int] = []
+    real = ExactExtension.extend
+
+    def extend(self, ids, observe):
+        reached.append(self.keys.shape[-2] + len(ids))
+        return real(self, ids, observe)
+
+    monkeypatch.setattr(ExactExtension, "extend", extend)
+    ids, gen = probe_ids(loaded, 40), GenerationSettings(max_new_tokens=2)
+    res = Engine(loaded).compare(ids, [RunSpec("kvzip", Budget.parse("0.5"))], gen)
+    assert not res.runs[0].error and reached and max(reached) <= tiny_models.SWITCH
 
 
 def test_complex_rope_and_its_placement_are_the_models(lm):
