@@ -31,42 +31,31 @@ def _common(**over) -> dict:
     return {**COMMON, **over}
 
 
+# multi-head latent attention (DeepSeek-V2/V3): keys of 32 + 16 rotary dimensions, values of 32, K/V on every head
+MLA = dict(
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    moe_intermediate_size=64,
+)
+
+
 def _deepseek(**over) -> object:
-    """A tiny DeepSeek-V3 (multi-head latent attention: keys of 32 + 16 rotary dimensions, values of 32)."""
-    mla = dict(
-        num_key_value_heads=4,
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        moe_intermediate_size=64,
-    )
-    return tf.DeepseekV3Config(**_common(**{**mla, **over}))
+    """A tiny DeepSeek-V3 (``MLA``; RoPE as cos and sin)."""
+    return tf.DeepseekV3Config(**_common(**{**MLA, **over}))
 
 
 def _deepseek_v2(**over) -> object:
-    """A tiny DeepSeek-V2: DeepSeek-V3's latent attention shapes, with complex (``torch.polar``) RoPE angles."""
-    mla = dict(
-        num_key_value_heads=4,
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        moe_intermediate_size=64,
-    )
-    return tf.DeepseekV2Config(**_common(**{**mla, **over}))
+    """A tiny DeepSeek-V2: the same latent attention, with complex (``torch.polar``) RoPE angles."""
+    return tf.DeepseekV2Config(**_common(**{**MLA, **over}))
 
 
 SWITCH = 64  # the tiny Phi-3's original_max_position_embeddings: its longrope switches factors past it
