@@ -8,7 +8,8 @@ lists the flags raised, each ``{"flag": name, "detail": one line}``:
   decode step (a token budget counts as its share of the tokens seen at that step);
 * ``non_finite_logits`` — NaN or inf in the run's logits at some step;
 * ``not_compressed`` — at a budget <= 0.5, the run's tokens *and* logits equal the exact run's
-  at every step: the sign of a cache that silently did not compress;
+  at every step: the sign of a cache that silently did not compress (not raised when no query after
+  the prompt sees a prompt token on any layer: chunked layers whose block ends with the prompt);
 * ``evicted_nothing`` — at a budget < 1, a method kept every prompt position in every layer and
   head at full size (a composition that keeps every token quantized is not flagged).
 """
@@ -42,6 +43,9 @@ class HealthProbe(Probe):
         finite = bool(torch.isfinite(logits).all())
         self.non_finite: dict[int, int] = {} if finite else dict.fromkeys(range(len(compressors)), 0)
         self.same_logits = [True] * len(compressors)  # the first token's logits are shared by all
+        # whether a query after the prompt sees a prompt token on some layer (a chunked layer whose block ends
+        # with the prompt does not): if none does, what compression kept cannot show in the logits
+        self.prompt_seen = any(s.visible_from(self.n) < self.n for s in state.semantics.layers)
         self.evicted_nothing = [self._kept_everything(c) for c in compressors]
         self.question_tokens = 0
 
@@ -73,7 +77,7 @@ class HealthProbe(Probe):
                 )
             budget = _budget(r)
             small = budget is not None and budget.fraction_of(self.n) <= 0.5
-            if small and exact is not None and i != self.exact and self.same_logits[i]:
+            if small and exact is not None and i != self.exact and self.same_logits[i] and self.prompt_seen:
                 if r.token_ids == exact.token_ids:
                     flags.append(
                         _flag(

@@ -252,8 +252,9 @@ class AdaKV(DenseCompressor):
             counts = joint_allocation(rank.scores, budget, float(self.cfg["alpha"]))
             keep[..., rank.start : rank.start + m] = ranked_keep(rank.scores, counts)
         positions = torch.arange(n, device=keep.device)
+        planned = [n] * n_layers if rank is None else [rank.head + b + rank.tail for b in rank.budgets]
         self.layers = []
-        self.n_prompt, self.local_held = n, {}
+        self.n_prompt, self.local_held, self.local_reserve = n, {}, {}
         for layer in range(n_layers):
             cancel.checkpoint()
             mask, first = keep[layer], self.sem[layer].visible_from(n - 1)
@@ -261,8 +262,10 @@ class AdaKV(DenseCompressor):
                 mask = topped_up(mask & (positions >= first), mask.sum(-1).clamp(max=n - first), first)
             ks, vs = self.as_cached(state.keys[layer]), self.as_cached(state.values[layer])
             self.layers.append(RaggedLayer.kept(ks, vs, mask))
-            if first > 0:
-                self.local_held[layer] = int(mask.sum())
+            if first > 0:  # held over the heads; the growth (and its reserve) per head, as ``append`` counts it
+                kept = int(mask.sum())
+                self.local_held[layer] = kept
+                self.local_reserve[layer] = max(0, min(planned[layer], self.reach(layer, n)) - kept // h)
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         """The new tokens go to every head; on a local layer, what leaves the window goes, and the layer then

@@ -149,6 +149,12 @@ class Compressor(ABC):
         steps = DEFAULT_HORIZON if self.decode_steps is None else self.decode_steps
         return max(0, min(steps, self.info.max_positions - n_prompt))
 
+    def reach(self, layer: int, n_prompt: int) -> int:
+        """The most tokens per KV head ``layer`` may need to hold for what its queries see, over the plan's
+        horizon (``LayerSemantics.reach``): a chunked layer sees only its current block, so a plan gives what
+        such a layer cannot use to the others, as it does a sliding window's."""
+        return self.sem[layer].reach(n_prompt, self.horizon(n_prompt))
+
     def allowed(self, n_prompt: int, steps: int = 0) -> float:
         """Bytes the budget allows after ``steps`` decode steps (``Budget.allowed_bytes``)."""
         assert self.budget is not None, f"{self.name} has no budget"

@@ -8,7 +8,9 @@ implementation, ``ExpectedAttentionPress`` in NVIDIA's kvpress:
    would distort the statistics) are modelled as a Gaussian N(mu, Sigma) per query head.
 2. A future query at position t is R_t q (RoPE's rotation). The rotation is averaged over the next
    ``n_future`` positions n .. n + T - 1: Rbar = mean_t R_t, and the future query is modelled as
-   Rbar q ~ N(Rbar mu, Rbar Sigma Rbar^T).
+   Rbar q ~ N(Rbar mu, Rbar Sigma Rbar^T). Each layer's own rotation (none on a layer without RoPE), in
+   the model's convention: halves or neighbouring pairs, complex angles (DeepSeek-V2, Llama 4), the
+   rotated dimensions after latent attention's unrotated ones (DeepSeek-V2/V3).
 3. The expected unnormalised attention of a (post-RoPE) key k is then the Gaussian's moment
    generating function at s k (s = the attention scaling, 1/sqrt(d)):
    E[exp(s q.k)] = exp(s (Rbar mu).k + s^2/2 k^T (Rbar Sigma Rbar^T) k)
@@ -30,6 +32,8 @@ Deviations:
 * A soft-capped model's logits are capped after q.k; the expectation is taken of the uncapped
   logit (the cap is monotone, so a single query's ranking is unchanged; the expectation is not
   exactly the capped one's).
+* On a model whose RoPE switches factors at S tokens (Phi-3's longrope), a prompt of at most S tokens
+  averages over the positions before S only: a run never crosses S (``Engine.check_prompt``).
 * ``stats_window`` (default: every prompt query after the sinks, as the paper's prefill) can
   restrict the statistics to the last prompt queries, as the paper's decoding-time buffer does.
 * The paper also compresses while decoding (statistics from a buffer of recent queries); here the
@@ -194,7 +198,9 @@ class ExpectedAttention(DenseCompressor):
             raise RuntimeError(f"{self.name}: {exc}") from None
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
-        future = torch.arange(n, n + int(c["n_future"]), device=state.keys.device)
+        end = n + int(c["n_future"])
+        switch = self.info.switch_crossed(n, end)  # a run never crosses a RoPE switch: average up to it
+        future = torch.arange(n, end if switch is None else max(n + 1, switch), device=state.keys.device)
         rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
         mean, cov = future_query_stats(stats.mean, stats.cov if c["use_covariance"] else None, rbar)
         first = min(int(c["n_sink"]), n - 1)

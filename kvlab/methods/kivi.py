@@ -91,12 +91,13 @@ def kivi_held(info: ModelInfo, nq: int, r: int, bits: int, group: int, value_gro
 
 
 def kivi_stream_bytes(info: ModelInfo, nq, r, bits: int, group: int, value_group: int | None = None):
-    """``kivi_held`` of one layer and KV head (``nq``, ``r``: ints, or integer tensors of them)."""
-    d = info.head_dim
-    gv = min(value_group or group, d)
+    """``kivi_held`` of one layer and KV head (``nq``, ``r``: ints, or integer tensors of them). Keys and values
+    at their own head sizes (multi-head latent attention: values smaller than keys)."""
+    d, dv = info.head_dim, info.v_head_dim
+    gv = min(value_group or group, dv)
     key = d * (nq // group) * (packed_bytes(group, bits) + 4)  # packed codes + fp16 scale + fp16 min per group
-    val = nq * (-(-d // gv)) * (packed_bytes(gv, bits) + 4)
-    return key + val + r * d * 2 * info.dtype_bytes
+    val = nq * (-(-dv // gv)) * (packed_bytes(gv, bits) + 4)
+    return key + val + r * (d + dv) * info.dtype_bytes
 
 
 def first_group_held(sem: LayerSemantics, newest: Tensor, group: int) -> Tensor:
@@ -359,7 +360,7 @@ class KIVI(Compressor):
             predicted = int(held[0])
         else:
             predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
-        shown = {} if self.value_group is None else {"value_group": min(self.value_group, info.head_dim)}
+        shown = {} if self.value_group is None else {"value_group": min(self.value_group, info.v_head_dim)}
         return {
             "bits": self.bits,
             "group": self.group_size,

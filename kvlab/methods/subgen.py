@@ -762,7 +762,7 @@ class SubGenKCenter(DenseCompressor):
         firsts = [max(sem.visible_from(n - 1), n - share) for sem, share in zip(self.sem.layers, shares)]
         local = [sem.is_local and first > 0 for sem, first in zip(self.sem.layers, firsts)]
         self.layers = [None] * n_layers  # type: ignore[list-item]  # every layer is set below
-        self.n_prompt, self.local_held = n, {}
+        self.n_prompt, self.local_held, self.local_reserve = n, {}, {}
         for share in sorted({c for c, loc in zip(shares, local) if not loc}):  # the layers of one share at once
             idx = [i for i, c in enumerate(shares) if c == share and not local[i]]
             if share >= n:
@@ -784,7 +784,7 @@ class SubGenKCenter(DenseCompressor):
                     torch.arange(first, n).expand(h, -1),
                     torch.zeros(h, n - first) if weighted else None,
                 )
-                self.local_held[i] = n - first
+                self.hold_as_compressed(i, n - first, shares[i])
 
 
 class SubGenKCenterWeighted(SubGenKCenter):
