@@ -33,7 +33,8 @@ Deviations:
 * ``stats_window`` (default: every prompt query after the sinks, as the paper's prefill) can
   restrict the statistics to the last prompt queries, as the paper's decoding-time buffer does.
 * The paper also compresses while decoding (statistics from a buffer of recent queries); here the
-  method is prefill-only, like SnapKV.
+  method is prefill-only, like SnapKV; ``decoding-expected-attention`` (``kvlab.methods.decoding``)
+  re-applies it every N decode steps, with the statistics of the queries it holds.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class ExpectedAttention(DenseCompressor):
             raise RuntimeError(f"{self.name}: {exc}") from None
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
-        future = torch.arange(n, n + int(c["n_future"]), device=state.keys.device)
+        nxt = state.next_pos  # the next token's true position (n after a prefill)
+        future = torch.arange(nxt, nxt + int(c["n_future"]), device=state.keys.device)
         rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
         mean, cov = future_query_stats(stats.mean, stats.cov if c["use_covariance"] else None, rbar)
         first = min(int(c["n_sink"]), n - 1)
