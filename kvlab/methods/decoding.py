@@ -454,6 +454,7 @@ class Decoding(Wrapper):
     )
 
     def make(self, info: ModelInfo, budget: Budget | None, params: dict, own: dict, seed: int) -> Compressor:
+        assert issubclass(self.inner, DenseCompressor) and self.inner.ranks_prompt  # ``resolve`` admits scorers only
         comp = DecodingCompressor(info, budget, own, self.inner, params, seed=seed)
         comp.cfg = {**comp.scorer.cfg, **comp.cfg}
         return comp

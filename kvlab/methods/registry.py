@@ -1,7 +1,8 @@
 """The registry of compression methods, by name: an explicit list of the classes each method file
 defines and of the wrappers listed with them (``snapkv+kivi2``, ``ada-snapkv``: ``wrapped.Wrapper``),
 and the resolvers that build named variants on demand (``h2o+kivi4``, ``snapkv+polarquant``,
-``ada-knorm``, ``decoding-keydiff``, ``qjl@paper``). Nothing registers itself on import; a new method is added to ``METHODS`` here.
+``ada-knorm``, ``decoding-keydiff``, ``qjl@paper``). Nothing registers itself on import; a new method is
+added to ``METHODS`` here.
 
 ``register``/``unregister`` add and remove a class at run time (a user's own method, a test's).
 """
