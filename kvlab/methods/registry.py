@@ -15,6 +15,7 @@ from kvlab.methods.adakv import adaptive
 from kvlab.methods.adakv import resolve as resolve_adaptive
 from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
+from kvlab.methods.cam import CaM
 from kvlab.methods.decoding import decoding
 from kvlab.methods.decoding import resolve as resolve_decoding
 from kvlab.methods.exact import Exact
@@ -68,6 +69,7 @@ METHODS: tuple[Method, ...] = (
     KNorm,
     KVzip,
     TOVA,
+    CaM,
     FP8,
     TurboQuant,
     PolarQuant,
