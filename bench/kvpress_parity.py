@@ -20,7 +20,9 @@ and ``bench/kvpress_parity_worker.py`` (how it reads what a press kept).
     python -m bench.kvpress_parity --only knorm,snapkv --tokens 400 --new 48
 
 Adding a pairing: one ``Pairing`` in ``PAIRINGS`` (kvlab's name and parameters, the press as JSON, the
-tokens kept), with a ``note`` when the algorithms differ. Writes ``bench/results/kvpress_parity.json``
+tokens kept), with a ``note`` when the algorithms differ, e.g. ``Pairing("capkv", press("CapKVPress",
+compression_ratio=RATIO))``; a wrapper wraps its inner press the same way (``press("CriticalKVPress",
+press=press("SnapKVPress", ...))``). Writes ``bench/results/kvpress_parity.json``
 and prints the markdown table that docs/methods/README.md and bench/README.md show.
 """
 
@@ -39,8 +41,8 @@ RATIO = "$ratio"  # the worker's placeholder: the compression ratio keeping exac
 
 
 def press(name: str, **kwargs) -> dict:
-    """A press as the worker builds it: ``{"press": name, kwargs...}`` (a kwarg may be a press)."""
-    return {"press": name, **kwargs}
+    """A press as the worker builds it: ``{"press": name, "kwargs": {...}}`` (a kwarg may be a press)."""
+    return {"press": name, "kwargs": kwargs}
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,9 @@ PAIRINGS: tuple[Pairing, ...] = (
         "streaming",
         _stepwise("StreamingLLMPress", n_sink=4),
         {"n_sink": 4},
-        "kvlab's StreamingLLM evicts while decoding; kvpress's press is re-applied after every step to match",
+        "kvlab's StreamingLLM evicts while decoding; kvpress's press is re-applied after every step to match. "
+        "kvpress's compression gathers the kept rows in top-k order, not by position, and StreamingLLMPress then "
+        "prunes by row index: from its second decode-time compression on it no longer drops the oldest token",
         decoding=True,
     ),
     Pairing("snapkv", press("SnapKVPress", compression_ratio=RATIO, **SNAP_PRESS), SNAP),
@@ -133,6 +137,8 @@ PAIRINGS: tuple[Pairing, ...] = (
         "decoding-knorm",
         _decoding("KnormPress"),
         {"compression_interval": INTERVAL},
+        "the generated tokens' keys come from each library's own decode forward (kvlab's runs every method in "
+        "one batch, its linears as W x^T): equal to float32 rounding, enough to swap two near-equal norms",
         budget="all",
         decoding=True,
     ),
@@ -249,11 +255,11 @@ def specs(pairings: list[Pairing], n: int, share: float) -> list[dict]:
     for p in pairings:
         keep = p.keep(n, share)
         spec = json.loads(json.dumps(p.spec))
-        dec = spec.get("decoding_press")
+        dec = spec["kwargs"].get("decoding_press")
         if isinstance(dec, dict):
-            stepwise = dec.get("compression_interval") == 1
+            stepwise = dec["kwargs"].get("compression_interval") == 1
             keep = keep - 1 if stepwise else keep
-            dec["target_size"] = keep
+            dec["kwargs"]["target_size"] = keep
         out.append({"name": p.method, "press": spec, "keep": keep})
     return out
 
@@ -333,7 +339,7 @@ def compare(pairings: list[Pairing], ours: dict, theirs: dict) -> list[dict]:
 def describe(spec) -> str:
     """A press spec as kvpress code (``"$ratio"`` as ``r``)."""
     if isinstance(spec, dict) and "press" in spec:
-        args = ", ".join(f"{k}={describe(v)}" for k, v in spec.items() if k != "press")
+        args = ", ".join(f"{k}={describe(v)}" for k, v in spec["kwargs"].items())
         return f"{spec['press']}({args})"
     return "r" if spec == RATIO else repr(spec)
 

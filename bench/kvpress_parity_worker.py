@@ -18,8 +18,8 @@ them by exact equality (a press keeps rows by ``gather``: bitwise copies); rows 
 first and the last decode step's queries attend (a forward hook registered before the press's, so
 before a compression that step triggers).
 
-A press spec is JSON: ``{"press": "ClassName", kwargs...}``; a kwarg that is itself a spec builds a
-nested press; the string ``"$ratio"`` is the compression ratio that keeps exactly ``keep`` tokens of the
+A press spec is JSON: ``{"press": "ClassName", "kwargs": {...}}``; a kwarg that is itself a spec builds
+a nested press; the string ``"$ratio"`` is the compression ratio that keeps exactly ``keep`` tokens of the
 prompt (``int(n (1 - ratio)) == keep``).
 """
 
@@ -42,7 +42,7 @@ def build(spec, ratio: float):
     import kvpress
 
     if isinstance(spec, dict) and "press" in spec:
-        kwargs = {k: build(v, ratio) for k, v in spec.items() if k != "press"}
+        kwargs = {k: build(v, ratio) for k, v in spec["kwargs"].items()}
         return getattr(kvpress, spec["press"])(**kwargs)
     return ratio if spec == RATIO else spec
 
