@@ -3,7 +3,9 @@
 For each scorer (SnapKV, KNorm, Expected Attention by default), at one budget: ``NAME`` (prefill only:
 its budget covers the prompt, every generated token is kept whole) against ``decoding-NAME`` (the
 scorer re-applied every N decode steps, the budget capping every step's bytes), beside the exact cache,
-on prompts of CPython's reference manual with 256 new tokens (greedy). Reported per run and averaged
+on prompts of CPython's reference manual with 256 new tokens (greedy; the end-of-sequence token does not
+stop a run, so that every run generates all of them, as long-generation benchmarks do; ``--stop-at-eos``
+lets it). Reported per run and averaged
 over the prompts: the peak and the mean bytes held as shares of the exact cache's peak and mean, the
 peak against the budget's share of it, the teacher-forced top-1 agreement with exact and the mean
 KL(exact || method) along exact's tokens, and where the free-running text first parts from exact's.
@@ -46,6 +48,20 @@ def prompts(lm, count: int, tokens: int) -> list[list[int]]:
         out.append(lm.encode(text[start:lo] + "\n\nSummarize the text above."))
         start = lo
     return out
+
+
+def without_eos(lm):
+    """``lm`` with no end-of-sequence token: every run generates all its new tokens."""
+    from dataclasses import fields
+
+    from kvlab.core.model import LoadedModel
+
+    class NoEOS(LoadedModel):
+        @property
+        def eos_ids(self) -> set[int]:
+            return set()
+
+    return NoEOS(**{f.name: getattr(lm, f.name) for f in fields(lm)})
 
 
 def one_prompt(engine, ids: list[int], methods: list[str], budget: str, new: int) -> dict:
@@ -123,6 +139,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=500)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--stop-at-eos", action="store_true", help="let the end-of-sequence token end a run")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "decoding_long.json"))
     args = ap.parse_args()
 
@@ -134,7 +151,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     start = machine()
-    engine = Engine(load_model("embedded"), time_limit_s=None)
+    lm = load_model("embedded")
+    if not args.stop_at_eos:
+        lm = without_eos(lm)
+    engine = Engine(lm, time_limit_s=None)
     scorers = args.scorers.split(",")
     methods = [m for s in scorers for m in (s, f"decoding-{s}")]
     done: list[dict] = []
@@ -153,6 +173,7 @@ def main() -> None:
     out = {
         "machine": {**start, "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         "threads": args.threads,
+        "stop_at_eos": args.stop_at_eos,
         "budget": args.budget,
         "new_tokens": args.new,
         "summary": summ,

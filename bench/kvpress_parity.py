@@ -64,6 +64,10 @@ class Pairing:
 
 
 INTERVAL = 16  # decode steps between two compressions of the decoding pairings
+TOPK_ORDER = (
+    "kvpress's ScorerPress keeps rows in top-k order, not in position order (the top-k of tied scores), and "
+    "StreamingLLMPress prunes by row index: re-applied while decoding, it no longer drops the oldest token"
+)
 SNAP = {"window": 64, "kernel": 5, "pooling": "avg"}  # kvpress SnapKVPress's defaults in kvlab's names
 SNAP_PRESS = {"window_size": 64, "kernel_size": 5}
 
@@ -93,8 +97,7 @@ PAIRINGS: tuple[Pairing, ...] = (
         _stepwise("StreamingLLMPress", n_sink=4),
         {"n_sink": 4},
         "kvlab's StreamingLLM evicts while decoding; kvpress's press is re-applied after every step to match. "
-        "kvpress's compression gathers the kept rows in top-k order, not by position, and StreamingLLMPress then "
-        "prunes by row index: from its second decode-time compression on it no longer drops the oldest token",
+        + TOPK_ORDER,
         decoding=True,
     ),
     Pairing("snapkv", press("SnapKVPress", compression_ratio=RATIO, **SNAP_PRESS), SNAP),
@@ -162,9 +165,9 @@ PAIRINGS: tuple[Pairing, ...] = (
             ),
         ),
         {"merge_budget": 32},
-        "the same tokens (StreamingLLM's); the merged values differ: kvpress's merge probability uses the "
-        "attention accumulated since decoding began and torch's global random draws, kvlab (the paper) the "
-        "current query's attention and the run's seeded generator",
+        "the merged values differ: kvpress's merge probability uses the attention accumulated since decoding "
+        "began and torch's global random draws, kvlab (the paper) the current query's attention and the run's "
+        "seeded generator. The kept tokens part as streaming's do: " + TOPK_ORDER,
         decoding=True,
     ),
 )
