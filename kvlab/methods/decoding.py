@@ -74,7 +74,7 @@ from kvlab.core.model import ModelInfo
 from kvlab.core.rope import Rotary
 from kvlab.core.semantics import ModelSemantics
 from kvlab.methods.base import Compressor
-from kvlab.methods.dense import DenseCompressor, DenseLayer, _filled_recent, _in_window
+from kvlab.methods.dense import DenseCompressor, DenseLayer, _filled_recent, _in_window, prompt_scorer
 from kvlab.methods.handover import PrefillNeeds, PrefillState, QueryStats
 from kvlab.methods.params import Param
 from kvlab.methods.wrapped import Wrapper
@@ -479,15 +479,8 @@ def decoding(inner: type[DenseCompressor], **inner_defaults: Any) -> Decoding:
 def resolve(name: str, lookup: Callable[[str], Any]) -> Decoding | None:
     """``decoding-NAME`` for a method that ranks the prompt (``ranks_prompt``; not a wrapper) -> its wrapper;
     else None."""
-    if not name.startswith(PREFIX):
-        return None
-    try:
-        inner = lookup(name[len(PREFIX) :])
-    except ValueError:
-        return None
-    if not isinstance(inner, type) or not issubclass(inner, DenseCompressor) or not inner.ranks_prompt:
-        return None
-    return decoding(inner)
+    inner = prompt_scorer(name, PREFIX, lookup)
+    return None if inner is None else decoding(inner)
 
 
 __all__ = ["DecodingCompressor", "Decoding", "decoding", "resolve"]
