@@ -103,6 +103,8 @@ def run(model, eos: set[int], ids: list[int], new: int, pairing: dict) -> dict:
     n, keep = len(ids), int(pairing["keep"])
     press = build(pairing["press"], 1 - (keep + 0.5) / n)
     decoding = isinstance(press, (kvpress.DecodingPress, kvpress.PrefillDecodingPress))
+    if isinstance(press, kvpress.DMSPress):  # as kvpress's pipeline: DMS compresses while decoding when asked to
+        decoding = bool(press.decoding)
     cache = DynamicCache()
     tracker = Tracker(model, cache)
     try:
