@@ -128,6 +128,14 @@ class Budget:
         return self.fraction
 
 
+def prefill_only_peak(budget: Budget, n_prompt: int, new_tokens: int) -> float:
+    """How many times its budget's share of the exact cache's peak a prefill-only method peaks at, when it
+    keeps its share of ``n_prompt`` prompt tokens and ``new_tokens`` later ones whole (overheads left out):
+    (f n + T) / (f (n + T)), f the budget's fraction of the prompt. 1 for a full budget."""
+    f = budget.fraction_of(n_prompt)
+    return (f * n_prompt + new_tokens) / (f * (n_prompt + new_tokens)) if f < 1 else 1.0
+
+
 def round_up_fraction(f: float) -> float:
     """``f`` rounded up to two significant decimals (0.3012 -> 0.31, 0.0123 -> 0.013), at most 1."""
     if f >= 1.0:

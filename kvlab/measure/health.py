@@ -140,6 +140,27 @@ def budget_use(run, n_prompt: int, streaming: bool, question_tokens: int = 0) ->
     return round(sum(h / a for h, a in pairs) / len(pairs), 4) if pairs else None
 
 
+def budget_overrun(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> tuple[float, str] | None:
+    """(factor, reason) when the run's peak passes its budget's share of the exact cache's peak by more than
+    ``TOLERANCE`` (factor: peak / (share x exact peak)); None otherwise, or without a budget. The reason: a
+    prefill-only method keeps its generated tokens (and a question fed after compression) whole; a
+    quantizer's smallest configuration is above the budget; else it held more than its budget allows."""
+    budget = _budget(run)
+    held, exact = run.kv_bytes_per_step, run.exact_kv_bytes_per_step
+    if budget is None or not held or not exact or budget.fraction_of(n_prompt) >= 1:
+        return None
+    factor = max(held) / (budget.fraction_of(n_prompt) * max(exact))
+    if factor <= 1 + TOLERANCE:
+        return None
+    if run.params.get("fits_budget") is False:
+        reason = "its smallest configuration is above the budget"
+    elif not streaming:
+        reason = "question and generated tokens kept whole" if question_tokens else "generated tokens kept whole"
+    else:
+        reason = "held more than its budget allows"
+    return factor, reason
+
+
 def bytes_flags(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> list[dict]:
     """``over_budget`` when the bytes held exceed what the budget allows (``budget_limits``) by more than
     ``TOLERANCE``: the budget caps the peak."""

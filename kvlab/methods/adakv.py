@@ -56,7 +56,7 @@ from kvlab.core import cancel
 from kvlab.core.budgets import Budget
 from kvlab.core.model import ModelInfo
 from kvlab.methods.base import Compressor
-from kvlab.methods.dense import DenseCompressor, DenseLayer
+from kvlab.methods.dense import DenseCompressor, DenseLayer, prompt_scorer
 from kvlab.methods.handover import PrefillNeeds, PrefillState
 from kvlab.methods.params import Param
 from kvlab.methods.wrapped import Wrapper
@@ -328,12 +328,5 @@ def adaptive(inner: type[DenseCompressor], **inner_defaults: Any) -> Adaptive:
 
 def resolve(name: str, lookup: Callable[[str], Any]) -> Adaptive | None:
     """``ada-NAME`` for a method that ranks the prompt (``ranks_prompt``; not a wrapper) -> its wrapper; else None."""
-    if not name.startswith(PREFIX):
-        return None
-    try:
-        inner = lookup(name[len(PREFIX) :])
-    except ValueError:
-        return None
-    if not isinstance(inner, type) or not issubclass(inner, DenseCompressor) or not inner.ranks_prompt:
-        return None
-    return adaptive(inner)
+    inner = prompt_scorer(name, PREFIX, lookup)
+    return None if inner is None else adaptive(inner)

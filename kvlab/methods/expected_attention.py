@@ -37,7 +37,8 @@ Deviations:
 * ``stats_window`` (default: every prompt query after the sinks, as the paper's prefill) can
   restrict the statistics to the last prompt queries, as the paper's decoding-time buffer does.
 * The paper also compresses while decoding (statistics from a buffer of recent queries); here the
-  method is prefill-only, like SnapKV.
+  method is prefill-only, like SnapKV; ``decoding-expected-attention`` (``kvlab.methods.decoding``)
+  re-applies it every N decode steps, with the statistics of the queries it holds.
 """
 
 from __future__ import annotations
@@ -198,9 +199,10 @@ class ExpectedAttention(DenseCompressor):
             raise RuntimeError(f"{self.name}: {exc}") from None
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
-        end = n + int(c["n_future"])
-        switch = self.info.switch_crossed(n, end)  # a run never crosses a RoPE switch: average up to it
-        future = torch.arange(n, end if switch is None else max(n + 1, switch), device=state.keys.device)
+        nxt = state.next_pos  # the next token's true position (n after a prefill)
+        end = nxt + int(c["n_future"])
+        switch = self.info.switch_crossed(nxt, end)  # a run never crosses a RoPE switch: average up to it
+        future = torch.arange(nxt, end if switch is None else max(nxt + 1, switch), device=state.keys.device)
         rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
         mean, cov = future_query_stats(stats.mean, stats.cov if c["use_covariance"] else None, rbar)
         first = min(int(c["n_sink"]), n - 1)

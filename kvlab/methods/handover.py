@@ -99,6 +99,11 @@ class PrefillState:
     unless a method asked for it). ``query_stats`` is over the largest window asked;
     ``query_stats_by_window`` holds one ``QueryStats`` per distinct window asked (read it through
     ``stats_over(w)``): two methods asking for different windows each get their own.
+
+    ``next_position``: None after a prefill (the next token is at position n). A state built from a
+    running cache while decoding (``decoding-NAME``, ``kvlab.methods.decoding``) sets it to the true
+    position of the next token: its n kept tokens are then not positions 0..n-1, and its
+    ``query_stats`` are over the queries it holds, however many (``stats_over`` returns them).
     """
 
     keys: Tensor
@@ -110,15 +115,24 @@ class PrefillState:
     query_stats: QueryStats | None = None
     model: ModelAccess | None = None
     query_stats_by_window: dict[int, QueryStats] = field(default_factory=dict)
+    next_position: int | None = None
 
     @property
     def n_tokens(self) -> int:
         return self.keys.shape[-2]
 
+    @property
+    def next_pos(self) -> int:
+        """The true position of the next token: n after a prefill, ``next_position`` on a running state."""
+        return self.n_tokens if self.next_position is None else self.next_position
+
     def stats_over(self, w: int) -> QueryStats:
         """The query statistics over exactly the last ``w`` prompt queries (``PrefillNeeds.query_stats=w``):
         each distinct window a method asked for is computed on its own. Raises when the prefill computed
-        none over that window, so a method never reads statistics of another window than its own."""
+        none over that window, so a method never reads statistics of another window than its own. A running
+        state (``next_position`` set) returns the statistics of the queries it holds."""
+        if self.next_position is not None and self.query_stats is not None:
+            return self.query_stats
         stats = self.query_stats_by_window.get(w)
         if stats is None and self.query_stats is not None and self.query_stats.n == w:
             stats = self.query_stats  # a state built by hand with one window

@@ -1,7 +1,8 @@
 """The registry of compression methods, by name: an explicit list of the classes each method file
 defines and of the wrappers listed with them (``snapkv+kivi2``, ``ada-snapkv``: ``wrapped.Wrapper``),
 and the resolvers that build named variants on demand (``h2o+kivi4``, ``snapkv+polarquant``,
-``ada-knorm``, ``qjl@paper``). Nothing registers itself on import; a new method is added to ``METHODS`` here.
+``ada-knorm``, ``decoding-keydiff``, ``qjl@paper``). Nothing registers itself on import; a new method is
+added to ``METHODS`` here.
 
 ``register``/``unregister`` add and remove a class at run time (a user's own method, a test's).
 """
@@ -14,6 +15,9 @@ from kvlab.methods.adakv import adaptive
 from kvlab.methods.adakv import resolve as resolve_adaptive
 from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
+from kvlab.methods.cam import CaM
+from kvlab.methods.decoding import decoding
+from kvlab.methods.decoding import resolve as resolve_decoding
 from kvlab.methods.exact import Exact
 from kvlab.methods.expected_attention import ExpectedAttention
 from kvlab.methods.fp8 import FP8
@@ -65,6 +69,7 @@ METHODS: tuple[Method, ...] = (
     KNorm,
     KVzip,
     TOVA,
+    CaM,
     FP8,
     TurboQuant,
     PolarQuant,
@@ -76,6 +81,8 @@ METHODS: tuple[Method, ...] = (
     qjl_keyed(H2O),
     coded(SnapKV, "turboquant"),
     coded(H2O, "fp8"),
+    decoding(SnapKV),  # kvpress's DecodingPress over its standard scorer
+    decoding(KNorm),  # the same over a scorer of keys alone (no queries held; its kept tokens match kvpress's)
 )
 
 # name -> method or None, for names that are not listed: compositions, adaptive heads, paper presets
@@ -84,6 +91,7 @@ RESOLVERS: tuple[Callable[[str, Lookup], Method | None], ...] = (
     resolve_qjl,
     resolve_coded,
     resolve_adaptive,
+    resolve_decoding,
     resolve_preset,
 )
 

@@ -19,7 +19,7 @@ import gradio as gr
 import torch
 
 from kvlab.core import cancel
-from kvlab.core.budgets import BudgetError, exact_bytes, parse_budgets
+from kvlab.core.budgets import TOLERANCE, Budget, BudgetError, exact_bytes, parse_budgets, prefill_only_peak
 from kvlab.core.model import LoadedModel, ModelLoadError
 from kvlab.core.results import QUERY_AGNOSTIC, CompareResult, RunResult
 from kvlab.engine import faults
@@ -29,6 +29,7 @@ from kvlab.engine.loader import EMBEDDED, Progress, load_model, spec_of, unload
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.measure.metrics import ProbeSettings
+from kvlab.methods import get
 from kvlab.report import comparison_figures as plots
 from kvlab.report.result_file import ResultFileError, load_result_text
 from kvlab.run import Comparison, stream
@@ -181,6 +182,26 @@ def text_error(message: str) -> gr.Error:
 
 
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#|~!])")
+
+
+def short_prompt_warning(methods, budgets, n: int, new: int) -> str:
+    """The plan line's warning when the prompt is short against the new tokens: the prefill-only methods
+    chosen keep their generated tokens whole, so their peak passes their budget (``prefill_only_peak``, at
+    the budget where it passes most) by more than 5%; "" otherwise."""
+    held = [m for m in methods if m != "exact" and not get(m).streaming]
+    budgets = [Budget.parse(b) for b in budgets]
+    if not held or not budgets:
+        return ""
+    worst = max(budgets, key=lambda b: prefill_only_peak(b, n, new))
+    factor = prefill_only_peak(worst, n, new)
+    if factor <= 1 + TOLERANCE:
+        return ""
+    names = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    return markdown_text(
+        f" · ⚠ short prompt against the new tokens ({n} prompt, {new} new): prefill-only methods ({names}) keep "
+        f"generated tokens whole and will peak near {factor:.1f}x budget {worst.label}; the decoding- methods "
+        "and the streaming ones hold it"
+    )
 
 
 def markdown_text(message: str) -> str:
@@ -350,7 +371,8 @@ class Dashboard:
             return f"⚠ {markdown_text(str(exc))}"
         est = self.estimate(engine, comparison, n)
         task = f" · scored as the preset's task ({comparison.task.name})" if comparison.task is not None else ""
-        return f"{est.summary()}{task} · within this page's limits"
+        short = short_prompt_warning(comparison.methods, comparison.budgets, n, comparison.settings.max_new_tokens)
+        return f"{est.summary()}{task} · within this page's limits{short}"
 
     def work(self, *values, **kw) -> WorkSize:
         """The request's size for a GPU lease, from the raw inputs of ``compare`` (cheap: tokenizing only).
