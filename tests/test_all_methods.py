@@ -34,9 +34,10 @@ STEPS = 3
 def matrix_state(lm, long_text):
     """The same ~600-token real prefill as ``prefill_state``, with everything a method may ask of the
     prefill handed over: every prompt query (methods with long query windows, Scissorhands: w = B/2),
-    accumulated attention, pre-RoPE query statistics over the whole prompt, and the model itself."""
+    accumulated attention, pre-RoPE query statistics over the whole prompt, the model itself and its output
+    projections."""
     ids = lm.encode(long_text[:3000])
-    needs = PrefillNeeds(query_window=len(ids), acc_attn=True, query_stats=len(ids), model_access=True)
+    needs = PrefillNeeds(query_window=len(ids), acc_attn=True, query_stats=len(ids), model_access=True, out_proj=True)
     state, _ = prefill(lm, ids, needs)
     return state
 
