@@ -57,7 +57,7 @@ PAPER = (
     "(CriticalKV), 2025 (arXiv:2502.03805)"
 )
 PARAMS = (
-    Param("epsilon", 1e-4, "added to the scorer's score before the ||W_o v||_1 weighting (kvpress's)", minimum=0.0),
+    Param("critical_epsilon", 1e-4, "added to the scorer's score before the ||W_o v||_1 weighting (kvpress's)", minimum=0.0),
     Param(
         "first_stage_ratio",
         0.5,
@@ -106,7 +106,7 @@ class CriticalKV(HeldScorer):
         return replace(needs, out_proj=True)
 
     def own_knobs(self, n_prompt: int) -> dict:
-        return {"epsilon": float(self.cfg["epsilon"]), "first_stage_ratio": float(self.cfg["first_stage_ratio"])}
+        return {"critical_epsilon": float(self.cfg["critical_epsilon"]), "first_stage_ratio": float(self.cfg["first_stage_ratio"])}
 
     def ranking(self, state: PrefillState) -> Ranking | None:
         """The scorer's ranking with its scores replaced by CriticalKV's two-stage ones (same budgets)."""
@@ -124,7 +124,7 @@ class CriticalKV(HeldScorer):
         )
         ratio, fixed = float(self.cfg["first_stage_ratio"]), rank.head + rank.tail
         first = [min(b, max(0, int(ratio * (b + fixed)) - fixed)) for b in rank.budgets]
-        scores = two_stage_scores(rank.scores, norms, first, float(self.cfg["epsilon"]))
+        scores = two_stage_scores(rank.scores, norms, first, float(self.cfg["critical_epsilon"]))
         return replace(rank, scores=scores)
 
     def select(self, state: PrefillState):
