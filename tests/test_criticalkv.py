@@ -29,7 +29,9 @@ def test_output_projections_are_the_models_weights(lm, state):
         assert w.shape == (_o_proj(lm, layer).shape[0], info.n_heads, info.v_head_dim)
         assert w.data_ptr() == lm.model.model.layers[layer].self_attn.o_proj.weight.data_ptr()  # a view, not a copy
         h = 4
-        torch.testing.assert_close(w[:, h].float(), _o_proj(lm, layer)[:, h * info.v_head_dim : (h + 1) * info.v_head_dim])
+        torch.testing.assert_close(
+            w[:, h].float(), _o_proj(lm, layer)[:, h * info.v_head_dim : (h + 1) * info.v_head_dim]
+        )
 
 
 def test_two_stages_on_a_real_prefill(lm, state):

@@ -120,7 +120,6 @@ class AdaKV(RaggedCompressor, HeldScorer):
         return keep
 
 
-
 def adaptive(inner: type[DenseCompressor], **inner_defaults: Any) -> ScorerWrapper:
     """``ada-NAME``: ``inner``'s scores and budgets with Ada-KV's allocation (``inner_defaults``: the scorer's
     parameters at other defaults)."""

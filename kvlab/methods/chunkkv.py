@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -143,7 +143,7 @@ class ChunkKV(HeldScorer):
     """ChunkKV's chunk-wise choice over a prompt-time scorer it holds (``scorer``; the module docstring).
     ``chunked_scorer(Inner)`` is the wrapper the registry lists for ``chunkkv-NAME``."""
 
-    params = (CHUNK,)
+    params: ClassVar[tuple[Param, ...]] = (CHUNK,)
 
     def own_knobs(self, n_prompt: int) -> dict:
         return {"chunk_length": int(self.cfg["chunk_length"])}

@@ -57,7 +57,12 @@ PAPER = (
     "(CriticalKV), 2025 (arXiv:2502.03805)"
 )
 PARAMS = (
-    Param("critical_epsilon", 1e-4, "added to the scorer's score before the ||W_o v||_1 weighting (kvpress's)", minimum=0.0),
+    Param(
+        "critical_epsilon",
+        1e-4,
+        "added to the scorer's score before the ||W_o v||_1 weighting (kvpress's)",
+        minimum=0.0,
+    ),
     Param(
         "first_stage_ratio",
         0.5,
@@ -91,7 +96,9 @@ def two_stage_scores(scores: Tensor, norms: Tensor, first: list[int], epsilon: f
     scores) rank above all others (+inf); the others by (score + epsilon) x norm.
     """
     out = (scores.float() + epsilon) * norms
-    stage1 = ranked_keep(scores, torch.tensor(first, device=scores.device)[:, None].expand(scores.shape[:2]).contiguous())
+    stage1 = ranked_keep(
+        scores, torch.tensor(first, device=scores.device)[:, None].expand(scores.shape[:2]).contiguous()
+    )
     return out.masked_fill(stage1, float("inf"))
 
 
@@ -106,7 +113,10 @@ class CriticalKV(HeldScorer):
         return replace(needs, out_proj=True)
 
     def own_knobs(self, n_prompt: int) -> dict:
-        return {"critical_epsilon": float(self.cfg["critical_epsilon"]), "first_stage_ratio": float(self.cfg["first_stage_ratio"])}
+        return {
+            "critical_epsilon": float(self.cfg["critical_epsilon"]),
+            "first_stage_ratio": float(self.cfg["first_stage_ratio"]),
+        }
 
     def ranking(self, state: PrefillState) -> Ranking | None:
         """The scorer's ranking with its scores replaced by CriticalKV's two-stage ones (same budgets)."""

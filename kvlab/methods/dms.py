@@ -49,9 +49,7 @@ from kvlab.methods.params import Param
 from kvlab.methods.ragged import RaggedCompressor
 
 PREFIX = "dms-"
-PAPER = (
-    "Łańcucki et al., Inference-Time Hyper-Scaling with KV Cache Compression (DMS), 2025 (arXiv:2506.05345)"
-)
+PAPER = "Łańcucki et al., Inference-Time Hyper-Scaling with KV Cache Compression (DMS), 2025 (arXiv:2506.05345)"
 PARAMS = (
     Param("sliding_window", 128, "last prompt tokens never evicted (kvpress's sliding_window_size)", minimum=0),
     Param(

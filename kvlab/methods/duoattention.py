@@ -83,7 +83,9 @@ class DuoAttention(SinkRecentSplit):
     params = (
         Param("n_sink", 128, "initial tokens a streaming head keeps (kvpress's on-the-fly setting)", minimum=0),
         Param("n_recent", 256, "recent tokens a streaming head keeps (kvpress's; shrunk to fit the budget)", minimum=1),
-        Param("pattern_len", 500, "positions of the synthetic sequence a head is scored on (kvpress's q_len)", minimum=2),
+        Param(
+            "pattern_len", 500, "positions of the synthetic sequence a head is scored on (kvpress's q_len)", minimum=2
+        ),
         SHARE,
     )
 

@@ -111,9 +111,10 @@ class PrefillState:
     received summed over all prompt queries; query_stats, model: see ``PrefillNeeds`` (each None
     unless a method asked for it); out_proj: per layer, the attention's output projection as a view of
     the model's weight, [hidden, Hq, dv] (query head h's block W_o[:, h] maps its output [dv] into the
-    residual stream), when a method asked for it and the model has one kvlab can read (else None). ``query_stats`` is over the largest window asked;
-    ``query_stats_by_window`` holds one ``QueryStats`` per distinct window asked (read it through
-    ``stats_over(w)``): two methods asking for different windows each get their own.
+    residual stream), when a method asked for it and the model has one kvlab can read (else None).
+    ``query_stats`` is over the largest window asked; ``query_stats_by_window`` holds one ``QueryStats`` per
+    distinct window asked (read it through ``stats_over(w)``): two methods asking for different windows each
+    get their own.
     """
 
     keys: Tensor

@@ -45,10 +45,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from pydoc_data.topics import topics
 from typing import Any
 
 import torch
-from pydoc_data.topics import topics
 from torch import Tensor
 
 from kvlab.core import semantics as sm
@@ -187,6 +187,7 @@ class LUKV(RaggedCompressor, HeldScorer):
         """One calibration piece's loss curves [L, Hkv, grid + 1]: the scorer ranks ``context`` (a copy of it
         planned for the piece), the ``future`` tokens' queries give the oracle."""
         scorer = self.scorer.remade(Budget(fraction=0.5))
+        assert isinstance(scorer, DenseCompressor)  # a copy of the scorer
         scorer.plan(len(context))
         state = access.prefill(context, replace(scorer.prefill_needs(len(context)), model_access=True))
         rank = scorer.ranking(state)
@@ -268,4 +269,3 @@ def resolve(name: str, lookup: Callable[[str], Any]) -> ScorerWrapper | None:
 
 
 __all__ = ["LUKV", "apportion", "convex_gains", "eviction_curves", "greedy_fractions", "profiled", "resolve"]
-

@@ -40,7 +40,6 @@ def topped_up(mask: Tensor, want: Tensor, first: int) -> Tensor:
     return mask | (free & (rank <= (want - mask.sum(-1))[:, None]))
 
 
-
 @dataclass
 class RaggedLayer:
     """One layer whose KV heads hold different numbers of prompt tokens, plus the tokens appended since.

@@ -91,7 +91,9 @@ METHODS: tuple[Method, ...] = (
     chunked_scorer(SnapKV, gated=True),  # kvpress's EntropyGatedChunkKVPress over SnapKV, at its defaults
     SimLayerKV,
     DuoAttention,
-    profiled(ExpectedAttention, epsilon=2e-2),  # kvpress's benchmarked LU-KV (its lukv: Expected Attention, epsilon 2e-2)
+    profiled(
+        ExpectedAttention, epsilon=2e-2
+    ),  # kvpress's benchmarked LU-KV (its lukv: Expected Attention, epsilon 2e-2)
     thresholded(SnapKV),  # kvpress benchmarks DMS with its trained KVzap scorers only; SnapKV's votes instead
 )
 

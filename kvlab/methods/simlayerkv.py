@@ -56,10 +56,7 @@ class SimLayerKV(SinkRecentSplit):
     name = "simlayerkv"
     title = "SimLayerKV"
     group = "recent"
-    paper = (
-        "Zhang et al., SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction, 2024 "
-        "(arXiv:2410.13846)"
-    )
+    paper = "Zhang et al., SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction, 2024 (arXiv:2410.13846)"
     summary = (
         "Lazy layers (the last query's attention on the first and last tokens) keep only those, the others "
         "everything; the budget sets how many layers are lazy, laziest first."
@@ -67,7 +64,12 @@ class SimLayerKV(SinkRecentSplit):
     params = (
         Param("n_sink", 4, "initial tokens a lazy layer keeps (kvpress's n_initial)", minimum=0),
         Param("n_recent", 1024, "recent tokens a lazy layer keeps (kvpress's; shrunk to fit the budget)", minimum=1),
-        Param("n_last", 1, "last prompt queries that judge a layer's laziness (kvpress's, as the paper's decode)", minimum=1),
+        Param(
+            "n_last",
+            1,
+            "last prompt queries that judge a layer's laziness (kvpress's, as the paper's decode)",
+            minimum=1,
+        ),
         SHARE,
     )
 

@@ -118,7 +118,7 @@ class SinkRecentSplit(RaggedCompressor):
             return {"n_sink": base_sink, "n_recent": base_recent}
         per_head = self.per_token_bytes()
         heads = self.heads_per_unit()
-        target = self.budget.target_bytes(self.info, n_prompt)
+        target: float = self.budget.target_bytes(self.info, n_prompt)
         fixed = self.info.n_layers * self.info.n_kv_heads * self.fixed_stream_bytes()
         if self.budget.tokens is not None:  # that many tokens per layer and head (as the dense methods)
             target = self.budget.tokens * self.info.n_layers * self.info.n_kv_heads * per_head + fixed
