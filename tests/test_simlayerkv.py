@@ -41,3 +41,20 @@ def test_real_prefill_lazy_layers(lm, prefill_state):
         c = int(counts[layer, 0])
         assert kept == list(range(s)) + list(range(n - (c - s), n))  # sinks + a recent window (widened by the slack)
     assert comp.nbytes() <= 0.25 * exact_bytes(info, n) * 1.001
+
+
+def test_the_papers_threshold_with_the_budget_as_a_cap(lm, prefill_state):
+    """``lazy_threshold``: the layers whose share passes it are lazy and keep exactly sinks + recent (kvpress's
+    press); a budget that binds makes more layers lazy, laziest first."""
+    state, n = prefill_state, prefill_state.n_tokens
+    roomy, knobs = compressed(lm, state, "simlayerkv", "0.99", lazy_threshold=0.9, window_share=1.0, n_recent=63)
+    s, r = knobs["n_sink"], knobs["n_recent"]
+    assert (s, r) == (4, 63)
+    lazy = roomy.lazy_shares > 0.9
+    assert 0 < int(lazy.sum()) < lm.info.n_layers
+    counts = roomy.head_counts()[:, 0]
+    assert torch.equal(counts < n, lazy) and (counts[lazy] == s + r).all()  # no widening
+    tight, _ = compressed(lm, state, "simlayerkv", "0.25", lazy_threshold=0.9, n_recent=63)
+    tight_lazy = tight.head_counts()[:, 0] < n
+    assert int(tight_lazy.sum()) > int(lazy.sum()) and bool(tight_lazy[lazy].all())
+    assert tight.nbytes() <= 0.25 * exact_bytes(lm.info, n) * 1.001

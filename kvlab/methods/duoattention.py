@@ -104,7 +104,7 @@ class DuoAttention(SinkRecentSplit):
     def prefill_needs(self, n_prompt: int) -> PrefillNeeds:
         return replace(super().prefill_needs(n_prompt), query_stats=n_prompt)
 
-    def stream_order(self, state: PrefillState) -> Tensor:
+    def stream_order(self, state: PrefillState) -> tuple[Tensor, int]:
         """KV heads (layer-major) by their score, lowest first."""
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
@@ -117,4 +117,4 @@ class DuoAttention(SinkRecentSplit):
         mean_k = rope.unrotate(state.keys.float(), pos).mean(-2)  # [L, Hkv, d]
         scaling = torch.tensor([s.scaling for s in self.sem.layers], device=mean_q.device)
         self.head_scores = head_scores(mean_q, mean_k, rope, int(self.cfg["pattern_len"]), scaling)
-        return torch.sort(self.head_scores.flatten(), stable=True).indices
+        return torch.sort(self.head_scores.flatten(), stable=True).indices, 0

@@ -41,12 +41,15 @@ SHARE = Param(
 )
 
 
-def split_counts(held: Tensor, order: Tensor, total: int, window: int) -> tuple[Tensor, Tensor]:
+def split_counts(
+    held: Tensor, order: Tensor, total: int, window: int, at_least: int = 0, widen: bool = True
+) -> tuple[Tensor, Tensor]:
     """Tokens per unit when units stream in ``order`` until the total fits: (counts [U], streaming [U] bool).
 
     held [U]: what each unit keeps in full; a streaming unit keeps min(held, window). Units stream in
-    ``order`` (a permutation of 0..U-1) until sum(counts) <= total (all stream when even that is over);
-    the total left over is then spread evenly over the streaming units, each up to its ``held``.
+    ``order`` (a permutation of 0..U-1) until sum(counts) <= total (all stream when even that is over), the
+    first ``at_least`` of them whatever the total; with ``widen``, the total left over is then spread evenly
+    over the streaming units, each up to its ``held``.
     """
     h = held.long()
     hs = h[order]
@@ -54,10 +57,10 @@ def split_counts(held: Tensor, order: Tensor, total: int, window: int) -> tuple[
     need = int(h.sum()) - total
     savings = (hs - stream).cumsum(0)
     m = int((savings < need).sum()) + 1 if need > 0 else 0
-    m = min(m, len(hs))
+    m = min(max(m, at_least), len(hs))
     streaming_sorted = torch.arange(len(hs), device=h.device) < m
     counts_sorted = torch.where(streaming_sorted, stream, hs)
-    slack = total - int(counts_sorted.sum())
+    slack = total - int(counts_sorted.sum()) if widen else 0
     while slack > 0:  # water-fill the streaming units' windows
         room = streaming_sorted & (counts_sorted < hs)
         k = int(room.sum())
@@ -94,8 +97,10 @@ class SinkRecentSplit(RaggedCompressor):
     recent: int  # set by plan: a streaming unit's last tokens (before the slack widens it)
     stream_units: Tensor | None = None  # set by compress: [L x per_layer] bool, the units that stream
 
-    def stream_order(self, state: PrefillState) -> Tensor:
-        """[L x per_layer] the units in the order they stream (first: the first to keep sinks + recent only)."""
+    def stream_order(self, state: PrefillState) -> tuple[Tensor, int]:
+        """([L x per_layer] the units in the order they stream (first: the first to keep sinks + recent only),
+        how many of the first stream whatever the budget (0: the budget alone decides, and what the last
+        streaming unit leaves widens the windows; more: a method's own rule, the budget a cap))."""
         raise NotImplementedError
 
     def unit_tokens(self, n_prompt: int) -> Tensor:
@@ -146,10 +151,15 @@ class SinkRecentSplit(RaggedCompressor):
     def keep_mask(self, state: PrefillState) -> Tensor | None:
         n = state.n_tokens
         held = self.unit_tokens(n).to(state.keys.device)
-        if self.full or self.total >= int(held.sum()):
+        if self.full:
             return None
-        order = self.stream_order(state).to(held.device)
-        counts, self.stream_units = split_counts(held, order, self.total, self.sink + self.recent)
+        order, at_least = self.stream_order(state)
+        if not at_least and self.total >= int(held.sum()):
+            return None
+        window = self.sink + self.recent
+        counts, self.stream_units = split_counts(
+            held, order.to(held.device), self.total, window, at_least, not at_least
+        )
         per_head = counts.view(self.info.n_layers, self.per_layer).repeat_interleave(self.heads_per_unit(), dim=1)
         return sinks_and_recent(per_head, n, self.sink)
 
