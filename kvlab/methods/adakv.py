@@ -41,7 +41,6 @@ Deviations:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ from torch import Tensor
 
 from kvlab.methods.dense import DenseCompressor
 from kvlab.methods.handover import PrefillState
-from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_named
+from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_resolver
 from kvlab.methods.params import Param
 from kvlab.methods.ragged import RaggedCompressor
 
@@ -137,7 +136,5 @@ def adaptive(inner: type[DenseCompressor], **inner_defaults: Any) -> ScorerWrapp
     )
 
 
-def resolve(name: str, lookup: Callable[[str], Any]) -> ScorerWrapper | None:
-    """``ada-NAME`` for a method that ranks the prompt (``ranks_prompt``; not a wrapper) -> its wrapper; else None."""
-    inner = scorer_named(name, PREFIX, lookup)
-    return None if inner is None else adaptive(inner)
+# ``ada-NAME`` for a method that ranks the prompt -> its wrapper; else None
+resolve = scorer_resolver(PREFIX, adaptive)

@@ -37,7 +37,6 @@ Deviations:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -48,7 +47,7 @@ from kvlab.core.attention_ops import pool_heads
 from kvlab.methods.adakv import ranked_keep
 from kvlab.methods.dense import DenseCompressor, Ranking
 from kvlab.methods.handover import PrefillNeeds, PrefillState
-from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_named
+from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_resolver
 from kvlab.methods.params import Param
 
 PREFIX = "criticalkv-"
@@ -169,7 +168,5 @@ def critical(inner: type[DenseCompressor], **inner_defaults: Any) -> ScorerWrapp
     )
 
 
-def resolve(name: str, lookup: Callable[[str], Any]) -> ScorerWrapper | None:
-    """``criticalkv-NAME`` for a method that ranks the prompt -> its wrapper; else None."""
-    inner = scorer_named(name, PREFIX, lookup)
-    return None if inner is None else critical(inner)
+# ``criticalkv-NAME`` for a method that ranks the prompt -> its wrapper; else None
+resolve = scorer_resolver(PREFIX, critical)

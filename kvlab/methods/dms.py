@@ -36,7 +36,6 @@ Deviations:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +43,7 @@ from torch import Tensor
 
 from kvlab.methods.dense import DenseCompressor
 from kvlab.methods.handover import PrefillState
-from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_named
+from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_resolver
 from kvlab.methods.params import Param
 from kvlab.methods.ragged import RaggedCompressor
 
@@ -125,7 +124,5 @@ def thresholded(inner: type[DenseCompressor], **inner_defaults: Any) -> ScorerWr
     )
 
 
-def resolve(name: str, lookup: Callable[[str], Any]) -> ScorerWrapper | None:
-    """``dms-NAME`` for a method that ranks the prompt -> its wrapper; else None."""
-    inner = scorer_named(name, PREFIX, lookup)
-    return None if inner is None else thresholded(inner)
+# ``dms-NAME`` for a method that ranks the prompt -> its wrapper; else None
+resolve = scorer_resolver(PREFIX, thresholded)

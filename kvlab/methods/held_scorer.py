@@ -99,4 +99,16 @@ def scorer_named(name: str, prefix: str, lookup: Callable[[str], Any]) -> type[D
     return inner
 
 
-__all__ = ["HeldScorer", "ScorerWrapper", "scorer_named"]
+def scorer_resolver(
+    prefix: str, wrap: Callable[[type[DenseCompressor]], ScorerWrapper]
+) -> Callable[[str, Callable[[str], Any]], ScorerWrapper | None]:
+    """The registry's resolver of ``PREFIX-NAME``: ``wrap(scorer)`` for a method that ranks the prompt, else None."""
+
+    def resolve(name: str, lookup: Callable[[str], Any]) -> ScorerWrapper | None:
+        inner = scorer_named(name, prefix, lookup)
+        return None if inner is None else wrap(inner)
+
+    return resolve
+
+
+__all__ = ["HeldScorer", "ScorerWrapper", "scorer_named", "scorer_resolver"]

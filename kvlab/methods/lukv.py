@@ -56,7 +56,7 @@ from kvlab.core.budgets import Budget
 from kvlab.methods.adakv import ranked_keep
 from kvlab.methods.dense import DenseCompressor, Ranking
 from kvlab.methods.handover import ModelAccess, PrefillNeeds, PrefillState
-from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_named
+from kvlab.methods.held_scorer import HeldScorer, ScorerWrapper, scorer_resolver
 from kvlab.methods.params import Param
 from kvlab.methods.ragged import RaggedCompressor
 
@@ -262,10 +262,8 @@ def profiled(inner: type[DenseCompressor], **inner_defaults: Any) -> ScorerWrapp
     )
 
 
-def resolve(name: str, lookup: Callable[[str], Any]) -> ScorerWrapper | None:
-    """``lukv-NAME`` for a method that ranks the prompt -> its wrapper; else None."""
-    inner = scorer_named(name, PREFIX, lookup)
-    return None if inner is None else profiled(inner)
+# ``lukv-NAME`` for a method that ranks the prompt -> its wrapper; else None
+resolve = scorer_resolver(PREFIX, profiled)
 
 
 __all__ = ["LUKV", "apportion", "convex_gains", "eviction_curves", "greedy_fractions", "profiled", "resolve"]
