@@ -66,7 +66,7 @@ PAPER = (
     "Eviction (LU-KV), ICML 2026 (arXiv:2602.08585)"
 )
 PARAMS = (
-    Param("calib_texts", 3, "calibration pieces the curves are averaged over", minimum=1),
+    Param("calib_texts", 2, "calibration pieces the curves are averaged over", minimum=1),
     Param("calib_tokens", 384, "tokens per calibration piece (context + later queries)", minimum=16),
     Param("future", 64, "last tokens of a piece whose attention is the oracle (the decoding horizon)", minimum=1),
     Param("grid", 100, "steps of the kept fraction the curves and the allocation use", minimum=2),
@@ -164,12 +164,12 @@ class LUKV(RaggedCompressor, HeldScorer):
     # ----- the profile ----------------------------------------------------------------------------
     def profile(self, access: ModelAccess) -> Tensor:
         """The scorer's eviction-loss curves on the calibration pieces, averaged: [L, Hkv, grid + 1] (cached per
-        model and scorer setting while the model is loaded)."""
+        model and scorer setting while the model is loaded; the prefill's keys are the model's, whatever dtype
+        the caches store them in)."""
         c = self.cfg
         key = (
             self.scorer.name,
             tuple(sorted((k, repr(v)) for k, v in self.scorer.cfg.items())),
-            self.info.cache_dtype,
             *(int(c[k]) for k in ("calib_texts", "calib_tokens", "future", "grid")),
         )
         known = _PROFILES.setdefault(access.owner, {})
