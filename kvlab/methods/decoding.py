@@ -74,8 +74,9 @@ from kvlab.core.model import ModelInfo
 from kvlab.core.rope import Rotary
 from kvlab.core.semantics import ModelSemantics
 from kvlab.methods.base import Compressor
-from kvlab.methods.dense import DenseCompressor, DenseLayer, _filled_recent, _in_window, prompt_scorer
+from kvlab.methods.dense import DenseCompressor, DenseLayer, _filled_recent, _in_window
 from kvlab.methods.handover import PrefillNeeds, PrefillState, QueryStats
+from kvlab.methods.held_scorer import scorer_named
 from kvlab.methods.params import Param
 from kvlab.methods.wrapped import Wrapper
 
@@ -479,7 +480,7 @@ def decoding(inner: type[DenseCompressor], **inner_defaults: Any) -> Decoding:
 def resolve(name: str, lookup: Callable[[str], Any]) -> Decoding | None:
     """``decoding-NAME`` for a method that ranks the prompt (``ranks_prompt``; not a wrapper) -> its wrapper;
     else None."""
-    inner = prompt_scorer(name, PREFIX, lookup)
+    inner = scorer_named(name, PREFIX, lookup)
     return None if inner is None else decoding(inner)
 
 

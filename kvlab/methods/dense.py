@@ -13,9 +13,9 @@ the budget pays for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -512,20 +512,6 @@ class DenseCompressor(Compressor):
         return weights_on_positions(q, k, pos, self.sem[layer], lw)
 
 
-def prompt_scorer(name: str, prefix: str, lookup: Callable[[str], Any]) -> type[DenseCompressor] | None:
-    """The method a wrapper's name ``prefix + NAME`` wraps (``ada-NAME``, ``decoding-NAME``) when NAME is a method
-    that ranks the prompt (declared ``ranks_prompt``; a class, not another wrapper); None otherwise."""
-    if not name.startswith(prefix):
-        return None
-    try:
-        inner = lookup(name[len(prefix) :])
-    except ValueError:
-        return None
-    if not isinstance(inner, type) or not issubclass(inner, DenseCompressor) or not inner.ranks_prompt:
-        return None
-    return inner
-
-
 def _past_span(sem: sm.LayerSemantics, held: int, newest: int, m: int) -> bool:
     """Whether a local layer holding ``held`` tokens may hold some its next query no longer sees, after m new
     tokens up to position ``newest``: more than its window, or a chunk begun among the new tokens."""
@@ -576,4 +562,4 @@ def _in_window(pos: Tensor, first: int) -> Tensor | None:
     return idx[keep].view(pos.shape[0], -1)
 
 
-__all__ = ["DenseCompressor", "DenseLayer", "KeptTokens", "TokenStorage", "prompt_scorer"]
+__all__ = ["DenseCompressor", "DenseLayer", "KeptTokens", "TokenStorage"]

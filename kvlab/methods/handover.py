@@ -39,7 +39,8 @@ class PrefillNeeds:
     acc_attn: ``state.acc_attn``, the attention each key received summed over all queries [L, Hq, n];
     observer: sees the prefill's attention of the last ``observer.rows`` queries as it is computed;
     query_stats: ``state.query_stats`` over the last w prompt queries, before RoPE;
-    model_access: ``state.model``, a forward pass of the method's own through the model.
+    model_access: ``state.model``, a forward pass of the method's own through the model;
+    out_proj: ``state.out_proj``, each layer's attention output projection W_o, read from the model.
     """
 
     query_window: int = 0
@@ -47,6 +48,7 @@ class PrefillNeeds:
     observer: WindowObserver | None = None
     query_stats: int = 0
     model_access: bool = False
+    out_proj: bool = False
 
     def __post_init__(self) -> None:
         if self.query_window < 0 or self.query_stats < 0:
@@ -88,6 +90,17 @@ class ModelAccess(Protocol):
         before that layer's attention."""
         ...
 
+    @property
+    def owner(self) -> object:
+        """The loaded model itself, one object per model: a key for what a method computes once per model
+        (held weakly)."""
+        ...
+
+    def prefill(self, ids: list[int], needs: PrefillNeeds) -> PrefillState:
+        """The exact prefill of another text ``ids`` (a calibration text, not the prompt), with ``needs``
+        captured as for a prompt; its ``state.model`` (with ``model_access``) extends that text."""
+        ...
+
 
 @dataclass
 class PrefillState:
@@ -96,9 +109,12 @@ class PrefillState:
     keys, values: [L, Hkv, n, d] post-RoPE; queries: [L, Hq, w, d], the last w prompt queries
     (post-RoPE; w the largest ``query_window`` asked); acc_attn: [L, Hq, n] attention each key
     received summed over all prompt queries; query_stats, model: see ``PrefillNeeds`` (each None
-    unless a method asked for it). ``query_stats`` is over the largest window asked;
-    ``query_stats_by_window`` holds one ``QueryStats`` per distinct window asked (read it through
-    ``stats_over(w)``): two methods asking for different windows each get their own.
+    unless a method asked for it); out_proj: per layer, the attention's output projection as a view of
+    the model's weight, [hidden, Hq, dv] (query head h's block W_o[:, h] maps its output [dv] into the
+    residual stream), when a method asked for it and the model has one kvlab can read (else None).
+    ``query_stats`` is over the largest window asked; ``query_stats_by_window`` holds one ``QueryStats``
+    per distinct window asked (read it through ``stats_over(w)``): two methods asking for different
+    windows each get their own.
 
     ``next_position``: None after a prefill (the next token is at position n). A state built from a
     running cache while decoding (``decoding-NAME``, ``kvlab.methods.decoding``) sets it to the true
@@ -116,6 +132,7 @@ class PrefillState:
     model: ModelAccess | None = None
     query_stats_by_window: dict[int, QueryStats] = field(default_factory=dict)
     next_position: int | None = None
+    out_proj: tuple[Tensor, ...] | None = None
 
     @property
     def n_tokens(self) -> int:
