@@ -37,7 +37,7 @@ from kvlab.core.statistics import mean_interval, score_interval
 from kvlab.engine.specs import GenerationSettings
 from kvlab.measure.fidelity import agreement
 from kvlab.measure.metrics import ProbeSettings
-from kvlab.report import leaderboard
+from kvlab.report import leaderboard, ranking
 from kvlab.report.sweep_report import write_report
 from kvlab.run import Comparison, compare
 from kvlab.tasks import Task, make_task
@@ -340,6 +340,8 @@ def merge(cfg: SweepConfig) -> Path:
         "protocol": protocol,
         "summary": summary(recs),
         "leaderboard": [r.as_dict() for r in board],
+        # which methods the paired, Holm-corrected tests separate, per ratio and score (kvlab.report.ranking)
+        "ranking": [rk.as_dict() for metric in RANKED for rk in ranking.rank_board(board, metric)],
         "cells": recs,
     }
     (out / "results.json").write_text(json.dumps(data))
@@ -354,6 +356,7 @@ def merge(cfg: SweepConfig) -> Path:
 
 
 SUMMARY = ("task_score", *FIDELITY, "text_similarity")
+RANKED = ("task_score", *FIDELITY)  # the per-prompt scores the leaderboard's ranking tests
 
 
 def summary(recs: list[dict]) -> list[dict]:
