@@ -51,6 +51,15 @@ from kvlab.methods.params import Param
 CHUNK = 1 << 24  # numbers of the largest intermediate ([layers, Hq, n, d]) scored at once: 64 MiB of float32
 
 
+def require_rope(method: str, rope: Rotary | None, why: str) -> None:
+    """Refuse (``UnsupportedAttention``, one line) a model without a rotary position embedding kvlab can
+    read, for a method that needs it (``why``: what the method does with it)."""
+    if rope is None:
+        raise sm.UnsupportedAttention(
+            f"{method} cannot run on a model without a rotary position embedding kvlab can read: {why}"
+        )
+
+
 def mean_rotation(rotate, positions: Tensor, head_dim: int) -> Tensor:
     """Rbar [d, d]: RoPE's rotation matrix averaged over ``positions`` [T].
 
@@ -164,11 +173,7 @@ class ExpectedAttention(DenseCompressor):
 
     def check_semantics(self) -> None:
         super().check_semantics()
-        if self.info.rope is None:
-            raise sm.UnsupportedAttention(
-                f"{self.name} cannot run on a model without a rotary position embedding kvlab can read: "
-                "it averages each layer's RoPE over the next positions"
-            )
+        require_rope(self.name, self.info.rope, "it averages each layer's RoPE over the next positions")
 
     def stats_queries(self, n_prompt: int) -> int:
         """How many of the last prompt queries the statistics use: all after the sinks, or ``stats_window``."""

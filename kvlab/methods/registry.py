@@ -14,6 +14,11 @@ from kvlab.methods.adakv import adaptive
 from kvlab.methods.adakv import resolve as resolve_adaptive
 from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
+from kvlab.methods.capkv import CapKV
+from kvlab.methods.compactor import Compactor
+from kvlab.methods.curdkv import CurDKV
+from kvlab.methods.dapq import DapQ
+from kvlab.methods.dropkv import DropKV
 from kvlab.methods.exact import Exact
 from kvlab.methods.expected_attention import ExpectedAttention
 from kvlab.methods.fp8 import FP8
@@ -22,6 +27,8 @@ from kvlab.methods.keydiff import KeyDiff
 from kvlab.methods.kivi import KIVI
 from kvlab.methods.knorm import KNorm
 from kvlab.methods.kvzip import KVzip
+from kvlab.methods.lagkv import LagKV
+from kvlab.methods.leverage import LeverageScore
 from kvlab.methods.paper_presets import resolve as resolve_preset
 from kvlab.methods.polarquant import PolarQuant
 from kvlab.methods.pyramidkv import PyramidKV
@@ -65,6 +72,13 @@ METHODS: tuple[Method, ...] = (
     KNorm,
     KVzip,
     TOVA,
+    CapKV,
+    LeverageScore,
+    Compactor,
+    CurDKV,
+    LagKV,
+    DropKV,
+    DapQ,
     FP8,
     TurboQuant,
     PolarQuant,
