@@ -31,7 +31,7 @@ PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
 LOCAL = {"mistral", "gemma2", "gemma3", "olmo3", "gpt-oss", "llama4"}  # families with sliding-window or chunked layers
 # refused on a model without a rotary embedding kvlab can read (per layer)
-NEEDS_ROPE = {"expected-attention", "ada-expected-attention"}
+NEEDS_ROPE = {"expected-attention", "ada-expected-attention", "capkv", "leverage", "compactor"}
 
 
 @pytest.fixture(scope="module")
