@@ -61,3 +61,12 @@ def test_cross_scoring_keeps_the_raw_scores(lm, prefill_state):
     middle = slice(4, 4 + 64)
     assert torch.equal(raw[..., middle].argsort(-1), ranked[..., middle].argsort(-1))
     torch.testing.assert_close(raw[..., middle].sum(-1), torch.ones(raw.shape[:2]), atol=1e-5, rtol=0)
+
+
+def test_a_capacity_below_the_sinks_and_tail_keeps_the_sinks_then_the_newest(lm, prefill_state):
+    n = prefill_state.n_tokens
+    tail = 4 + ((n - 4) // 128 - 1) * 128  # the last whole partition and the remainder: all of score 1
+    assert 4 + n - tail > 100
+    comp, knobs = compressed(lm, prefill_state, "lagkv", "100t")
+    assert knobs["capacity"] == 100
+    assert comp.kept_positions(3).tolist() == [list(range(4)) + list(range(n - 96, n))] * lm.info.n_kv_heads

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlab.methods.expected_attention import future_query_stats, mean_rotations, require_rope
+from kvlab.methods.expected_attention import future_queries, require_rope
 from kvlab.methods.handover import PrefillNeeds, PrefillState
 from kvlab.methods.params import Param
 from kvlab.methods.scored import PromptScored
@@ -100,16 +100,8 @@ class CapKV(PromptScored):
         c, n = self.cfg, state.n_tokens
         sink = min(int(c["n_sink"]), n)
         if sink >= n:  # every token a sink: the first ones first
-            return -torch.arange(n, dtype=torch.float32).expand(*state.keys.shape[:2], n)
-        try:  # its own window's statistics, never those of another method's window in the same prefill
-            stats = state.stats_over(self.anchor_queries(n))
-        except LookupError as exc:
-            raise RuntimeError(f"{self.name}: {exc}") from None
-        rope = self.info.rope
-        assert rope is not None  # check_semantics refused a model without one
-        future = torch.arange(n, n + int(c["n_future"]), device=state.keys.device)
-        rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
-        anchor, _ = future_query_stats(stats.mean, None, rbar)  # [L, Hq, d]
+            return -torch.arange(n, dtype=torch.float32, device=state.keys.device).expand(*state.keys.shape[:2], n)
+        anchor, _ = future_queries(self.name, state, self.info.rope, self.anchor_queries(n), int(c["n_future"]), False)
         keys, values = state.keys[:, :, sink:], state.values[:, :, sink:]
         step = max(1, CHUNK // (anchor.shape[1] * keys.shape[-2] * values.shape[-1]))
         tau, eps = float(c["tau"]), float(c["epsilon"])

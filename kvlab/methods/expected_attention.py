@@ -98,6 +98,23 @@ def future_query_stats(mean: Tensor, cov: Tensor | None, rbar: Tensor) -> tuple[
     return mu, None if cov is None else r @ cov.float() @ r.transpose(-1, -2)
 
 
+def future_queries(
+    method: str, state: PrefillState, rope: Rotary | None, window: int, n_future: int, covariance: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The Gaussian of the future queries, (Rbar mean, Rbar cov Rbar^T or None): the pre-RoPE statistics of the
+    last ``window`` prompt queries (exactly that window's, ``state.stats_over``), Rbar RoPE averaged over the
+    ``n_future`` positions after the prompt. ``rope``: the model's (a method refuses a model without one)."""
+    n = state.n_tokens
+    try:  # its own window's statistics, never those of another method's window in the same prefill
+        stats = state.stats_over(window)
+    except LookupError as exc:
+        raise RuntimeError(f"{method}: {exc}") from None
+    assert rope is not None  # check_semantics refused a model without one
+    future = torch.arange(n, n + n_future, device=state.keys.device)
+    rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
+    return future_query_stats(stats.mean, stats.cov if covariance else None, rbar)
+
+
 def expected_logits(keys: Tensor, mean: Tensor, cov: Tensor | None, scaling: float | Tensor) -> Tensor:
     """log E[exp(s q.k)] for q ~ N(mean, cov), per query head and key: [.., Hq, n].
 
@@ -193,15 +210,9 @@ class ExpectedAttention(DenseCompressor):
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n - n_sink] the paper's score of every token after the sinks."""
         c, n = self.cfg, state.n_tokens
-        try:  # its own window's statistics, never those of another method's window in the same prefill
-            stats = state.stats_over(self.stats_queries(n))
-        except LookupError as exc:
-            raise RuntimeError(f"{self.name}: {exc}") from None
-        rope = self.info.rope
-        assert rope is not None  # check_semantics refused a model without one
-        future = torch.arange(n, n + int(c["n_future"]), device=state.keys.device)
-        rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
-        mean, cov = future_query_stats(stats.mean, stats.cov if c["use_covariance"] else None, rbar)
+        mean, cov = future_queries(
+            self.name, state, self.info.rope, self.stats_queries(n), int(c["n_future"]), bool(c["use_covariance"])
+        )
         first = min(int(c["n_sink"]), n - 1)
         keys, values = state.keys[:, :, first:], state.values[:, :, first:]
         scaling = torch.tensor([self.sem[i].scaling for i in range(keys.shape[0])], device=keys.device)  # [L]

@@ -18,6 +18,11 @@ tail. Each other partition is scored against the one after it (its "lag" referen
 A prompt shorter than ``n_sink + 2 x lag_size`` has no partition with a reference: its scores then
 rise with the position after the sinks, so the sinks and the most recent tokens are kept.
 
+When the capacity is smaller than the sinks and the tail together (up to ``n_sink + 2 lag_size - 1``
+tokens, all of score 1), kvpress's top-k picks among equal scores: an arbitrary subset (on the
+embedded model, a 629-token prompt at budget 0.25 then generated "TheTheThe..."). kvlab then keeps
+the sinks and, after them, the most recent tokens; with room for them all, the scores are kvpress's.
+
 Defaults are kvpress's (4 sinks, lags of 128). ``cross_scoring`` keeps the raw score (step 2)
 instead of the rank, so that scores compare across heads (kvpress offers it for ``AdaKVPress``;
 ``ada-lagkv`` here).
@@ -48,6 +53,14 @@ def lag_scores(parts: Tensor) -> Tensor:
     span = high - low
     span = torch.where(span > 0, span, torch.ones_like(span))
     return ((cur - low) / span).std(-1).softmax(-1)
+
+
+def tail_start(n: int, n_sink: int, lag: int) -> int:
+    """Where the always-kept tail of an ``n``-token prompt begins: the last whole partition (``n`` when no
+    partition has a reference)."""
+    if n < n_sink + 2 * lag:
+        return n
+    return n_sink + ((n - n_sink) // lag - 1) * lag
 
 
 def lagkv_scores(keys: Tensor, values: Tensor, n_sink: int, lag: int, cross: bool) -> Tensor:
@@ -89,8 +102,17 @@ class LagKV(PromptScored):
     )
 
     def scores(self, state: PrefillState) -> Tensor:
-        """[L, Hkv, n]: LagKV's score of every prompt token (the sinks and the tail: 1)."""
+        """[L, Hkv, n]: LagKV's score of every prompt token (the sinks and the tail: 1). When the capacity holds
+        fewer tokens than score 1, the sinks score 3 and the others of score 1 rise with their position in (1, 2):
+        the sinks, then the most recent tokens, are kept."""
         c = self.cfg
-        return lagkv_scores(
+        scores = lagkv_scores(
             state.keys.float(), state.values.float(), int(c["n_sink"]), int(c["lag_size"]), bool(c["cross_scoring"])
         )
+        n, sink = state.n_tokens, min(int(c["n_sink"]), state.n_tokens)
+        tail = tail_start(n, sink, int(c["lag_size"]))
+        if self.capacity >= sink + n - tail:
+            return scores
+        pos = torch.arange(n, device=scores.device)
+        ramp = torch.where(pos >= tail, 1 + pos / n, scores)
+        return torch.where(pos < sink, 3.0, ramp)
