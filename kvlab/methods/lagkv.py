@@ -18,20 +18,23 @@ tail. Each other partition is scored against the one after it (its "lag" referen
 A prompt shorter than ``n_sink + 2 x lag_size`` has no partition with a reference: its scores then
 rise with the position after the sinks, so the sinks and the most recent tokens are kept.
 
-When the capacity is smaller than the sinks and the tail together (up to ``n_sink + 2 lag_size - 1``
-tokens, all of score 1), kvpress's top-k picks among equal scores: an arbitrary subset (on the
-embedded model, a 629-token prompt at budget 0.25 then generated "TheTheThe..."). kvlab then keeps
-the sinks and, after them, the most recent tokens; with room for them all, the scores are kvpress's.
-
 Defaults are kvpress's (4 sinks, lags of 128). ``cross_scoring`` keeps the raw score (step 2)
 instead of the rank, so that scores compare across heads (kvpress offers it for ``AdaKVPress``;
 ``ada-lagkv`` here).
 
-Deviations from kvpress: a channel constant over the reference partition (max = min) divides by
-zero there (a NaN score); here its range counts as 1. Scores are computed on the cached (post-RoPE)
-keys in float32, as kvpress on a float32 model. The paper also compresses while decoding, one
-partition at a time; here, as in kvpress, only the prompt is compressed and generated tokens are
-all kept.
+Deviations from kvpress:
+
+* When the capacity is smaller than the sinks and the tail together (up to
+  ``n_sink + 2 lag_size - 1`` tokens, all of score 1), kvpress's top-k picks among equal scores, an
+  arbitrary subset (on the embedded model, a 629-token prompt at budget 0.25 then generated
+  "TheTheThe..."); kvlab keeps the sinks and, after them, the most recent tokens. With room for
+  them all, the scores are kvpress's.
+* A channel constant over the reference partition (max = min) divides by zero there (a NaN
+  score); here its range counts as 1.
+
+Scores are computed on the cached (post-RoPE) keys in float32, as kvpress on a float32 model. The
+paper also compresses while decoding, one partition at a time; here, as in kvpress, only the
+prompt is compressed and generated tokens are all kept.
 """
 
 from __future__ import annotations
