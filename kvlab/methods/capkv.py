@@ -15,8 +15,8 @@ weighted leverage in that capacity matrix. As the paper's press in kvpress 0.5.5
 4. score_i = w_i u_i^T A^{-1} u_i, averaged over the KV group's query heads. The sinks score above
    every token (always kept); the highest are kept.
 
-Defaults are kvpress's, which its press takes from the paper's and Expected Attention's:
-tau = 5, n_future = 512, n_sink = 4, epsilon = 1e-6. kvpress notes the press's own departures
+Defaults are kvpress's press's: tau = 5, and n_future = 512, n_sink = 4, epsilon = 1e-6, which it
+takes from Expected Attention's press. kvpress notes the press's own departures
 from the paper's text, kept here: the keys and the anchor are L2-normalised before their product
 (a cosine, not the raw q.k), scores are shifted by their maximum before the exponential, the anchor
 is rotated by the averaged future RoPE, and u_i is the raw value (not W_o v_i).
