@@ -79,3 +79,14 @@ def test_scores_blend_the_two_z_scores_and_keep_the_sinks(lm, state):
         kept = comp.kept_positions(layer).long()
         assert kept.shape[-1] == knobs["capacity"]
         assert (kept[:, :left] == torch.arange(left)).all() and (kept[:, -right:] == torch.arange(n - right, n)).all()
+
+
+def test_budgets_on_one_prefill_share_the_terms_but_not_the_blend(lm, state):
+    """The two terms do not depend on the budget: computed once per prefill (``PrefillState.memo``); the blend
+    does (its default is the fraction removed), so the scores differ."""
+    before = {k for k in state.memo if k[0] == "Compactor"}
+    quarter, _ = compressed(lm, state, "compactor", "0.25", chunk_size=CHUNK)
+    half, _ = compressed(lm, state, "compactor", "0.5", chunk_size=CHUNK)
+    assert len({k for k in state.memo if k[0] == "Compactor"} - before) <= 1
+    assert quarter.blending != half.blending
+    assert not torch.equal(quarter.scores(state), half.scores(state))

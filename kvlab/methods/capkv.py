@@ -101,15 +101,21 @@ class CapKV(PromptScored):
         sink = min(int(c["n_sink"]), n)
         if sink >= n:  # every token a sink: the first ones first
             return -torch.arange(n, dtype=torch.float32, device=state.keys.device).expand(*state.keys.shape[:2], n)
+        key = (float(c["tau"]), int(c["n_future"]), sink, float(c["epsilon"]))
+        body = self.shared(state, key, lambda: self.capacity_terms(state, sink))  # [L, Hkv, n - sink]
+        top = body.reshape(body.shape[0], -1).amax(-1)[:, None, None] + 1
+        return torch.cat([top.expand(-1, body.shape[1], sink), body], -1)
+
+    def capacity_terms(self, state: PrefillState, sink: int) -> Tensor:
+        """[L, Hkv, n - sink]: CapKV's score of every token after the ``sink`` first, layers in chunks."""
+        c, n = self.cfg, state.n_tokens
         anchor, _ = future_queries(self.name, state, self.info.rope, self.anchor_queries(n), int(c["n_future"]), False)
         keys, values = state.keys[:, :, sink:], state.values[:, :, sink:]
         step = max(1, CHUNK // (anchor.shape[1] * keys.shape[-2] * values.shape[-1]))
         tau, eps = float(c["tau"]), float(c["epsilon"])
-        body = torch.cat(
+        return torch.cat(
             [
                 capacity_scores(anchor[lo : lo + step], keys[lo : lo + step], values[lo : lo + step], tau, eps)
                 for lo in range(0, keys.shape[0], step)
             ]
-        )  # [L, Hkv, n - sink]
-        top = body.reshape(body.shape[0], -1).amax(-1)[:, None, None] + 1
-        return torch.cat([top.expand(-1, body.shape[1], sink), body], -1)
+        )

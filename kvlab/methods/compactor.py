@@ -140,27 +140,34 @@ class Compactor(PromptScored):
         """[L, Hkv, n]: the blended score between the sinks; the sinks get each layer's largest."""
         n = state.n_tokens
         left, right = self.sinks(n)
-        end = n - right
-        if end <= left:  # every token a sink
+        if n - right <= left:  # every token a sink
             return state.keys.new_zeros(state.keys.shape[:-1], dtype=torch.float32)
+        c = self.cfg
+        key = (left, right, int(c["chunk_size"]), int(c["sketch_dimension"]), bool(c["reference_padding"]), self.seed)
+        lev, attn = self.shared(state, key, lambda: self.terms(state, left, n - right))
+        blended = self.blending * lev + attn  # [L, Hkv, n - left - right]
+        top = blended.reshape(blended.shape[0], -1).amax(-1)[:, None, None]
+        return torch.cat([top.expand(-1, blended.shape[1], left), blended, top.expand(-1, blended.shape[1], right)], -1)
+
+    def terms(self, state: PrefillState, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """The two z-normalised terms of the tokens start..end-1, each [L, Hkv, end - start]: the leverage of
+        their pre-RoPE keys and their chunked non-causal attention times the value norm (pooled over 3)."""
+        n, c = state.n_tokens, self.cfg
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
-        keys, values = state.keys[:, :, left:end], state.values[:, :, left:end]
-        pre = pre_rope_keys(keys, rope, first=left)
+        keys, values = state.keys[:, :, start:end], state.values[:, :, start:end]
+        pre = pre_rope_keys(keys, rope, first=start)
         n_layers, n_kv, _, d = pre.shape
-        sketch = gaussian_sketch(self.seed, n_layers, n_kv, d, int(self.cfg["sketch_dimension"]))
+        sketch = gaussian_sketch(self.seed, n_layers, n_kv, d, int(c["sketch_dimension"]))
         lev = layer_z(leverage_scores(pre, sketch.to(pre.device)))
         if state.queries.shape[-2] < n:
             raise RuntimeError(f"{self.name}: the prefill captured {state.queries.shape[-2]} of {n} prompt queries")
-        q = state.queries[..., state.queries.shape[-2] - n :, :][..., left:end, :]
-        chunk, padding = int(self.cfg["chunk_size"]), bool(self.cfg["reference_padding"])
+        q = state.queries[..., state.queries.shape[-2] - n :, :][..., start:end, :]
+        chunk, padding = int(c["chunk_size"]), bool(c["reference_padding"])
         # one layer at a time: a layer's chunked logits are [Hq, chunks, chunk, chunk] float32
         sums = torch.stack([chunked_attention_sums(q[i], keys[i], chunk, padding) for i in range(q.shape[0])])
         attn = pool_heads(sums, self.info.n_kv_heads, head_dim=-2, reduce="mean") * values.float().norm(dim=-1)
-        attn = layer_z(F.avg_pool1d(attn, kernel_size=3, stride=1, padding=1))
-        blended = self.blending * lev + attn  # [L, Hkv, end - left]
-        top = blended.reshape(blended.shape[0], -1).amax(-1)[:, None, None]
-        return torch.cat([top.expand(-1, blended.shape[1], left), blended, top.expand(-1, blended.shape[1], right)], -1)
+        return lev, layer_z(F.avg_pool1d(attn, kernel_size=3, stride=1, padding=1))
 
 
 __all__ = ["Compactor", "chunked_attention_sums", "layer_z"]

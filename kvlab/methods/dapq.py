@@ -107,7 +107,12 @@ class DapQ(PromptScored):
 
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n - window]: the pseudo window's votes for the prompt's tokens before ``window``."""
-        q, k = self.pseudo_queries(state)
-        probs = causal_window_probs(q, k.to(q.device), state.semantics or state.scaling)  # [L, Hq, c, n + c]
         c = self.cfg
-        return window_votes(probs, state.n_tokens - self.window, int(c["kernel"]), c["pooling"], self.info.n_kv_heads)
+        prefix, kernel, pooling = state.n_tokens - self.window, int(c["kernel"]), c["pooling"]
+
+        def compute() -> Tensor:
+            q, k = self.pseudo_queries(state)
+            probs = causal_window_probs(q, k.to(q.device), state.semantics or state.scaling)  # [L, Hq, c, n + c]
+            return window_votes(probs, prefix, kernel, pooling, self.info.n_kv_heads)
+
+        return self.shared(state, (int(c["n_pseudo"]), c["content"], prefix, kernel, pooling), compute)

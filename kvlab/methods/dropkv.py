@@ -91,6 +91,9 @@ class DropKV(PromptScored):
 
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n]: the smoothed perturbation score of every prompt token."""
-        probs = state.window_probs(self.observed(state.n_tokens))  # [L, Hq, w, n]
-        raw = perturbation_scores(probs, state.values, float(self.cfg["epsilon"]))
-        return smoothed(raw, int(self.cfg["kernel"]))
+        w, eps, kernel = self.observed(state.n_tokens), float(self.cfg["epsilon"]), int(self.cfg["kernel"])
+
+        def compute() -> Tensor:
+            return smoothed(perturbation_scores(state.window_probs(w), state.values, eps), kernel)
+
+        return self.shared(state, (w, eps, kernel), compute)

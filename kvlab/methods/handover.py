@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -98,7 +98,8 @@ class PrefillState:
     received summed over all prompt queries; query_stats, model: see ``PrefillNeeds`` (each None
     unless a method asked for it). ``query_stats`` is over the largest window asked;
     ``query_stats_by_window`` holds one ``QueryStats`` per distinct window asked (read it through
-    ``stats_over(w)``): two methods asking for different windows each get their own.
+    ``stats_over(w)``): two methods asking for different windows each get their own. ``memo`` holds what
+    methods computed from this prefill independently of their budget (``PromptScored.shared``).
     """
 
     keys: Tensor
@@ -110,6 +111,9 @@ class PrefillState:
     query_stats: QueryStats | None = None
     model: ModelAccess | None = None
     query_stats_by_window: dict[int, QueryStats] = field(default_factory=dict)
+    # what a method computed from this prefill that its budget does not change, by a key naming the method and
+    # what the result depends on (``PromptScored.shared``): a comparison's budgets compute it once
+    memo: dict[tuple, Any] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:

@@ -109,9 +109,14 @@ class LeverageScore(PromptScored):
 
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n]: the leverage of every prompt token's pre-RoPE key."""
+        k = int(self.cfg["sketch_dimension"])
+        return self.shared(state, (k, self.seed), lambda: self.leverage(state, k))
+
+    def leverage(self, state: PrefillState, k: int) -> Tensor:
+        """[L, Hkv, n] the leverage scores, sketched to ``k`` columns from the run's seed."""
         rope = self.info.rope
         assert rope is not None  # check_semantics refused a model without one
         keys = pre_rope_keys(state.keys, rope)
         n_layers, n_kv, _, d = keys.shape
-        sketch = gaussian_sketch(self.seed, n_layers, n_kv, d, int(self.cfg["sketch_dimension"]))
+        sketch = gaussian_sketch(self.seed, n_layers, n_kv, d, k)
         return leverage_scores(keys, sketch.to(keys.device))
