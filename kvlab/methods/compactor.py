@@ -55,7 +55,7 @@ def layer_z(x: Tensor) -> Tensor:
     """x [L, H, m] z-normalised per layer over all its heads and tokens (unbiased std, at least 1e-6)."""
     flat = x.reshape(x.shape[0], -1)
     mean = flat.mean(-1)[:, None, None]
-    std = flat.std(-1).clamp_min(1e-6)[:, None, None]
+    std = flat.std(-1).nan_to_num(1.0).clamp_min(1e-6)[:, None, None]  # one number alone: no spread
     return (x - mean) / std
 
 
