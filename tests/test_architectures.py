@@ -39,7 +39,15 @@ NEW_TOKENS = 6
 # families with sliding-window or chunked layers
 LOCAL = {"mistral", "gemma2", "gemma3", "olmo3", "gpt-oss", "llama4", "phimoe"}
 # refused on a model without a rotary embedding kvlab can read (per layer)
-NEEDS_ROPE = {"expected-attention", "ada-expected-attention", "lukv-expected-attention", "duoattention"}
+NEEDS_ROPE = {
+    "expected-attention",
+    "ada-expected-attention",
+    "lukv-expected-attention",
+    "duoattention",
+    "capkv",
+    "leverage",
+    "compactor",
+}
 
 
 @pytest.fixture(scope="module")

@@ -48,12 +48,22 @@ from torch import Tensor
 
 from kvlab.core import semantics as sm
 from kvlab.core.attention_ops import pool_heads
+from kvlab.core.model import ModelInfo
 from kvlab.core.rope import Rotary
 from kvlab.methods.dense import DenseCompressor, Ranking
 from kvlab.methods.handover import PrefillNeeds, PrefillState
 from kvlab.methods.params import Param
 
 CHUNK = 1 << 24  # numbers of the largest intermediate ([layers, Hq, n, d]) scored at once: 64 MiB of float32
+
+
+def require_rope(method: str, rope: Rotary | None, why: str) -> None:
+    """Refuse (``UnsupportedAttention``, one line) a model without a rotary position embedding kvlab can
+    read, for a method that needs it (``why``: what the method does with it)."""
+    if rope is None:
+        raise sm.UnsupportedAttention(
+            f"{method} cannot run on a model without a rotary position embedding kvlab can read: {why}"
+        )
 
 
 def mean_rotation(rotate, positions: Tensor, head_dim: int) -> Tensor:
@@ -92,6 +102,32 @@ def future_query_stats(mean: Tensor, cov: Tensor | None, rbar: Tensor) -> tuple[
     mu = mean.float() @ rbar.transpose(-1, -2)
     r = rbar if rbar.dim() == 2 else rbar.unsqueeze(-3)  # [L, 1, d, d] against cov [L, H, d, d]
     return mu, None if cov is None else r @ cov.float() @ r.transpose(-1, -2)
+
+
+def future_queries(
+    method: str,
+    state: PrefillState,
+    info: ModelInfo,
+    window: int,
+    n_future: int,
+    covariance: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The Gaussian of the future queries, (Rbar mean, Rbar cov Rbar^T or None): the pre-RoPE statistics of the
+    last ``window`` prompt queries (exactly that window's, ``state.stats_over``), Rbar RoPE averaged over the
+    ``n_future`` positions after the next token's (``state.next_pos``; up to a RoPE switch, which a run never
+    crosses). ``info.rope``: the model's (a method refuses a model without one)."""
+    try:  # its own window's statistics, never those of another method's window in the same prefill
+        stats = state.stats_over(window)
+    except LookupError as exc:
+        raise RuntimeError(f"{method}: {exc}") from None
+    rope = info.rope
+    assert rope is not None  # check_semantics refused a model without one
+    nxt = state.next_pos  # the next token's true position (n after a prefill)
+    end = nxt + n_future
+    switch = info.switch_crossed(nxt, end)
+    future = torch.arange(nxt, end if switch is None else max(nxt + 1, switch), device=state.keys.device)
+    rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
+    return future_query_stats(stats.mean, stats.cov if covariance else None, rbar)
 
 
 def expected_logits(keys: Tensor, mean: Tensor, cov: Tensor | None, scaling: float | Tensor) -> Tensor:
@@ -169,11 +205,7 @@ class ExpectedAttention(DenseCompressor):
 
     def check_semantics(self) -> None:
         super().check_semantics()
-        if self.info.rope is None:
-            raise sm.UnsupportedAttention(
-                f"{self.name} cannot run on a model without a rotary position embedding kvlab can read: "
-                "it averages each layer's RoPE over the next positions"
-            )
+        require_rope(self.name, self.info.rope, "it averages each layer's RoPE over the next positions")
 
     def stats_queries(self, n_prompt: int) -> int:
         """How many of the last prompt queries the statistics use: all after the sinks, or ``stats_window``."""
@@ -193,18 +225,9 @@ class ExpectedAttention(DenseCompressor):
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n - n_sink] the paper's score of every token after the sinks."""
         c, n = self.cfg, state.n_tokens
-        try:  # its own window's statistics, never those of another method's window in the same prefill
-            stats = state.stats_over(self.stats_queries(n))
-        except LookupError as exc:
-            raise RuntimeError(f"{self.name}: {exc}") from None
-        rope = self.info.rope
-        assert rope is not None  # check_semantics refused a model without one
-        nxt = state.next_pos  # the next token's true position (n after a prefill)
-        end = nxt + int(c["n_future"])
-        switch = self.info.switch_crossed(nxt, end)  # a run never crosses a RoPE switch: average up to it
-        future = torch.arange(nxt, end if switch is None else max(nxt + 1, switch), device=state.keys.device)
-        rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
-        mean, cov = future_query_stats(stats.mean, stats.cov if c["use_covariance"] else None, rbar)
+        mean, cov = future_queries(
+            self.name, state, self.info, self.stats_queries(n), int(c["n_future"]), bool(c["use_covariance"])
+        )
         first = min(int(c["n_sink"]), n - 1)
         keys, values = state.keys[:, :, first:], state.values[:, :, first:]
         scaling = torch.tensor([self.sem[i].scaling for i in range(keys.shape[0])], device=keys.device)  # [L]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -120,6 +120,8 @@ class PrefillState:
     running cache while decoding (``decoding-NAME``, ``kvlab.methods.decoding``) sets it to the true
     position of the next token: its n kept tokens are then not positions 0..n-1, and its
     ``query_stats`` are over the queries it holds, however many (``stats_over`` returns them).
+    ``memo`` holds what methods computed from this prefill independently of their budget
+    (``PromptScored.shared``).
     """
 
     keys: Tensor
@@ -133,6 +135,9 @@ class PrefillState:
     query_stats_by_window: dict[int, QueryStats] = field(default_factory=dict)
     next_position: int | None = None
     out_proj: tuple[Tensor, ...] | None = None
+    # what a method computed from this prefill that its budget does not change, by a key naming the method and
+    # what the result depends on (``PromptScored.shared``): a comparison's budgets compute it once
+    memo: dict[tuple, Any] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:

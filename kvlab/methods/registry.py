@@ -16,14 +16,19 @@ from kvlab.methods.adakv import resolve as resolve_adaptive
 from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
 from kvlab.methods.cam import CaM
+from kvlab.methods.capkv import CapKV
 from kvlab.methods.chunkkv import chunked_scorer
 from kvlab.methods.chunkkv import resolve as resolve_chunked
+from kvlab.methods.compactor import Compactor
 from kvlab.methods.criticalkv import critical
 from kvlab.methods.criticalkv import resolve as resolve_critical
+from kvlab.methods.curdkv import CurDKV
+from kvlab.methods.dapq import DapQ
 from kvlab.methods.decoding import decoding
 from kvlab.methods.decoding import resolve as resolve_decoding
 from kvlab.methods.dms import resolve as resolve_dms
 from kvlab.methods.dms import thresholded
+from kvlab.methods.dropkv import DropKV
 from kvlab.methods.duoattention import DuoAttention
 from kvlab.methods.exact import Exact
 from kvlab.methods.expected_attention import ExpectedAttention
@@ -33,6 +38,8 @@ from kvlab.methods.keydiff import KeyDiff
 from kvlab.methods.kivi import KIVI
 from kvlab.methods.knorm import KNorm
 from kvlab.methods.kvzip import KVzip
+from kvlab.methods.lagkv import LagKV
+from kvlab.methods.leverage import LeverageScore
 from kvlab.methods.lukv import profiled
 from kvlab.methods.lukv import resolve as resolve_profiled
 from kvlab.methods.paper_presets import resolve as resolve_preset
@@ -80,6 +87,13 @@ METHODS: tuple[Method, ...] = (
     KVzip,
     TOVA,
     CaM,
+    CapKV,
+    LeverageScore,
+    Compactor,
+    CurDKV,
+    LagKV,
+    DropKV,
+    DapQ,
     FP8,
     TurboQuant,
     PolarQuant,

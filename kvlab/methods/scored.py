@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -42,6 +42,8 @@ from kernels.tensor_ops import gather_tokens
 from kvlab.core.attention_ops import pool_heads
 from kvlab.methods.dense import DenseCompressor, DenseLayer, Ranking
 from kvlab.methods.handover import PrefillState
+
+T = TypeVar("T")
 
 
 def eviction_keep(key: Tensor, n_drop: int, recent: int) -> Tensor:
@@ -405,6 +407,15 @@ class PromptScored(DenseCompressor):
         raise NotImplementedError
 
     ranks_prompt = True
+
+    def shared(self, state: PrefillState, key: tuple, compute: Callable[[], T]) -> T:
+        """``compute()`` once per prefill for this class and ``key`` (what the result depends on besides the
+        prompt: parameters, seed; never the budget): the budgets of a comparison share one prefill and reuse
+        it (``PrefillState.memo``)."""
+        full = (type(self).__qualname__, *key)
+        if full not in state.memo:
+            state.memo[full] = compute()
+        return state.memo[full]
 
     def ranking(self, state: PrefillState) -> Ranking | None:
         """After ``plan``: the scores of the tokens before the window and each layer's budget for them (None:
