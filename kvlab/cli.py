@@ -128,7 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="passkey, needle, multikey, lines, document, a RULER task (niah_single_1, ..., vt, cwe, fwe), "
         "several comma-separated, or file:PATH / hub:REPO rows (docs/tasks.md)",
     )
-    s.add_argument("--suite", choices=("ruler",), help="a task suite instead of --task: ruler (RULER's eight tasks)")
+    s.add_argument(
+        "--suite",
+        choices=("ruler", "able"),
+        help="a task suite instead of --task: ruler (RULER's eight tasks), or able (those RULER tasks that exact "
+        "does right on the model at every length asked, by its calibration: kvlab/tasks/exact_accuracy.py)",
+    )
     s.add_argument("--lengths", default="1k", help="comma-separated prompt lengths in tokens, e.g. 1k,2k")
     s.add_argument(
         "--methods", default="all", help="comma-separated method names, or all, paper, baselines, recent, quantizers"
@@ -396,13 +401,35 @@ def _shown(ev) -> bool:
     return ev.kind == "step" and (ev.step % 8 == 0 or ev.step == ev.total)
 
 
+def able_suite(model: str, lengths: list[int]) -> list[str]:
+    """RULER's tasks that exact does right (calibrated mean >= ``exact_accuracy.ABLE``) on ``model`` at every
+    length of ``lengths``; ``CliError`` when there are none, naming the calibration to run."""
+    from kvlab.engine.embedded import embedded
+    from kvlab.tasks import RULER_TASKS
+    from kvlab.tasks.exact_accuracy import ABLE, able
+
+    carried = embedded(model)
+    model_id = carried.display if carried else model
+    tasks = [t for t in RULER_TASKS if all(able(model_id, t, n) for n in lengths)]
+    if not tasks:
+        at = ", ".join(str(n) for n in lengths)
+        raise CliError(
+            f"no RULER task is calibrated as one exact does right (>= {ABLE}) on {model!r} at {at} tokens; "
+            f"calibrate it (python -m bench.ruler_calibrate --model {model}) or name tasks with --task"
+        )
+    return tasks
+
+
 def cmd_sweep(args) -> int:
     from kvlab.engine.comparison import Engine
     from kvlab.engine.specs import InputError, expand_runs
     from kvlab.sweep import SweepConfig, budget_labels, run_sweep
     from kvlab.tasks import OWN_TASKS, SUITES, TASKS, TaskError, parse_length
 
-    task = ",".join(SUITES[args.suite]) if args.suite else args.task
+    if args.suite == "able":
+        task = ",".join(able_suite(args.model, [parse_length(x) for x in args.lengths.split(",") if x.strip()]))
+    else:
+        task = ",".join(SUITES[args.suite]) if args.suite else args.task
     for name in task.split(","):
         if name not in TASKS and not name.startswith(("file:", "hub:")):
             raise CliError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}, file:PATH or hub:REPO")

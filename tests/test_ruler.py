@@ -258,3 +258,12 @@ def test_leaderboard_lines_are_told_apart_past_the_palette():
     traces = [t for t in leaderboard.figure(rows).data if t.name != "exact (ratio 0)"]
     looks = {(t.line.color, t.line.dash, t.marker.symbol) for t in traces}
     assert len(traces) == 17 and len(looks) == len(traces)
+
+
+def test_the_able_suite_is_what_exact_does_right_at_every_length():
+    from kvlab.cli import CliError, able_suite
+
+    assert able_suite("embedded", [1024]) == ["niah_single_1", "niah_single_2"]
+    assert able_suite("smollm2-135m", [1024, 4096]) == ["niah_single_1"]  # niah_single_2 is 0.1 at 4k
+    with pytest.raises(CliError, match="calibrate it"):
+        able_suite("acme/never-calibrated", [1024])
