@@ -129,10 +129,22 @@ class LayerSemantics:
         until the horizon: a whole block when one ends before it, else the last query's view."""
         if self.chunk is None:
             return self.held(n_tokens)
+        return max(self.sees(m) - (self.held(m) - self.held(n_tokens)) for m in self._marks(n_tokens, steps))
+
+    def most_seen(self, n_tokens: int, steps: int = 0) -> int:
+        """The most keys a query sees from the ``n_tokens``-th token through ``steps`` more: the largest
+        ``sees(m)`` for m in n .. n + steps (the last query's view on a global or sliding-window layer; on a
+        chunked layer a whole block when one ends before the last)."""
+        return max(self.sees(m) for m in self._marks(n_tokens, steps))
+
+    def _marks(self, n_tokens: int, steps: int) -> set[int]:
+        """The token counts in n .. n + steps where ``sees`` peaks: both ends and, on a chunked layer, the
+        first block end at or after n (``sees`` grows by one a token inside a block)."""
         last = n_tokens + steps
-        ends = -(-n_tokens // self.chunk) * self.chunk  # the first block end at or after the prompt's
-        marks = {n_tokens, last} | ({ends} if ends <= last else set())
-        return max(self.sees(m) - (self.held(m) - self.held(n_tokens)) for m in marks)
+        if self.chunk is None:
+            return {n_tokens, last}
+        ends = -(-n_tokens // self.chunk) * self.chunk
+        return {n_tokens, last} | ({ends} if ends <= last else set())
 
     def cap(self, logits: Tensor) -> Tensor:
         """Soft-capped logits (unchanged when the layer has no cap)."""

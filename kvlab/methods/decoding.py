@@ -46,9 +46,9 @@ Deviations from kvpress:
   (a decode step's position embeddings are the current token's alone); here each keeps its own.
 * kvpress's ``DecodingPress`` leaves the prompt whole (``PrefillDecodingPress`` adds a prefill press);
   here the scorer compresses it, to T_0, so the budget holds from the first step.
-* Every layer gets the same target (a sliding-window layer what its window holds, the rest to the
-  others): a scorer's own split over the layers (PyramidKV's pyramid, KNorm's ``skip_layers``) is not
-  kept. kvpress uses one target per layer too.
+* Every layer gets the same target (a sliding-window layer what its window holds, a chunked layer what
+  its block shows it through the tooth, the rest to the others): a scorer's own split over the layers
+  (PyramidKV's pyramid, KNorm's ``skip_layers``) is not kept. kvpress uses one target per layer too.
 * A question fed after compression (the query-agnostic protocol) counts token by token; kvpress counts
   the question's forward as one step.
 * On a sliding-window layer the scorer sees the kept tokens as consecutive (SnapKV then masks its
@@ -74,7 +74,7 @@ from kvlab.core.model import ModelInfo
 from kvlab.core.rope import Rotary
 from kvlab.core.semantics import ModelSemantics
 from kvlab.methods.base import Compressor
-from kvlab.methods.dense import DenseCompressor, DenseLayer, _filled_recent, _in_window
+from kvlab.methods.dense import DenseCompressor, DenseLayer, _filled_recent, _in_window, water_fill
 from kvlab.methods.handover import PrefillNeeds, PrefillState, QueryStats
 from kvlab.methods.held_scorer import scorer_named
 from kvlab.methods.params import Param
@@ -243,16 +243,29 @@ class DecodingCompressor(DenseCompressor):
 
     def held_at(self, targets: tuple[int, ...], seen: int, j: int) -> int:
         """Tokens all layers hold (per KV head) ``j`` steps into a tooth that kept ``targets``, ``seen`` tokens
-        seen at its start: each layer its target (at most what it saw) plus j, a restarted chunk its own."""
+        seen at its start: each layer its target (at most what its queries saw then) plus j, a restarted chunk
+        its own."""
         held = 0
         for layer, t in enumerate(targets):
             r = self.restarted(layer, seen, j)
-            held += min(t, seen) + j if r is None else r
+            held += min(t, self.sem[layer].sees(seen)) + j if r is None else r
         return held
+
+    def tooth_caps(self, seen: int, length: int) -> list[int]:
+        """Per layer: the most tokens a compression ``seen`` tokens in may keep and still hold no more than the
+        layer's queries see through the ``length`` steps that follow (``LayerSemantics.most_seen``, less the
+        tooth's growth): all it saw on a global layer, a window less the tooth, on a chunked layer what its
+        block showed then (a block ending inside the tooth: what it shows up to there, less the tooth)."""
+        return [max(0, s.most_seen(seen, length) - length) for s in self.sem.layers]
 
     def tooth_targets(self, n: int, start: int, length: int, q: int) -> tuple[int, ...]:
         """Per layer: the tokens a compression at ``start`` decode steps keeps so that, at every step of the
-        ``length`` that follow, the cache (and ``q`` queries per layer) holds at most what the budget allows."""
+        ``length`` that follow, the cache (and ``q`` queries per layer) holds at most what the budget allows.
+
+        The most tokens, all layers together, spread evenly over the layers as they can hold them
+        (``tooth_caps``: what a local layer cannot hold goes to the others, ``water_fill``), for which every
+        checked step holds: the layers growing then (not restarted in a new block) hold their targets and one
+        token a step, the restarted ones their block's tokens."""
         n_layers = self.info.n_layers
         if self.cfg["target_size"] is not None:
             return (int(self.cfg["target_size"]),) * n_layers
@@ -260,23 +273,34 @@ class DecodingCompressor(DenseCompressor):
         if key in self._targets:
             return self._targets[key]
         per, fixed, seen = self.info.n_kv_heads * self.per_token_bytes(), n_layers * self.query_bytes(q), n + start
-        best = float("inf")  # the most tokens, all layers together, that every checked step allows
+        caps = self.tooth_caps(seen, length)
+        room: dict[frozenset[int], float] = {}  # the layers growing at a step -> what their targets may sum to
         for j in self.checked_steps(length):
-            room = (self.allowed(n, start + j) - fixed) / per
-            growing = 0
+            left = (self.allowed(n, start + j) - fixed) / per
+            growing = []
             for layer in range(n_layers):
                 r = self.restarted(layer, seen, j)
                 if r is None:
-                    growing += 1
+                    growing.append(layer)
+                    left -= j
                 else:
-                    room -= r
-            if growing:
-                best = min(best, (room - growing * j) * n_layers / growing)
-        total = max(0, int(best))
-        base, extra = divmod(total, n_layers)
-        shares = [base + (i < extra) + length for i in range(n_layers)]
-        shares = self.spread_over_layers(n + start + length, shares)  # a window holds what it shows
-        out = self._targets[key] = tuple(s - length for s in shares)
+                    left -= r
+            key_j = frozenset(growing)
+            room[key_j] = min(room.get(key_j, float("inf")), left)
+
+        def spread(total: int) -> list[int]:
+            base, extra = divmod(total, n_layers)
+            return water_fill([base + (i < extra) for i in range(n_layers)], caps)
+
+        def fits(total: int) -> bool:
+            out = spread(total)
+            return all(sum(out[i] for i in layers) <= left for layers, left in room.items())
+
+        lo, hi = 0, sum(caps)  # the largest total that fits (0 when none does: the plan then refuses the tooth)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        out = self._targets[key] = tuple(spread(lo))
         return out
 
     def schedule(self, n: int, interval: int, q: int) -> list[Tooth]:

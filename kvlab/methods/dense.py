@@ -299,19 +299,7 @@ class DenseCompressor(Compressor):
         queries see fewer tokens (its window; a chunked layer's block, up to the plan's horizon: ``reach``)
         keeps all of them, and what its share leaves goes to the layers that can hold more, evenly
         (water-filling). Unchanged on a model without local layers."""
-        caps = [self.reach(i, n_prompt) for i in range(len(self.sem.layers))]
-        out = [min(a, c) for a, c in zip(shares, caps)]
-        surplus = sum(shares) - sum(out)
-        while surplus > 0:
-            room = [i for i, (o, c) in enumerate(zip(out, caps)) if o < c]
-            if not room:
-                break
-            each, extra = divmod(surplus, len(room))
-            for j, i in enumerate(room):
-                add = min(each + (j < extra), caps[i] - out[i])
-                out[i] += add
-                surplus -= add
-        return out
+        return water_fill(shares, [self.reach(i, n_prompt) for i in range(len(self.sem.layers))])
 
     def planned_tokens(self, n_prompt: int) -> int:
         """After ``plan``: tokens per layer and KV head the prefill compression keeps (the capacity by default)."""
@@ -512,6 +500,23 @@ class DenseCompressor(Compressor):
         return weights_on_positions(q, k, pos, self.sem[layer], lw)
 
 
+def water_fill(shares: list[int], caps: list[int]) -> list[int]:
+    """``shares`` (one count per layer) capped by ``caps``, what the caps cut given evenly to the layers below
+    their caps, again until none is left or every layer is at its cap (water-filling)."""
+    out = [min(a, c) for a, c in zip(shares, caps)]
+    surplus = sum(shares) - sum(out)
+    while surplus > 0:
+        room = [i for i, (o, c) in enumerate(zip(out, caps)) if o < c]
+        if not room:
+            break
+        each, extra = divmod(surplus, len(room))
+        for j, i in enumerate(room):
+            add = min(each + (j < extra), caps[i] - out[i])
+            out[i] += add
+            surplus -= add
+    return out
+
+
 def _past_span(sem: sm.LayerSemantics, held: int, newest: int, m: int) -> bool:
     """Whether a local layer holding ``held`` tokens may hold some its next query no longer sees, after m new
     tokens up to position ``newest``: more than its window, or a chunk begun among the new tokens."""
@@ -562,4 +567,4 @@ def _in_window(pos: Tensor, first: int) -> Tensor | None:
     return idx[keep].view(pos.shape[0], -1)
 
 
-__all__ = ["DenseCompressor", "DenseLayer", "KeptTokens", "TokenStorage"]
+__all__ = ["DenseCompressor", "DenseLayer", "KeptTokens", "TokenStorage", "water_fill"]

@@ -16,7 +16,8 @@ The scorer plans and ranks (``ranking``); then
    prompt tokens;
 2. the threshold is the budget's: of every other ranked token of every layer and KV head, the best-scored
    are kept until the scorer's total is spent (one global ranking: the score of the last one kept is the
-   threshold); a ``threshold`` given keeps no token scored below it, within the same total.
+   threshold); a ``threshold`` given keeps no token scored below it, within the same total. A chunked
+   layer's share beyond what its last prompt query sees stays its own: its block's tokens while decoding.
 
 The heads then hold different counts (``ragged``: each head's int32 count is held and counted); the total
 is the scorer's, so the bytes are its own plus the counts.
@@ -83,9 +84,16 @@ class DMS(RaggedCompressor, HeldScorer):
     def own_knobs(self, n_prompt: int) -> dict:
         return {"sliding_window": self.window(n_prompt), "threshold": self.cfg["threshold"]}
 
+    caps: list[int] | None = None  # set by keep_mask: each layer's tokens per head, as the scorer planned them
+
+    def layer_plan(self, keep: Tensor) -> list[int]:
+        """Each layer's share as the scorer planned it (a head's count differs from it by the threshold)."""
+        return super().layer_plan(keep) if self.caps is None else self.caps
+
     def keep_mask(self, state: PrefillState) -> Tensor | None:
         rank = self.scorer.ranking(state)
         if rank is None:
+            self.caps = None
             return None
         n, n_layers, h = state.n_tokens, state.keys.shape[0], self.info.n_kv_heads
         dev = state.keys.device
@@ -96,7 +104,11 @@ class DMS(RaggedCompressor, HeldScorer):
         visible = pos[None, :] >= firsts[:, None]  # [L, n]
         held = (protected[None] & visible).sum(-1)  # [L]: protected tokens each layer's heads hold
         caps = torch.tensor([rank.head + b + rank.tail for b in rank.budgets], device=dev)
-        total = max(0, int((h * (caps - held)).sum()))  # the scorer's total less what every head keeps anyway
+        self.caps = caps.tolist()
+        # the scorer's total less what every head keeps anyway; a local layer's share beyond what its last query
+        # sees is its growth inside its block while decoding (``layer_plan``), not the other layers'
+        usable = caps.minimum(n - firsts)
+        total = max(0, int((h * (usable - held)).sum()))
         m = rank.scores.shape[-1]
         span = pos[rank.start : rank.start + m]
         candidate = ~protected[span][None] & visible[:, span]  # [L, m]

@@ -153,13 +153,19 @@ class RaggedCompressor(DenseCompressor):
         """What the base holds per layer and KV head besides the tokens, and each head's int32 count."""
         return super().fixed_stream_bytes() + 4
 
+    def layer_plan(self, keep: Tensor) -> list[int]:
+        """After ``keep_mask``: per layer, the tokens per KV head its plan gives it, which a local layer grows to
+        while its queries see more than it held after compression (up to its ``reach``, ``local_reserve``): by
+        default what ``keep`` [L, Hkv, n] marks, per head on average, rounded up."""
+        return keep.sum(-1).float().mean(-1).ceil().long().tolist()
+
     def compress_tokens(self, state: PrefillState) -> None:
         n, n_layers, h = state.n_tokens, state.keys.shape[0], state.keys.shape[1]
         keep = self.keep_mask(state)
         if keep is None:
             keep = torch.ones(n_layers, h, n, dtype=torch.bool, device=state.keys.device)
         positions = torch.arange(n, device=keep.device)
-        planned = keep.sum(-1).float().mean(-1).ceil().long().tolist()  # each layer's plan, tokens per head
+        planned = self.layer_plan(keep)
         self.layers = []
         self.n_prompt, self.local_held, self.local_reserve = n, {}, {}
         for layer in range(n_layers):

@@ -3,7 +3,8 @@ SimLayerKV (units: layers, the "lazy" ones stream) and DuoAttention (units: KV h
 heads) share.
 
 A unit is a layer or a KV head of a layer. A streaming unit keeps its first ``n_sink`` prompt tokens and its
-last ``n_recent``; a full unit keeps every prompt token its layer sees (a sliding-window layer: its window).
+last ``n_recent``; a full unit keeps every prompt token its layer sees (a sliding-window layer: its window;
+a chunked layer: what its queries see up to the plan's horizon, ``Compressor.reach``).
 The methods differ only in which units stream first (``stream_order``: a layer's laziness, a head's
 pattern score); under a byte budget this split decides how many:
 
@@ -104,8 +105,9 @@ class SinkRecentSplit(RaggedCompressor):
         raise NotImplementedError
 
     def unit_tokens(self, n_prompt: int) -> Tensor:
-        """[L x per_layer]: the prompt tokens each unit keeps in full (per KV head; a local layer: its window)."""
-        held = torch.tensor([s.held(n_prompt) for s in self.sem.layers])
+        """[L x per_layer]: the prompt tokens each unit keeps in full (per KV head; a local layer: what its queries
+        see over the horizon, ``reach``: its window, a chunked layer's block)."""
+        held = torch.tensor([self.reach(i, n_prompt) for i in range(self.info.n_layers)])
         return held.repeat_interleave(self.per_layer)
 
     def units(self) -> int:
