@@ -211,10 +211,11 @@ def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
     progress = ctx.progress(NAME, cfg, __file__)
     prompts = [
-        progress.value(str(s), lambda s=s: measure_prompt(ctx, cfg, s), ctx.log, f"{NAME}: prompt {s + 1} of "
-                       f"{cfg['prompts']}")
+        progress.value(
+            str(s), measure_prompt, ctx, cfg, s, log=ctx.log, say=f"{NAME}: prompt {s + 1} of {cfg['prompts']}"
+        )
         for s in range(cfg["prompts"])
-    ]  # fmt: skip
+    ]
     progress.clear()
     n_layers = prompts[0]["layers"]
 
@@ -232,8 +233,10 @@ def run(ctx: ReproductionSetup) -> Report:
     rows: list[Row] = []
     for T in cfg["rounds"]:
         for layer in (x for x in PAPER_LAYERS if x < n_layers):
-            b, u, uu = per("balancekv", T, layer), per("uniform (reweighted)", T, layer), per(
-                "uniform (unweighted)", T, layer
+            b, u, uu = (
+                per("balancekv", T, layer),
+                per("uniform (reweighted)", T, layer),
+                per("uniform (unweighted)", T, layer),
             )
             rows.append(
                 direction_row(
@@ -246,9 +249,7 @@ def run(ctx: ReproductionSetup) -> Report:
                     lead=f"BalanceKV {fmt(mean(b))} vs uniform {fmt(mean(u))} (unweighted {fmt(mean(uu))})",
                 )
             )
-        lower = sum(
-            mean(per("balancekv", T, i)) < mean(per("uniform (reweighted)", T, i)) for i in range(n_layers)
-        )
+        lower = sum(mean(per("balancekv", T, i)) < mean(per("uniform (reweighted)", T, i)) for i in range(n_layers))
         b_all, u_all = per("balancekv", T, None), per("uniform (reweighted)", T, None)
         rows.append(
             Row(

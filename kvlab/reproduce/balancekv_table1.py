@@ -136,9 +136,10 @@ def measure_model(ctx: ReproductionSetup, cfg: dict) -> list[dict]:
     """Every prompt of ``cfg`` on ``ctx``'s model, each one unit of ``Progress``."""
     progress = ctx.progress(NAME, cfg, __file__)
     units = [(t, s) for t in cfg["tasks"] for s in range(cfg["seeds"])]
+    runs = len(runs_of(cfg)) + 1
     prompts = [
-        progress.value(f"{t}-{s}", lambda t=t, s=s: measure_prompt(ctx, cfg, t, s), ctx.log,
-                       f"{NAME} [{ctx.label}]: {t} seed {s} ({len(units)} prompts, {len(runs_of(cfg)) + 1} runs each)")
+        progress.value(f"{t}-{s}", measure_prompt, ctx, cfg, t, s, log=ctx.log,
+                       say=f"{NAME} [{ctx.label}]: {t} seed {s} ({len(units)} prompts, {runs} runs each)")
         for t, s in units
     ]  # fmt: skip
     progress.clear()
@@ -221,9 +222,7 @@ def run(ctx: ReproductionSetup) -> Report:
         f"accuracy paired over the prompts (exact McNemar); the paper: LongBench-E, Llama-3.1-8B-Instruct, rate "
         f"{PAPER_RATE}"
     )
-    return report(
-        ctx, __name__, setting, rows, {"settings": cfg, "models": models}, _figure(models, cfg["rates"])
-    )
+    return report(ctx, __name__, setting, rows, {"settings": cfg, "models": models}, _figure(models, cfg["rates"]))
 
 
 def comparison_rows(

@@ -185,14 +185,17 @@ class Progress:
         tmp.write_text(json.dumps(self.units))
         os.replace(tmp, self.path)
 
-    def value(self, unit: str, compute: Callable[[], Any], log: Callable[[str], None] | None = None, say: str = ""):
-        """What unit ``unit`` measured: read back when it has finished, else measured by ``compute()`` (``say``
-        written to ``log`` first), kept on disk and returned."""
+    def value(
+        self, unit: str, compute: Callable[..., Any], *args: Any, log: Callable[[str], None] | None = None,
+        say: str = "", **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """What unit ``unit`` measured: read back when it has finished, else measured by ``compute(*args,
+        **kwargs)`` (``say`` written to ``log`` first), kept on disk and returned."""
         got = self.units.get(unit)
         if got is None:
             if log is not None and say:
                 log(say)
-            got = compute()
+            got = compute(*args, **kwargs)
             self.put(unit, got)
         return got
 
@@ -223,9 +226,7 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         row = row_from_json(r)
         note = f" ({md(row.note)})" if row.note else ""
-        out.append(
-            f"| {md(row.setting)} | {md(row.paper)} | {md(row.kvlab)} | {md(row.spread)} | {row.shown}{note} |"
-        )
+        out.append(f"| {md(row.setting)} | {md(row.paper)} | {md(row.kvlab)} | {md(row.spread)} | {row.shown}{note} |")
     return "\n".join(out)
 
 
