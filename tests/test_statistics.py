@@ -24,7 +24,6 @@ def test_below_fifteen_values_a_mean_gets_the_student_t_interval():
     est = st.mean_interval([1.0, 2.0, 3.0, 4.0])
     assert est.method == "student-t" and est.n == 4
     assert est.low == pytest.approx(0.4457, abs=1e-4) and est.high == pytest.approx(4.5543, abs=1e-4)
-    assert est.p_value == pytest.approx(stats.ttest_1samp([1, 2, 3, 4], 0).pvalue)
     values = [0.25, 0.5, 0.75, 1.0, 0.0, 0.5, 0.25, 0.75]  # shares of references found: not accuracy
     share = st.score_interval(values)
     assert share.method == "student-t" and 0.0 <= share.low < 0.5 < share.high <= 1.0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import stats
@@ -131,8 +131,8 @@ def mean_interval(
     if _constant(x):
         return Estimate(mean, int(x.size), None, None, "none", confidence, NO_SPREAD)
     if x.size < SMALL_N:
-        low, high, p = t_interval(x, confidence)
-        return Estimate(mean, int(x.size), low, high, "student-t", confidence, p_value=p)
+        low, high, _ = t_interval(x, confidence)
+        return Estimate(mean, int(x.size), low, high, "student-t", confidence)
     res = stats.bootstrap(
         (x,), np.mean, n_resamples=resamples, confidence_level=confidence, method="percentile", **_rng_kw(seed)
     )
@@ -239,6 +239,8 @@ def paired_difference(
     est = paired_binary_interval(x, y, confidence) if binary else mean_interval(x - y, confidence, seed, resamples)
     if est is None:
         return None
+    if est.method == "student-t":  # the paired t test's p value
+        est = replace(est, p_value=t_interval(x - y, confidence)[2])
     if est.excludes(0.0):
         verdict = f"{names[0]} higher" if est.mean > 0 else f"{names[1]} higher"
     else:
