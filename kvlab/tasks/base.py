@@ -100,8 +100,11 @@ def prompt_ids(lm, task: Task, chat: bool = True) -> list[int]:
 
 
 def turn_ids(lm, user: str, answer_prefix: str = "", chat: bool = True) -> list[int]:
-    """Ids of a user turn ``user`` and the assistant's first words ``answer_prefix`` (see ``prompt_ids``)."""
-    if not chat:
+    """Ids of a user turn ``user`` and the assistant's first words ``answer_prefix`` (see ``prompt_ids``).
+
+    A model without a chat template (a base model) reads the raw text, the prefix after a blank line."""
+    tok = getattr(lm, "tokenizer", None)
+    if not chat or (tok is not None and not getattr(tok, "chat_template", None)):
         text = user + (f"\n\n{answer_prefix}" if answer_prefix else "")
         return lm.encode(text, chat=False)
     ids = lm.encode(user, chat=True)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvlab.engine import embedded
 from kvlab.engine.loader import EMBEDDED
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -33,10 +34,12 @@ def model_choice_allowed(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def fixed_models(env: Mapping[str, str] = os.environ) -> tuple[str, ...]:
-    """The models a page without free choice offers: ``KVLAB_MODELS`` (comma-separated), else the embedded one.
-    The model the page started with is offered too."""
+    """The models a page without free choice offers: ``KVLAB_MODELS`` (comma-separated), else the embedded
+    ones installed here (both are local files, so a shared page stays safe). The model the page started
+    with is offered too."""
     names = [m.strip() for m in env.get("KVLAB_MODELS", "").split(",") if m.strip()]
-    return tuple(dict.fromkeys(names or [EMBEDDED]))
+    carried = [m.spec for m in embedded.MODELS if m.spec == EMBEDDED or m.installed()]
+    return tuple(dict.fromkeys(names or carried))
 
 
 @dataclass
