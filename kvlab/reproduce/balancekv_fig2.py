@@ -181,7 +181,7 @@ def measure_prompt(ctx: ReproductionSetup, cfg: dict, seed: int) -> dict:
         head = torch.arange(a).expand(n_layers, hkv, a)
         tail = torch.arange(e, n).expand(n_layers, hkv, n - e)
         zeros_a, zeros_t = torch.zeros(n_layers, hkv, a), torch.zeros(n_layers, hkv, n - e)
-        kept = {
+        kept: dict[str, tuple[Tensor, Tensor | None]] = {
             name: (torch.cat([head, ix + a, tail], -1), torch.cat([zeros_a, lw.float(), zeros_t], -1))
             for name, (ix, lw) in picked.items()
         }
@@ -209,14 +209,7 @@ def block_size(mid: int) -> int:
 
 def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
-    progress = ctx.progress(NAME, cfg, __file__)
-    prompts = [
-        progress.value(
-            str(s), measure_prompt, ctx, cfg, s, log=ctx.log, say=f"{NAME}: prompt {s + 1} of {cfg['prompts']}"
-        )
-        for s in range(cfg["prompts"])
-    ]
-    progress.clear()
+    prompts = ctx.each(NAME, cfg, __file__, measure_prompt, range(cfg["prompts"]))
     n_layers = prompts[0]["layers"]
 
     def per(method: str, T: int, layer: int | None) -> list[float]:
@@ -287,13 +280,16 @@ def run(ctx: ReproductionSetup) -> Report:
                 lead=f"Algorithm 2 {fmt(mean(a2))} vs uniform {fmt(mean(u_all))}",
             )
         )
-    summary = {
-        m: {T: {"per_layer_mean": [mean(per(m, T, i)) for i in range(n_layers)]} for T in cfg["rounds"]}
+    summary: dict = {
+        m: {
+            T: {
+                "per_layer_mean": [mean(per(m, T, i)) for i in range(n_layers)],
+                "all_layers_mean": mean(per(m, T, None)),
+            }
+            for T in cfg["rounds"]
+        }
         for m in METHODS
     }
-    for m in METHODS:
-        for T in cfg["rounds"]:
-            summary[m][T]["all_layers_mean"] = mean(per(m, T, None))
     p0 = prompts[0]
     setting = (
         f"{len(prompts)} prose prompts of {p0['tokens']} tokens, layers 1-{n_layers}, first {cfg['sink']} and last "

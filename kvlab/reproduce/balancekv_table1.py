@@ -111,8 +111,10 @@ def runs_of(cfg: dict) -> list[tuple[str, str, RunSpec]]:
     return [(m, r, RunSpec(m, Budget.parse(r))) for r in cfg["rates"] for m in PAPER if m != "exact"]
 
 
-def measure_prompt(ctx: ReproductionSetup, cfg: dict, task_name: str, seed: int) -> dict:
-    """Every run on one prompt: per run label (``exact``, ``METHOD@RATE``) its score, peak and text."""
+def measure_prompt(ctx: ReproductionSetup, cfg: dict, unit: tuple[str, int]) -> dict:
+    """Every run on one prompt (``unit``: the task and its seed): per run label (``exact``, ``METHOD@RATE``) its
+    score, peak and text."""
+    task_name, seed = unit
     compressed = runs_of(cfg)
     depth = DEPTHS[seed % len(DEPTHS)]
     task = make_task(task_name, cfg["length"], seed, lambda t: ctx.loaded.encode(t), depth)
@@ -132,18 +134,9 @@ def measure_prompt(ctx: ReproductionSetup, cfg: dict, task_name: str, seed: int)
     return got
 
 
-def measure_model(ctx: ReproductionSetup, cfg: dict) -> list[dict]:
+def measure_model(ctx: ReproductionSetup, cfg: dict, first: bool = True) -> list[dict]:
     """Every prompt of ``cfg`` on ``ctx``'s model, each one unit of ``Progress``."""
-    progress = ctx.progress(NAME, cfg, __file__)
-    units = [(t, s) for t in cfg["tasks"] for s in range(cfg["seeds"])]
-    runs = len(runs_of(cfg)) + 1
-    prompts = [
-        progress.value(f"{t}-{s}", measure_prompt, ctx, cfg, t, s, log=ctx.log,
-                       say=f"{NAME} [{ctx.label}]: {t} seed {s} ({len(units)} prompts, {runs} runs each)")
-        for t, s in units
-    ]  # fmt: skip
-    progress.clear()
-    return prompts
+    return ctx.each(NAME, cfg, __file__, measure_prompt, [(t, s) for t in cfg["tasks"] for s in range(cfg["seeds"])])
 
 
 def model_rows(label: str, cfg: dict, prompts: list[dict]) -> tuple[list[Row], dict]:
@@ -208,12 +201,10 @@ def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
     rows: list[Row] = []
     models: dict = {}
-    for model in ctx.all_models:
-        mctx = ctx.on(model)
-        prompts = measure_model(mctx, cfg)
-        mine, data = model_rows(mctx.label, cfg, prompts)
+    for label, prompts in ctx.on_each_model(measure_model, cfg).items():
+        mine, data = model_rows(label, cfg, prompts)
         rows += mine
-        models[mctx.label] = {**data, "prompts": prompts}
+        models[label] = {**data, "prompts": prompts}
     n = len(cfg["tasks"]) * cfg["seeds"]
     setting = (
         f"tasks {', '.join(cfg['tasks'])} at ~{cfg['length']} tokens, {cfg['seeds']} seed(s) each ({n} prompts, "

@@ -108,13 +108,16 @@ DECLARED = (
     ),
 )
 # the paper's columns by budget (1 - the cache reduction): exact, ClusterGen, Sink, H2O, its length and tokens
-PAPER = {
+PAPER: dict[str, dict] = {
     "0.65": {"exact": "0.98", "kcenter": "0.86", "streaming": "0.56", "h2o": "0.66", "n": "5k", "tokens": 5000},
     "0.58": {"exact": "1.0", "kcenter": "0.66", "streaming": "0.56", "h2o": "0.58", "n": "7k", "tokens": 7000},
     "0.5": {"exact": "0.68", "kcenter": "0.44", "streaming": "0.38", "h2o": "0.38", "n": "9k", "tokens": 9000},
 }
 PAPER_WINDOWS = (2048, 3072)  # the paper's recent windows r
-BASELINES = {"streaming": ("Sink (StreamingLLM)", {"n_sink": 4}), "h2o": ("H2O", {"heavy_ratio": 0.5})}
+BASELINES: dict[str, tuple[str, dict]] = {
+    "streaming": ("Sink (StreamingLLM)", {"n_sink": 4}),
+    "h2o": ("H2O", {"heavy_ratio": 0.5}),
+}
 
 FULL = {"length": 1024, "questions": 30, "tuning": 10, "budgets": ["0.65", "0.58", "0.5"], "max_new_tokens": 12}
 QUICK = {"length": 320, "questions": 3, "tuning": 2, "budgets": ["0.65"], "max_new_tokens": 12}
@@ -167,7 +170,7 @@ def depths(n: int) -> list[float]:
     return [(i + 0.5) / n for i in range(n)]
 
 
-def measure_model(ctx: ReproductionSetup, cfg: dict) -> dict:
+def measure_model(ctx: ReproductionSetup, cfg: dict, first: bool = True) -> dict:
     """The tuning questions (exact and k-center at each window), then, where exact answers them, the scored
     questions (exact, the tuned k-center, Sink, H2O at each budget); each question one unit of ``Progress``."""
     progress = ctx.progress(NAME, cfg, __file__)
@@ -280,13 +283,8 @@ def _paper(budget: str, baseline: str | None = None) -> str:
 
 def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
-    rows: list[Row] = []
-    models = {}
-    for model in ctx.all_models:
-        mctx = ctx.on(model)
-        got = measure_model(mctx, cfg)
-        models[mctx.label] = got
-        rows += model_rows(mctx.label, cfg, got)
+    models = ctx.on_each_model(measure_model, cfg)
+    rows = [row for label, got in models.items() for row in model_rows(label, cfg, got)]
     setting = (
         f"kvlab's lines task (LongEval's format) at ~{cfg['length']} tokens on {', '.join(models)}: {cfg['tuning']} "
         f"tuning questions (exact's gate, k-center's window), then {cfg['questions']} scored ones, the line asked at "

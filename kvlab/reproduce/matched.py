@@ -102,7 +102,6 @@ def held_fraction(info, held: list[int], n_prompt: int) -> float:
     return min(1.0, math.ceil(worst * 1e4) / 1e4)
 
 
-
 def eviction_tokens(comp, n_prompt: int, steps: int) -> list[float]:
     """The tokens a planned eviction cache of the ``Scissorhands`` kind holds, mean over layers, after the
     prefill and after each of ``steps`` tokens: each layer grows by one token a step and drops

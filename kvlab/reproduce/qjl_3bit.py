@@ -206,20 +206,19 @@ def matched_runs(info, n_prompt: int, steps: int) -> tuple[list, float]:
     return runs, budget.as_fraction
 
 
-def prompts_of(cfg: dict) -> list[tuple[str, str, int, float | None, int]]:
-    """(unit, task, seed, depth, new tokens) of every prompt: the documents, then each retrieval task's seeds."""
-    out: list[tuple[str, str, int, float | None, int]] = [
-        (f"document-{s}", "document", s, None, cfg["max_new_tokens"]) for s in range(cfg["documents"])
-    ]
-    for name in cfg["tasks"]:
-        for s in range(cfg["task_seeds"]):
-            out.append((f"{name}-{s}", name, s, DEPTHS[s % len(DEPTHS)], cfg["task_new_tokens"]))
-    return out
+def prompts_of(cfg: dict, documents: bool = True) -> list[tuple[str, int]]:
+    """(task, seed) of every prompt: the documents (unless not ``documents``), then each retrieval task's seeds."""
+    out = [("document", s) for s in range(cfg["documents"] if documents else 0)]
+    return out + [(t, s) for t in cfg["tasks"] for s in range(cfg["task_seeds"])]
 
 
-def measure_prompt(ctx: ReproductionSetup, task_name: str, seed: int, depth: float | None, length: int, steps: int):
-    """Every run of ``LABELS`` on one prompt at its own matched budget: per label its bytes, bits, fidelity
-    and task score."""
+def measure_prompt(ctx: ReproductionSetup, cfg: dict, unit: tuple[str, int]) -> dict:
+    """Every run of ``LABELS`` on one prompt (``unit``: the task and its seed; a retrieval task's depth cycles over
+    ``DEPTHS``) at its own matched budget: per label its bytes, bits, fidelity and task score."""
+    task_name, seed = unit
+    document = task_name == "document"
+    depth = None if document else DEPTHS[seed % len(DEPTHS)]
+    steps, length = cfg["max_new_tokens"] if document else cfg["task_new_tokens"], cfg["length"]
     info = ctx.info
     if depth is None:
         task = make_task(task_name, length, seed, lambda t: ctx.loaded.encode(t))
@@ -247,27 +246,15 @@ def measure_prompt(ctx: ReproductionSetup, task_name: str, seed: int, depth: flo
     return out
 
 
-def measure_model(ctx: ReproductionSetup, cfg: dict, documents: bool) -> list[dict]:
+def measure_model(ctx: ReproductionSetup, cfg: dict, documents: bool = True) -> list[dict]:
     """Every prompt of ``prompts_of(cfg)`` on ``ctx``'s model (the task prompts only, unless ``documents``),
     each one unit of ``Progress``."""
-    progress = ctx.progress(NAME, cfg, __file__)
-    units = [u for u in prompts_of(cfg) if documents or u[1] != "document"]
-    prompts = [
-        progress.value(unit, measure_prompt, ctx, task_name, seed, depth, cfg["length"], steps, log=ctx.log,
-                       say=f"{NAME} [{ctx.label}]: prompt {j + 1} of {len(units)} ({unit}), ~{cfg['length']} "
-                       f"tokens, {steps} new tokens")
-        for j, (unit, task_name, seed, depth, steps) in enumerate(units)
-    ]  # fmt: skip
-    progress.clear()
-    return prompts
+    return ctx.each(NAME, cfg, __file__, measure_prompt, prompts_of(cfg, documents))
 
 
 def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
-    by_model = {}
-    for model in ctx.all_models:
-        mctx = ctx.on(model)
-        by_model[mctx.label] = measure_model(mctx, cfg, documents=model == ctx.model)
+    by_model = ctx.on_each_model(measure_model, cfg)
     label = ctx.label
     prompts = by_model[label]
 

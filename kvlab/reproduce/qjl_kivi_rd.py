@@ -159,13 +159,7 @@ def measure_prompt(ctx: ReproductionSetup, cfg: dict, seed: int) -> dict:
 
 def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
-    progress = ctx.progress(NAME, cfg, __file__)
-    prompts = [
-        progress.value(str(s), measure_prompt, ctx, cfg, s, log=ctx.log,
-                       say=f"{NAME}: document {s + 1} of {cfg['prompts']}, {2 * len(cfg['m_factors']) + 1} runs")
-        for s in range(cfg["prompts"])
-    ]  # fmt: skip
-    progress.clear()
+    prompts = ctx.each(NAME, cfg, __file__, measure_prompt, range(cfg["prompts"]), "document")
     d = ctx.info.head_dim
     rows = [_row(prompts, i, f, d) for i, f in enumerate(cfg["m_factors"])]
     rows.append(_constants_row(prompts))

@@ -111,6 +111,7 @@ KIVI_GROUPS = (32, 16)  # KIVI's group sizes tried when filling a budget (the pa
 POINTS = {"A": "TurboQuant's 3.5 bits", "B": f"FP8's bytes (budget {FP8_BUDGET})"}
 MARGIN = 0.2  # "neutral" / "marginal": exact - TurboQuant's accuracy below this, with 95% confidence (kvlab's)
 EXACT_MIN = 0.8  # a task informs only where exact answers this share of its prompts
+QJL_FILL: dict = {}  # QJL's measured fill factors per (model, fraction, steps, prompt length), reused across prompts
 NEUTRAL, MARGINAL = "turboquant:abstract-neutral-at-3.5-bits", "turboquant:abstract-marginal-at-2.5-bits"
 
 
@@ -174,7 +175,7 @@ def _matched(info, method: str, fraction: float, n: int, steps: int, qjl_fill: d
                 best = max(best, (ratio, {"bits": bits, "group": group, "residual": residual}), key=lambda x: x[0])
         return RunSpec("kivi", budget, best[1])
     if method == "qjl":  # one correction of the budget by the fill its plan really reaches, per prompt length
-        key = (round(fraction, 4), steps, n)
+        key = (str(info.id), round(fraction, 4), steps, n)
         if key not in qjl_fill:
             held = simulate_bytes(info, "qjl", budget, {}, n, steps)
             qjl_fill[key] = max(1.0, fraction / held_fraction(info, held, n))
@@ -223,41 +224,29 @@ def measure_prompt(
     return out
 
 
-def measure_model(ctx: ReproductionSetup, cfg: dict, documents: bool) -> dict[str, dict]:
+def measure_unit(ctx: ReproductionSetup, cfg: dict, unit: tuple[str, int]) -> dict:
+    """One prompt (``unit``: ``document`` or a task, and its seed): ``measure_prompt`` on it."""
+    name, seed = unit
+    encode = lambda t: ctx.loaded.encode(t)  # noqa: E731
+    if name == "document":
+        ids = ctx.loaded.encode(make_task("document", cfg["doc_length"], seed, encode).prompt)
+        return measure_prompt(ctx, ids, cfg["doc_new_tokens"], qjl_fill=QJL_FILL, b=cfg["b"])
+    task = make_task(name, cfg["length"], seed, encode)
+    return measure_prompt(ctx, prompt_ids(ctx.loaded, task), cfg["task_new_tokens"], task, QJL_FILL)
+
+
+def measure_model(ctx: ReproductionSetup, cfg: dict, documents: bool = True) -> dict[str, dict]:
     """Every prompt of ``cfg`` on ``ctx``'s model (the task prompts only, unless ``documents``): unit -> result,
     each one unit of ``Progress``."""
-    progress = ctx.progress(NAME, cfg, __file__)
-    encode = lambda t: ctx.loaded.encode(t)  # noqa: E731
-    qjl_fill: dict = {}
-    prompts: dict[str, dict] = {}
-
-    def document(seed: int) -> dict:
-        ids = ctx.loaded.encode(make_task("document", cfg["doc_length"], seed, encode).prompt)
-        return measure_prompt(ctx, ids, cfg["doc_new_tokens"], qjl_fill=qjl_fill, b=cfg["b"])
-
-    def scored(name: str, seed: int) -> dict:
-        task = make_task(name, cfg["length"], seed, encode)
-        return measure_prompt(ctx, prompt_ids(ctx.loaded, task), cfg["task_new_tokens"], task, qjl_fill)
-
-    for seed in range(cfg["documents"] if documents else 0):
-        prompts[f"document/{seed}"] = progress.value(
-            f"document/{seed}", document, seed, log=ctx.log, say=f"{NAME} [{ctx.label}]: document {seed}"
-        )
-    for name in cfg["tasks"]:
-        for seed in range(cfg["seeds"]):
-            prompts[f"{name}/{seed}"] = progress.value(
-                f"{name}/{seed}", scored, name, seed, log=ctx.log, say=f"{NAME} [{ctx.label}]: {name} seed {seed}"
-            )
-    progress.clear()
-    return prompts
+    units = [("document", s) for s in range(cfg["documents"] if documents else 0)]
+    units += [(t, s) for t in cfg["tasks"] for s in range(cfg["seeds"])]
+    got = ctx.each(NAME, cfg, __file__, measure_unit, units)
+    return {f"{t}/{s}": g for (t, s), g in zip(units, got)}
 
 
 def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
-    by_model = {}
-    for model in ctx.all_models:
-        mctx = ctx.on(model)
-        by_model[mctx.label] = measure_model(mctx, cfg, documents=model == ctx.model)
+    by_model = ctx.on_each_model(measure_model, cfg)
     prompts = by_model[ctx.label]
     rows = _rows(prompts, cfg)
     for label, mine in by_model.items():

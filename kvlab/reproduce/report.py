@@ -14,17 +14,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.reproduce.claims import Declared, decide, validate
+from kvlab.reproduce.claims import Declared, combine, decide, validate
 from kvlab.reproduce.common import (
     CHECK,
     CLAIM,
     CLAIM_VERDICTS,
     CONTEXT,
     CONTROL,
-    DOES_NOT_HOLD,
-    HOLDS,
-    INCONCLUSIVE,
-    NOT_TESTABLE,
     NOT_TESTABLE_SCALE,
     Claim,
     Row,
@@ -56,17 +52,13 @@ def tally_of(declared, rows: list[Row]) -> dict:
 
 
 def overall(verdicts: list[str]) -> str | None:
-    """A reproduction's verdict from its claims' verdicts: "does not hold" if any does not, "inconclusive" if
-    any is, "holds" when every tested one holds; "not testable ..." when none could be tested."""
+    """A reproduction's verdict from its claims' verdicts (``claims.combine``; "not testable at this scale" when
+    every claim is so)."""
     if not verdicts:
         return None
-    tested = [v for v in verdicts if v not in (NOT_TESTABLE, NOT_TESTABLE_SCALE)]
-    if not tested:
-        return NOT_TESTABLE_SCALE if NOT_TESTABLE_SCALE in verdicts else NOT_TESTABLE
-    for v in (DOES_NOT_HOLD, INCONCLUSIVE):
-        if v in tested:
-            return v
-    return HOLDS
+    if all(v == NOT_TESTABLE_SCALE for v in verdicts):
+        return NOT_TESTABLE_SCALE
+    return combine(verdicts)
 
 
 @dataclass

@@ -296,7 +296,7 @@ def run(ctx: ReproductionSetup) -> Report:
         for match in MATCHES:
             label = f"{m}@{r}x" + (" mean" if match == "mean" else "")
             peak, mean = bytes_held(runs, label)
-            b = next(spec.budget.tokens for lab, spec in pairs if lab == label)
+            b = next(spec.params.get("B") or spec.budget.tokens for lab, spec in pairs if lab == label and spec.budget)
             setting = (
                 f"{m} {r}x matched on the {match} (B = {b}; held peak {peak:.2f}, mean {mean:.2f} of full): "
                 "perplexity / full"

@@ -184,14 +184,7 @@ def normalised(rs: list[float], ss: list[float]) -> float:
 
 def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
-    progress = ctx.progress(NAME, cfg, __file__)
-    prompts = [
-        progress.value(
-            str(s), measure_prompt, ctx, cfg, s, log=ctx.log, say=f"{NAME}: prompt {s + 1} of {cfg['prompts']}"
-        )
-        for s in range(cfg["prompts"])
-    ]
-    progress.clear()
+    prompts = ctx.each(NAME, cfg, __file__, measure_prompt, range(cfg["prompts"]))
     n_layers = len(prompts[0]["ratio"])
     half = n_layers // 2
     ratio = [_mean([p["ratio"][i] for p in prompts]) for i in range(n_layers)]

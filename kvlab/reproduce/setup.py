@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -16,6 +16,7 @@ from kvlab.engine.prefill import prefill
 from kvlab.engine.specs import GenerationSettings
 from kvlab.methods.handover import PrefillNeeds
 from kvlab.reproduce.common import Progress
+from kvlab.reproduce.registry import ALSO
 
 
 @dataclass
@@ -49,9 +50,35 @@ class ReproductionSetup:
         """The on-disk progress of reproduction ``name`` on this model with ``settings`` (``Progress.of``)."""
         return Progress.of(self, name, settings, *module_files)
 
+    def each(
+        self, name: str, settings: dict, module_file: str, measure: Callable, units: Iterable, what: str = "prompt"
+    ) -> list:
+        """``measure(self, settings, unit)`` for every unit (a seed, a task and seed, ...), in order: each kept
+        on disk as it finishes and read back by a rerun (``progress``), progress written to the log; the
+        progress is cleared once every unit has finished."""
+        progress = self.progress(name, settings, module_file)
+        units = list(units)
+        out = [
+            progress.value(str(u), measure, self, settings, u, log=self.log,
+                           say=f"{name} [{self.label}]: {what} {i + 1} of {len(units)} ({u})")
+            for i, u in enumerate(units)
+        ]  # fmt: skip
+        progress.clear()
+        return out
+
+    def on_each_model(self, measure: Callable, *args) -> dict:
+        """``measure(ctx, *args, first)`` on ``model`` (``first`` True) and then on each of ``models``, each
+        through its own setup: the model's label -> what it returned."""
+        return {self.on(m).label: measure(self.on(m), *args, m == self.model) for m in self.all_models}
+
     def command(self, name: str) -> str:
         """The command that makes this reproduction's table."""
-        return f"python -m kvlab reproduce {name}" + (" --quick" if self.quick else "")
+        cmd = f"python -m kvlab reproduce {name}"
+        if self.model not in ("embedded", "smollm2-135m"):
+            cmd += f" --model {self.model}"
+        if tuple(self.models) != ALSO:
+            cmd += f" --also {','.join(self.models) or 'none'}"
+        return cmd + (" --quick" if self.quick else "")
 
     def settings(self, name: str, full: dict, quick: dict) -> dict:
         """The settings a reproduction runs with: full or quick, then any overrides for ``name``."""

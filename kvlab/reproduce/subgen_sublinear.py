@@ -119,14 +119,7 @@ def measure_prompt(ctx: ReproductionSetup, cfg: dict, seed: int) -> dict:
 
 def run(ctx: ReproductionSetup) -> Report:
     cfg = ctx.settings(NAME, FULL, QUICK)
-    progress = ctx.progress(NAME, cfg, __file__)
-    prompts = [
-        progress.value(
-            str(s), measure_prompt, ctx, cfg, s, log=ctx.log, say=f"{NAME}: prompt {s + 1} of {cfg['prompts']}"
-        )
-        for s in range(cfg["prompts"])
-    ]
-    progress.clear()
+    prompts = ctx.each(NAME, cfg, __file__, measure_prompt, range(cfg["prompts"]))
     lengths = prompts[0]["lengths"]
     rows = []
     for rel in cfg["rel"]:

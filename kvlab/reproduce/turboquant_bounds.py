@@ -316,34 +316,25 @@ def _within(est, low: float, high: float) -> bool:
 
 def _rows(results: dict, cfg: dict, d: int) -> list[Row]:
     rows: list[Row] = []
-    for b in cfg["bits"]:
-        for kind in KINDS:
-            est = _estimate(results[f"distortion/{kind}/mse/{b}"]["mse"])
-            rows.append(
-                Row(
-                    f"TurboQuant-mse, {_setting(b, kind)}: D_mse",
-                    f"<= {fmt(mse_upper(b))} (~{MSE_REFINED[b]}); >= {fmt(lower(b))}",
-                    f"{est.mean:.4g} (codebook's expectation at d = {d}: {codebook_mse(d, b):.4g})",
-                    _within(est, lower(b), mse_upper(b)),
-                    _real_note(kind, "the interval between the lower and the upper bound"),
-                    **_kind(kind, MSE_BOUNDS),
-                    **estimate_fields(est),
+    for variant, name, upper, refined, claim in (
+        ("mse", "D_mse", mse_upper, MSE_REFINED, MSE_BOUNDS),
+        ("prod", "d D_prod / ||y||^2", prod_upper, PROD_REFINED, PROD_BOUNDS),
+    ):
+        for b in cfg["bits"]:
+            for kind in KINDS:
+                est = _estimate(results[f"distortion/{kind}/{variant}/{b}"][variant])
+                expected = f" (codebook's expectation at d = {d}: {codebook_mse(d, b):.4g})" if variant == "mse" else ""
+                rows.append(
+                    Row(
+                        f"TurboQuant-{variant}, {_setting(b, kind)}: {name}",
+                        f"<= {fmt(upper(b))} (~{refined[b]}); >= {fmt(lower(b))}",
+                        f"{est.mean:.4g}{expected}",
+                        _within(est, lower(b), upper(b)),
+                        _real_note(kind, "the interval between the lower and the upper bound"),
+                        **_kind(kind, claim),
+                        **estimate_fields(est),
+                    )
                 )
-            )
-    for b in cfg["bits"]:
-        for kind in KINDS:
-            est = _estimate(results[f"distortion/{kind}/prod/{b}"]["prod"])
-            rows.append(
-                Row(
-                    f"TurboQuant-prod, {_setting(b, kind)}: d D_prod / ||y||^2",
-                    f"<= {fmt(prod_upper(b))} (~{PROD_REFINED[b]}); >= {fmt(lower(b))}",
-                    f"{est.mean:.4g}",
-                    _within(est, lower(b), prod_upper(b)),
-                    _real_note(kind, "the interval between the lower and the upper bound"),
-                    **_kind(kind, PROD_BOUNDS),
-                    **estimate_fields(est),
-                )
-            )
     for kind in KINDS:
         t = [results[f"bias/{kind}/prod/{b}"]["t_rms"] for b in cfg["bits"]]
         rows.append(
