@@ -95,17 +95,19 @@ def bound_row(
     measured: str = "",
     note: str = "",
     min_n: int | None = None,
+    what: str = "",
 ) -> Row:
     """``est`` wholly below ``limit`` (``below``) or wholly above it: holds; wholly on the other side: does
-    not hold; otherwise inconclusive. ``min_n`` defaults to 2 (a t interval); give
-    ``min_n_paired_within(limit)`` for a paired right-or-wrong difference."""
+    not hold; otherwise inconclusive. ``measured`` goes before the estimate in the kvlab column, ``what`` names
+    the estimate there. ``min_n`` defaults to 2 (a t interval); give ``min_n_paired_within(limit)`` for a
+    paired right-or-wrong difference."""
     if est is None:
         return Row(setting, paper, measured or "-", verdict=INCONCLUSIVE, kind=kind, note=_join(note, "no data"),
                    claim=claim, model=model)  # fmt: skip
     fields = spread(est)
     why = fields.pop("note", "")
     side = "below" if below else "above"
-    text = _join(measured, est.text(digits=3))
+    text = _join(measured, f"{what} {est.text(digits=3)}".strip())
     if est.low is None or est.high is None:
         verdict = INCONCLUSIVE
     elif (est.high < limit) if below else (est.low > limit):
@@ -156,9 +158,10 @@ def within_row(
         claim,
         kind,
         model,
-        _join(lead, f"{names[0]} - {names[1]}"),
+        lead,
         _join(note, "exact McNemar interval" if binary else ""),
         min_n_paired_within(margin) if binary else None,
+        f"{names[0]} - {names[1]}",
     )
 
 

@@ -94,8 +94,10 @@ class Report:
     def table(self) -> str:
         head = ("setting", "paper", "kvlab", "n, 95% interval", "verdict")
         body = [
-            (r.setting, r.paper, r.kvlab, r.spread, r.shown + (f" ({r.note})" if r.note else "")) for r in self.rows
-        ]
+            (r.setting + (f" [{r.model}]" if r.model else ""), r.paper, r.kvlab, r.spread,
+             r.shown + (f" ({r.note})" if r.note else ""))
+            for r in self.rows
+        ]  # fmt: skip
         widths = [max(len(x[i]) for x in [head, *body]) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(x[:4], widths)) + "  " + x[4] for x in [head, *body]]
         verdicts = self.verdicts()
