@@ -34,7 +34,7 @@ import math
 import torch
 
 from kvlab.core.budgets import Budget, exact_bytes
-from kvlab.core.statistics import paired_difference
+from kvlab.core.statistics import MIN_N_CONTINUOUS, paired_difference
 from kvlab.engine import attention as attn
 from kvlab.engine.planning import planned
 from kvlab.engine.prefill import prefill_for
@@ -247,8 +247,9 @@ def maintained(cmp: dict) -> tuple[str, str]:
 
 
 def spread_of(cmp: dict) -> dict:
-    """``Row`` keywords n and interval from ``against``'s comparison."""
-    return {"n": cmp["n"], "interval": cmp["interval"]}
+    """``Row`` keywords n and interval from ``against``'s comparison, and the n its test needs (a paired t
+    interval: two documents)."""
+    return {"n": cmp["n"], "interval": cmp["interval"], "min_n": MIN_N_CONTINUOUS}
 
 
 def error_bars(cmps: list[dict]) -> dict:
