@@ -235,9 +235,10 @@ def comparison_rows(
     for b in BASELINES:
         setting = f"rate {rate}: {m} above {b} (accuracy, paired on the same prompts)"
         paper = f"{PAPER['balancekv']} > {PAPER[b]} (LongBench average)"
-        if m in errors or b in errors:
-            out.append(Row(setting, paper, "a run failed", kind=CONTEXT, note=errors.get(m) or errors.get(b, ""),
-                           claim=claim, model=model))  # fmt: skip
+        if m in errors or b in errors:  # refused (its configuration does not fit the budget here) or failed
+            why = f"{m if m in errors else b} did not run: {errors.get(m) or errors.get(b, '')}"
+            out.append(Row(setting, paper, "did not run", verdict=NOT_TESTABLE if at_point else None, kind=k,
+                           note=why, claim=claim, model=model))  # fmt: skip
             continue
         if not informative:
             verdict = NOT_TESTABLE if at_point else None

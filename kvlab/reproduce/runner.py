@@ -2,9 +2,9 @@
 
 One invocation makes one summary: every reproduction asked for, run by this code, with the time it took
 and the load it ran under. It is resumable: each finished reproduction is kept on disk (``Progress``,
-keyed by the settings, the models and the source of every reproduction module) and a rerun of the same
-command reads it back instead of measuring it again; the summary lists the reproductions read back and
-their seconds are those of the process that measured them. Inside a reproduction, its own ``Progress``
+keyed by the settings and the models, each reproduction under the digest of its code) and a rerun reads
+it back instead of measuring it again, where its code is unchanged; the summary lists the reproductions
+read back, and their seconds are those of the process that measured them. Inside a reproduction, its own ``Progress``
 keeps each prompt as it finishes.
 
 The summary counts one verdict per registry id (``kvlab.reproduce.claims``): the papers' claims, kvlab's
@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import resource
 import time
 from pathlib import Path
@@ -32,13 +33,21 @@ from kvlab.reproduce.setup import ReproductionSetup
 HERE = Path(__file__).resolve().parent
 
 
-def _source_digest() -> str:
-    """The digest of the source of every module that measures (all but the docs generator): a changed
-    reproduction starts the run over."""
+def _source_digest(module_file: str) -> str:
+    """The digest of a reproduction module's source and of every module of this package it imports, directly
+    or not (the docs generator aside): a changed reproduction is measured again, the others are read back."""
+    seen: set[Path] = set()
+    todo = [Path(module_file)]
+    while todo:
+        f = todo.pop()
+        if f in seen or f.name == "docs.py" or not f.is_file():
+            continue
+        seen.add(f)
+        todo += [HERE / f"{m}.py" for m in re.findall(r"^from kvlab\.reproduce\.(\w+) import", f.read_text(), re.M)]
+        todo += [HERE / "setup.py", HERE / "runner.py"]  # what runs every reproduction
     h = hashlib.sha256()
-    for f in sorted(HERE.glob("*.py")):
-        if f.name != "docs.py":
-            h.update(f.name.encode() + f.read_bytes())
+    for f in sorted(seen):
+        h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -74,13 +83,13 @@ def _report_from_json(data: dict, mod) -> Report:
 def run_reproductions(which: list[str], ctx: ReproductionSetup, out: str | Path, echo=print) -> list[Report]:
     out = Path(out)
     mods = [get_reproduction(n) for n in which]  # unknown names fail before any work
-    key = {"which": which, "quick": ctx.quick, "models": ctx.all_models, "overrides": ctx.overrides,
-           "source": _source_digest()}  # fmt: skip
-    done = Progress("run", key)
+    key = {"quick": ctx.quick, "models": ctx.all_models, "overrides": ctx.overrides}
+    done = Progress("run", key)  # each finished reproduction, under the digest of the code that measured it
     started, t0, cpu0, load0 = datetime.datetime.now().astimezone(), time.perf_counter(), _cpu_seconds(), _load()
     reports, resumed = [], []
     for mod in mods:
-        saved = done.get(mod.NAME)
+        unit = f"{mod.NAME}/{_source_digest(mod.__file__)}"
+        saved = done.get(unit)
         if saved is not None:
             rep = _report_from_json(saved, mod)
             resumed.append(mod.NAME)
@@ -90,7 +99,7 @@ def run_reproductions(which: list[str], ctx: ReproductionSetup, out: str | Path,
             t = time.perf_counter()
             rep = mod.run(ctx)
             rep.seconds = time.perf_counter() - t
-            done.put(mod.NAME, rep.to_json())
+            done.put(unit, rep.to_json())
         paths = rep.write(out)
         reports.append(rep)
         echo(f"\n== {rep.title}\n   {rep.setting}\n   ({rep.seconds:.0f} s; {', '.join(str(p) for p in paths)})")
