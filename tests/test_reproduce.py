@@ -198,6 +198,8 @@ def test_balancekv_table1_judges_rate_025_only_by_mcnemar():
     assert "does not hold" in {r.verdict for r in comparison_rows("balancekv@paper", behind, ["passkey"], {})}
     none = comparison_rows("balancekv@paper", six, [], {})
     assert {r.verdict for r in none} == {"not testable here"}
+    refused = comparison_rows("balancekv@paper", six, ["passkey"], {"balancekv@paper": "cannot fit budget 0.25"})
+    assert {r.verdict for r in refused} == {"not testable here"} and "cannot fit" in refused[0].note
 
 
 def test_balancekv_table1_runs_the_papers_rate_on_the_calibrated_task(ctx, reports):
@@ -390,6 +392,16 @@ def test_reproduce_all_writes_one_summary_that_resumes(ctx, monkeypatch, tmp_pat
     }
     assert summary["reproductions"]["subgen-theorem1"]["resumed"]
     assert (tmp_path / "out" / "tables.md").read_text().startswith("The papers' claims: 2")
+
+
+def test_a_reproduction_resumes_under_the_digest_of_its_own_code():
+    from kvlab.reproduce.runner import HERE, _source_digest
+
+    ppl, fig3, rd = (
+        _source_digest(str(HERE / f"{m}.py")) for m in ("scissorhands_ppl", "scissorhands_fig3", "qjl_kivi_rd")
+    )
+    assert len({ppl, fig3, rd}) == 3  # each its own code (ppl's includes fig3's, which it imports)
+    assert _source_digest(str(HERE / "scissorhands_ppl.py")) == ppl
 
 
 def test_the_docs_are_generated_from_the_summary(ctx, monkeypatch, tmp_path):
