@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kvlab.core.budgets import BudgetError, parse_budgets
 from kvlab.core.cancel import TimeLimit
 from kvlab.engine.embedded import MODELS as CARRIED
+from kvlab.reproduce.registry import ALSO as REPRODUCE_ALSO
 from kvlab.reproduce.registry import REPRODUCTIONS
 
 if TYPE_CHECKING:  # for annotations only; the results module is imported where a comparison runs
@@ -186,15 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     cal.add_argument("--out", help="write the results and every sample as JSON here")
     cal.add_argument("--quiet", action="store_true", help="no per-sample lines on stderr")
-    r = sub.add_parser("reproduce", help="measure a paper's claim on the model: one reproduction by name, or all")
-    r.add_argument(
-        "name",
-        help=", ".join(REPRODUCTIONS) + ", or all",
-    )
+    r = sub.add_parser("reproduce", help="measure the papers' claims on the model: one reproduction by name, or all")
+    r.add_argument("name", nargs="?", help=", ".join(REPRODUCTIONS) + ", or all")
     r.add_argument("--out", default="reproduce-out", help="output folder (NAME.json, NAME.html, summary.json)")
     r.add_argument("--quick", action="store_true", help="small settings (short prompts, few seeds): a smoke run")
     r.add_argument("--model", default="embedded", help=MODEL_HELP)
+    r.add_argument(
+        "--also",
+        default=",".join(REPRODUCE_ALSO),
+        help="models the task claims also run on, comma-separated, or none (default: %(default)s)",
+    )
     r.add_argument("--device", default="auto")
+    r.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    r.add_argument(
+        "--docs", action="store_true", help="after the run, regenerate docs/reproductions.md and the README tally"
+    )
+    r.add_argument("--docs-from", metavar="SUMMARY", help="regenerate the docs from this summary.json; run nothing")
     r.add_argument("--quiet", action="store_true")
     return p
 
@@ -493,17 +501,36 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_reproduce(args) -> int:
+    from kvlab.reproduce.docs import write_docs
     from kvlab.reproduce.registry import UnknownReproduction
     from kvlab.reproduce.runner import expand, run_reproductions
     from kvlab.reproduce.setup import ReproductionSetup
 
-    ctx = ReproductionSetup(quick=args.quick, model=args.model, device=args.device)
+    root = Path(__file__).resolve().parents[1]
+    if args.docs_from:
+        if not Path(args.docs_from).is_file():
+            raise CliError(f"--docs-from: no such file {args.docs_from!r} (a summary.json written by reproduce all)")
+        for path in write_docs(args.docs_from, root):
+            print(f"wrote {path}")
+        return 0
+    if not args.name:
+        raise CliError("reproduce: give a reproduction's name or all (or --docs-from SUMMARY); allowed: "
+                       + ", ".join(REPRODUCTIONS) + ", all")  # fmt: skip
+    also = tuple(m for m in args.also.split(",") if m.strip() and m.strip() != "none")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    ctx = ReproductionSetup(quick=args.quick, model=args.model, device=args.device, models=also)
     if args.quiet:
         ctx.log = lambda m: None
     try:
         run_reproductions(expand(args.name), ctx, args.out)
     except UnknownReproduction as exc:
         raise CliError(str(exc)) from None
+    if args.docs:
+        for path in write_docs(Path(args.out) / "summary.json", root):
+            print(f"wrote {path}")
     return 0
 
 

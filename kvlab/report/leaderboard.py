@@ -18,8 +18,10 @@ bars and the protocol in its title.
 
 Every mean comes with n and a 95% interval (``kvlab.core.statistics``): a task's score over its
 prompts has the exact binomial interval when every score is 0 or 1 (single-answer tasks), else a
-bootstrap over the prompts; the average over tasks has a bootstrap interval over prompt indices
-(the i-th prompt of every task averaged), when every task has the same number of prompts.
+t interval (below 15 prompts) or a bootstrap over the prompts; the average over tasks is the task's own
+estimate when there is one task, else an interval over prompt indices (the i-th prompt of every task
+averaged), when every task has the same number of prompts; where those averages do not vary it has no
+interval (never one of zero width).
 
 The protocol is kvpress's question: ``query-agnostic`` (the context compressed alone, the question
 asked after it: kvpress's leaderboard) or ``query-aware`` (the question inside the compressed
@@ -31,7 +33,7 @@ from __future__ import annotations
 import csv
 import io
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -91,12 +93,19 @@ class Row:
         return score_interval(xs) if xs else None
 
     def average_estimate(self) -> Estimate | None:
-        """The average over tasks with a bootstrap interval over prompt indices (the i-th prompt of every task
-        averaged); None unless every task has the same number of prompts."""
+        """The average over tasks with its interval: with one task, that task's own (the exact binomial one
+        for right-or-wrong scores); with several, ``mean_interval`` over prompt indices (the i-th prompt of
+        every task averaged), cut to [0, 1], and no interval where those averages do not vary (the estimate's
+        note says so). None unless every task has the same number of prompts."""
         per = [self.samples.get(t) or [] for t in self.scores]
         if not per or len({len(x) for x in per}) != 1 or not per[0]:
             return None
-        return mean_interval([sum(col) / len(col) for col in zip(*per)])
+        if len(per) == 1:
+            return score_interval(per[0])
+        est = mean_interval([sum(col) / len(col) for col in zip(*per)])
+        if est is None or est.low is None or est.high is None:
+            return est
+        return replace(est, low=max(0.0, est.low), high=min(1.0, est.high))
 
     def paired(self, metric: str = "task_score") -> dict[str, float]:
         """Each prompt's value of ``metric`` (the task score or a fidelity score) by "task/cell", for pairing

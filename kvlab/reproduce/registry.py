@@ -1,4 +1,9 @@
-"""The reproductions by name, in the order ``all`` runs them."""
+"""The reproductions by name, in the order ``all`` runs them.
+
+A reproduction is a module of this package with ``NAME``, ``TITLE``, ``CLAIMS`` (the quotes it pins),
+``DECLARED`` (its registry entries: paper claims, implementation checks, controls; ``kvlab.reproduce.claims``)
+and ``run(ctx) -> Report``. Adding one is one line in ``_MODULES``: its claims come with it.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ _MODULES = {
     "polarquant-distortion": "polarquant_distortion",
 }
 REPRODUCTIONS = tuple(_MODULES)
+ALSO = ("gemma3-270m",)  # the models ``kvlab reproduce`` runs the task claims on beside ``--model`` by default
 
 
 class UnknownReproduction(ValueError):
@@ -38,3 +44,15 @@ def get_reproduction(name: str) -> ModuleType:
     if name not in _MODULES:
         raise UnknownReproduction(f"unknown reproduction {name!r}; allowed: {', '.join(REPRODUCTIONS)} or all")
     return importlib.import_module(f"kvlab.reproduce.{_MODULES[name]}")
+
+
+def declared() -> dict[str, tuple[str, object]]:
+    """Every registry entry of every reproduction (``DECLARED`` in each module): id -> (reproduction, entry).
+    A new reproduction's claims fold in by its module's line in ``_MODULES``; ids must be unique."""
+    out: dict[str, tuple[str, object]] = {}
+    for name in REPRODUCTIONS:
+        for entry in getattr(get_reproduction(name), "DECLARED", ()):
+            if entry.id in out:
+                raise ValueError(f"claim id {entry.id!r} is declared by both {out[entry.id][0]} and {name}")
+            out[entry.id] = (name, entry)
+    return out
