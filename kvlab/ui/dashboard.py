@@ -29,17 +29,20 @@ from kvlab.engine.loader import EMBEDDED, Progress, load_model, spec_of, unload
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.measure.metrics import ProbeSettings
+from kvlab.measure.retention import RetentionSettings
 from kvlab.methods import get
 from kvlab.report import comparison_figures as plots
+from kvlab.report import retention_map
 from kvlab.report.result_file import ResultFileError, load_result_text
 from kvlab.run import Comparison, stream
 from kvlab.tasks import Task, join_question
-from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
+from kvlab.ui.cards import cards_html, kept_strip_html, progress_html, source_html
 from kvlab.ui.config import Limits
 from kvlab.ui.export import export_files
 from kvlab.ui.gpu_lease import WorkSize
 from kvlab.ui.methods import params_from_rows
 from kvlab.ui.model_choice import model_line, offered, refused_line
+from kvlab.ui.retention_view import prompt_positions_html, slider_range, steps_note
 
 FIGURE_TITLES = (
     "Cache size",
@@ -50,7 +53,10 @@ FIGURE_TITLES = (
     "Attention over the prompt",
     "Quality vs memory",
 )
-FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
+FIGURE_OUTPUTS = FIGURE_TITLES + (
+    "kept strip", "layer picker", "strip picker", "source line", "retention maps", "retention prompt",
+    "retention step", "retention steps",
+)  # fmt: skip
 
 
 CANCEL_WAIT_S = 30.0  # how long Cancel waits for the model work in progress to end
@@ -341,6 +347,7 @@ class Dashboard:
             settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(inputs.seed, "the seed", 0)),
             measure=measure,
             questions=[question] if question else (),
+            retention=RetentionSettings(),
         )
         n = len(comparison.encode(engine.lm))
         if n > self.limits.max_prompt_tokens:
@@ -542,6 +549,11 @@ class Dashboard:
                 kept_strip_html(None, None, None),
                 gr.update(),
                 gr.update(),
+                source_html(None),
+                retention_map.figure_or_empty(None),
+                prompt_positions_html(None, None),
+                gr.update(value=0, maximum=1),
+                steps_note(None),
             )
         result = CompareResult.from_json(data)
         lm = self._lm_for(result)
@@ -561,7 +573,18 @@ class Dashboard:
             kept_strip_html(result, strip, lm),
             gr.update(choices=layers, value=layer_choice if layer_choice in layers else "mean"),
             gr.update(choices=labels, value=strip),
+            source_html(result),
+            retention_map.figure(result, step=0),
+            prompt_positions_html(result, lm),
+            gr.update(value=0, maximum=max(1, slider_range(result)[0]), step=1),
+            steps_note(result),
         )
+
+    def view_retention(self, data, step):
+        """The retention maps at the slider's ``step`` (from the stored result; nothing recomputed)."""
+        if not data:
+            return retention_map.figure_or_empty(None)
+        return retention_map.figure(CompareResult.from_json(data), step=int(step or 0))
 
     def view_errors(self, data, layer_choice):
         if not data:
