@@ -87,11 +87,12 @@ def grouped_table_html(items: list[Row], protocol: str | None = None, metric: st
     )
     return (
         caption
+        + "<div class='kv-leaderboard-wrap' style='max-height:640px;overflow-y:auto'>"
         + "<table class='kv-leaderboard'><tr>"
         + "".join(f"<th>{html.escape(h)}</th>" for h in head)
         + "</tr>"
         + "".join(body)
-        + "</table>"
+        + "</table></div>"
         + f"<p class='kv-rank-note' id='kv-rank-note'>{html.escape(method_note(metric))}</p>"
     )
 

@@ -5,9 +5,9 @@ appears on the page with no change of code. Each is read once (cached by path, s
 and described from its own file: the model, the prompt lengths, the protocol, the tasks and the prompts per
 task, so that the page can say where every number it shows comes from.
 
-* a **leaderboard** is a sweep over at least two fraction budgets (compression ratios) whose runs carry task
-  scores (``kvlab.report.leaderboard``);
-* a **needle grid** is a sweep over at least two depths and two lengths (``kvlab.report.needle_grids``).
+* a **needle grid** is a sweep over at least two depths and two lengths (``kvlab.report.needle_grids``);
+* a **leaderboard** is any other sweep over at least two fraction budgets (compression ratios) whose runs
+  carry task scores (``kvlab.report.leaderboard``).
 
 ``KVLAB_BOARDS`` names another folder to scan (e.g. a page serving boards of its own).
 """
@@ -119,7 +119,7 @@ def describe(path: Path, data: dict) -> Board | None:
         prompts=min(per_task.values()) if per_task else 0,
         budgets=budgets,
         depths=depths,
-        leaderboard=ranked,
+        leaderboard=ranked and not (len(depths) >= 2 and len(lengths) >= 2),
         grid=len(depths) >= 2 and len(lengths) >= 2,
         fidelity=fidelity,
         methods=methods,

@@ -162,7 +162,8 @@ def claim_card(s: Summary, e: dict) -> str:
     scale = f"<p><b>Scale:</b> the paper ties it to {html.escape(str(e['scale']))}.</p>" if e.get("scale") else ""
     threshold = e.get("threshold") or {}
     return (
-        f"<div class='kv-claim' data-id='{html.escape(str(e.get('id', '')))}' "
+        f"<div class='kv-claim' style='border:1px solid #d1d5db;border-radius:8px;padding:8px 12px;margin:10px 0' "
+        f"data-id='{html.escape(str(e.get('id', '')))}' "
         f"data-verdict='{html.escape(str(e.get('verdict', '')))}' data-paper='{html.escape(paper_of(e))}'>"
         f"<div class='kv-claim-head'>{chip(str(e.get('verdict', '')))} <b>{html.escape(paper_of(e))}</b> · "
         f"<code>{html.escape(str(e.get('id', '')))}</code> {models}</div>"

@@ -100,18 +100,27 @@ class RunMap:
         return self.streaming
 
     def at(self, step: int) -> dict:
-        """The latest snapshot taken at or before ``step`` (the first one when none is)."""
+        """The latest snapshot taken at or before ``step`` (the first one when none is). A prefill-only run
+        (not ``streaming``) is snapshotted after compression and at its end only; between them its prompt
+        stays as compressed and each generated token is appended: its end snapshot cut at ``step`` is its
+        state then (``cut_from`` marks such a view)."""
         shot = self.snapshots[0]
         for s in self.snapshots:
             if int(s["step"]) <= step:
                 shot = s
+        last = self.snapshots[-1]
+        if not self.streaming and int(shot["step"]) < step < int(last["step"]):
+            seen = int(last["seen"]) - (int(last["step"]) - step)
+            return {**last, "step": step, "seen": seen, "cut_from": int(last["seen"])}
         return shot
 
     def masks(self, shot: dict) -> tuple[np.ndarray, np.ndarray]:
         """(held, full) of a snapshot as [layers * kv_heads, seen] bool."""
-        shape = (self.layers, self.kv_heads, int(shot["seen"]))
+        stored, seen = int(shot.get("cut_from", shot["seen"])), int(shot["seen"])
+        shape = (self.layers, self.kv_heads, stored)
         rows = self.layers * self.kv_heads
-        return unpack(shot["held"], shape).reshape(rows, -1), unpack(shot["full"], shape).reshape(rows, -1)
+        held, full = (unpack(shot[k], shape).reshape(rows, -1)[:, :seen] for k in ("held", "full"))
+        return held, full
 
 
 def codes(held: np.ndarray, full: np.ndarray, summarizes: bool, bits: float | None, width: int) -> np.ndarray:
@@ -162,9 +171,10 @@ def run_title(m: RunMap, shot: dict, step: int) -> str:
     """A map's title: the run, the step it shows, what it holds of the prompt (mean over layers and heads)."""
     held, full = m.masks(shot)
     n = m.prompt_tokens
-    at = f"step {int(shot['step'])}" + (
-        "" if int(shot["step"]) == step else f" (its latest snapshot at or before {step})"
-    )
+    at = f"step {int(shot['step'])}"
+    if int(shot["step"]) != step:
+        ended = shot is m.snapshots[-1]
+        at += " (its run ended there)" if ended else f" (its latest snapshot at or before {step})"
     if shot.get("stage") == "compressed":
         at = "after compression"
     elif shot.get("stage") == "question":
@@ -179,7 +189,11 @@ def run_title(m: RunMap, shot: dict, step: int) -> str:
         parts.append(f"summarized {100 * (1 - _fraction(held, n)):.0f}%")
     elif not (held & ~full).any():
         parts.append(f"evicted {100 * (1 - _fraction(held, n)):.0f}%")
-    still = "" if m.changes_while_decoding else " · prefill-only: its prompt rows stay as compressed"
+    still = (
+        ""
+        if m.changes_while_decoding or m.label == "exact"
+        else " · prefill-only: its prompt stays as compressed, each generated token is kept"
+    )
     return f"<b>{m.label}</b> · {at} · of the prompt: {', '.join(parts)}{still}"
 
 

@@ -53,7 +53,7 @@ def claims_tab(path: Path | None = None) -> Summary | None:
         "the paper's operating point: the quoted claim, the operating point, the verdict (holds, does not hold, "
         "inconclusive, not testable), the effect with n and its 95% interval, and the command that reproduces "
         "it. The checks of kvlab's own implementation and the controls are listed apart, below. "
-        "How verdicts are decided: [docs/reproductions.md](docs/reproductions.md)."
+        "How verdicts are decided: `docs/reproductions.md` in the repository."
     )
     if s is None:
         gr.HTML(f"<p id='kv-claims-run'>{html.escape(why)}</p>", elem_id="kv-claims-info")

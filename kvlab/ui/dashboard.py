@@ -226,9 +226,11 @@ def _ended_early(result: CompareResult) -> str:
 class Dashboard:
     """The callbacks behind the page; holds the model loaded at start and the last one chosen on the page."""
 
-    def __init__(self, lm: LoadedModel, limits: Limits | None = None):
+    def __init__(self, lm: LoadedModel, limits: Limits | None = None, device: str | None = None):
         self.lm = lm
         self.limits = limits or Limits()
+        self.device = device  # where models load (``gpu_lease.placement_device``: "cuda" on ZeroGPU; None: auto)
+        self.keep = KEEP_CHOSEN  # models held besides the first (more when the page preloads its list)
         self.admission = AdmissionLimits.from_env()
         self.start = spec_of(lm)  # the model the page started with: always held
         self.engines: dict[str, Engine] = {self.start: Engine(lm)}  # spec -> engine, oldest first
@@ -255,7 +257,7 @@ class Dashboard:
         if not load:
             raise InputError(f"model {spec!r} is not loaded yet: press Load model (Run loads it too)")
         try:
-            engine = Engine(load_model(spec, progress=progress))
+            engine = Engine(load_model(spec, device=self.device, progress=progress))
         except ModelLoadError as exc:
             raise InputError(str(exc)) from None
         self.engines[spec] = engine
@@ -263,13 +265,22 @@ class Dashboard:
         return engine
 
     def _free_older(self, keep: str) -> None:
-        """Hold at most ``KEEP_CHOSEN`` models besides the first one (``keep``, just loaded, stays)."""
+        """Hold at most ``self.keep`` models besides the first one (``keep``, just loaded, stays)."""
         chosen = [s for s in self.engines if s not in (self.start, keep)]
-        for spec in chosen[: max(0, len(chosen) + 1 - KEEP_CHOSEN)]:
+        for spec in chosen[: max(0, len(chosen) + 1 - self.keep)]:
             engine = self.engines.pop(spec)
             if engine.lm.model is not self.lm.model:
                 unload(engine.lm)
         gc.collect()
+
+    def preload(self, specs) -> list[str]:
+        """Load every model of ``specs`` now and hold them all (ZeroGPU: models are placed at import, never
+        inside a lease); returns the specs held. A model that cannot be loaded raises ``InputError``."""
+        specs = list(dict.fromkeys(s for s in specs if s and s != self.start))
+        self.keep = max(self.keep, len(specs))
+        for spec in specs:
+            self.engine_for(spec)
+        return [self.start, *specs]
 
     def offered(self) -> list[str]:
         """The models the page's model box lists (this machine's, or the fixed list), and those held now."""

@@ -94,9 +94,10 @@ class Views:
         ]  # fmt: skip
 
 
-def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
-    """The page. Launch with ``launch_kwargs()`` (theme, css) and ``queue_kwargs``."""
-    dash = Dashboard(lm, limits)
+def build_demo(lm: LoadedModel, limits: Limits | None = None, dash: Dashboard | None = None) -> gr.Blocks:
+    """The page. Launch with ``launch_kwargs()`` (theme, css) and ``queue_kwargs``. ``dash``: the callbacks'
+    holder, when the caller made it (to preload models); else a new one on ``lm``."""
+    dash = dash or Dashboard(lm, limits)
     preset_texts, dash.tasks = presets(lm)
     ttl = export_ttl_s()
     with gr.Blocks(title="kvlab — KV-cache compression side by side", delete_cache=(ttl, ttl)) as demo:
