@@ -1,8 +1,10 @@
 """kvlab dashboard entry point (also the Hugging Face Space's app_file).
 
 The model of ``--model`` is loaded at start; on a local run the page can load others, on a Space it
-offers a fixed list (docs/dashboard.md, "Choosing a model"). Model work runs through a queue (one
-load or comparison at a time, ``KVLAB_QUEUE_SIZE`` waiting). Listens on 0.0.0.0:7860 unless told otherwise.
+offers a fixed list (docs/dashboard.md, "Choosing a model"). On ZeroGPU every model of that list is placed
+on ``cuda`` here, at import, and only the comparison runs leased (docs/install.md, "ZeroGPU"). Model work
+runs through a queue (one load or comparison at a time, ``KVLAB_QUEUE_SIZE`` waiting). Listens on 0.0.0.0:7860
+unless told otherwise.
 """
 
 from __future__ import annotations

@@ -23,9 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = (
-    "exact,scissorhands,streaming,snapkv,h2o,kivi,qjl,subgen,balancekv-stream,decoding-knorm"  # 10 runs
-)
+METHODS = "exact,scissorhands,streaming,snapkv,h2o,kivi,qjl,subgen,balancekv-stream,decoding-knorm"  # 10 runs
 
 
 def main(argv: list[str] | None = None) -> None:

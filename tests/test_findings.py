@@ -93,6 +93,17 @@ def test_grouped_table_shows_fidelity_columns_and_groups_by_them():
     assert "<td>1</td><td>a</td>" in by_score and "<td>3</td><td>b</td>" in by_score
 
 
+def test_a_ranking_the_file_carries_is_read_not_recomputed():
+    rows = rows_from_results(json.loads(RULER_1K.read_text()))
+    computed = rank_board(rows)[0]
+    # a file whose ranking puts every method of the first ratio at rank 7 (made up: the table must follow it)
+    stored = [{"ratio": computed.ratio, "metric": "task_score", "ranks": {m: 7 for m in computed.ranks},
+               "means": computed.means, "separated": [], "pairs_tested": 1}]  # fmt: skip
+    html = grouped_table_html(rows, "query-agnostic", "task_score", stored)
+    some = next(m for m in computed.ranks if m != "exact")
+    assert f"<td>7</td><td>{some}</td>" in html and "0 of 1 pairs separated" in html
+
+
 def test_claims_view_shows_every_claim_and_keeps_checks_and_controls_apart():
     s = Summary.of(json.loads(FIXTURE.read_text()))
     html = claims_html(s)

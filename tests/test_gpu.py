@@ -40,6 +40,7 @@ def test_without_spaces_the_function_is_unchanged(monkeypatch):
 def zero_gpu_spaces(monkeypatch):
     """A stand-in for the ``spaces`` package on a ZeroGPU Space: records the durations asked for (and, in
     ``asked.sizes``, the lease sizes); like the real one, it refuses a coroutine function."""
+
     class Asked(list):
         sizes: list[str | None]
 

@@ -3,8 +3,9 @@
 At each compression ratio the methods are ranked by ``kvlab.report.ranking.rank_board``: every pair tested
 on the prompts both ran (exact McNemar for right-or-wrong scores, Wilcoxon signed-rank otherwise),
 Holm-corrected over the pairs at that ratio; a method's rank is 1 + the methods separated above it. Rows
-that share a rank form one group (one shade): the data cannot order them. Nothing is recomputed beyond the
-file's per-prompt scores.
+that share a rank form one group (one shade): the data cannot order them. A sweep's results.json carries
+its ranking (``"ranking"``, written by ``kvlab sweep``); the table reads it from there, and ranks from the
+file's per-prompt scores only for a file that does not carry one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import html
 
 from kvlab.report.leaderboard import FIDELITY, FIDELITY_HEAD, Row, _cell, _fidelity_cell, protocol_text, tasks_of
-from kvlab.report.ranking import ALPHA, Ranking, rank_board
+from kvlab.report.ranking import ALPHA, rank_board
 
 METRICS = {
     "task_score": "task score",
@@ -38,11 +39,45 @@ def method_note(metric: str) -> str:
     )
 
 
-def grouped_table_html(items: list[Row], protocol: str | None = None, metric: str = "task_score") -> str:
+def stored_rankings(stored: list | None, metric: str) -> dict[float, dict] | None:
+    """The rankings a results.json carries for ``metric``, by ratio: {ratio: {"ranks", "means", "separated",
+    "pairs_tested"}}; None when it carries none for that score."""
+    got = {}
+    for rk in stored or []:
+        if isinstance(rk, dict) and rk.get("metric") == metric and isinstance(rk.get("ranks"), dict):
+            got[round(float(rk["ratio"]), 6)] = {
+                "ranks": {str(m): int(v) for m, v in rk["ranks"].items()},
+                "means": {str(m): float(v) for m, v in (rk.get("means") or {}).items()},
+                "separated": len(rk.get("separated") or []),
+                "pairs_tested": int(rk.get("pairs_tested") or 0),
+            }
+    return got or None
+
+
+def rankings_of(items: list[Row], metric: str, stored: list | None = None) -> dict[float, dict]:
+    """Each ratio's ranks: from the file (``stored``) when it carries them, else from ``rank_board``."""
+    from_file = stored_rankings(stored, metric)
+    if from_file is not None:
+        return from_file
+    return {
+        round(r.ratio, 6): {
+            "ranks": r.ranks,
+            "means": r.means,
+            "separated": len(r.separated),
+            "pairs_tested": len(r.pairs),
+        }  # fmt: skip
+        for r in rank_board(items, metric)
+    }
+
+
+def grouped_table_html(
+    items: list[Row], protocol: str | None = None, metric: str = "task_score", stored: list | None = None
+) -> str:
     """The leaderboard as HTML: exact first, then each ratio's methods by rank (groups shaded), each score
-    with its 95% interval and n, the fidelity columns where the board has them, and the note on the test."""
+    with its 95% interval and n, the fidelity columns where the board has them, and the note on the test.
+    ``stored``: the ranking a results.json carries (read, not recomputed)."""
     metric = metric if metric in rank_metrics(items) else "task_score"
-    rankings: dict[float, Ranking] = {r.ratio: r for r in rank_board(items, metric)}
+    rankings = rankings_of(items, metric, stored)
     tasks = tasks_of(items)
     fid = [m for m in FIDELITY if any(r.fidelity_estimate(m) for r in items)]
     head = [
@@ -61,14 +96,12 @@ def grouped_table_html(items: list[Row], protocol: str | None = None, metric: st
     for r in (r for r in items if r.ratio == 0):
         body.append(row_html(r, "reference", "#f4f4f5"))
     for ratio in sorted({r.ratio for r in items if r.ratio > 0}):
-        ranking = rankings.get(ratio)
+        ranking = rankings.get(round(ratio, 6)) or {}
         at = [r for r in items if r.ratio == ratio]
-        ranks = ranking.ranks if ranking else {}
-        means = ranking.means if ranking else {}
+        ranks, means = ranking.get("ranks", {}), ranking.get("means", {})
         at.sort(key=lambda r: (ranks.get(r.method, 10**6), -means.get(r.method, r.average / 100)))
         exact_rank = ranks.get("exact")
-        sep = len(ranking.separated) if ranking else 0
-        tested = len(ranking.pairs) if ranking else 0
+        sep, tested = ranking.get("separated", 0), ranking.get("pairs_tested", 0)
         note = f"ratio {ratio:g} (keeps {1 - ratio:g}): {len(at)} methods, {sep} of {tested} pairs separated" + (
             f"; exact ranks {exact_rank} here" if exact_rank is not None else ""
         )
@@ -97,4 +130,4 @@ def grouped_table_html(items: list[Row], protocol: str | None = None, metric: st
     )
 
 
-__all__ = ["METRICS", "grouped_table_html", "method_note", "rank_metrics"]
+__all__ = ["METRICS", "grouped_table_html", "method_note", "rank_metrics", "rankings_of", "stored_rankings"]

@@ -51,6 +51,7 @@ class Loaded:
     board: boards.Board
     rows: list[Row]
     source: str  # the file's name as the page says it ("bench/results/ruler-1k/results.json", an upload's name)
+    ranking: list | None = None  # the ranking the file carries (``kvlab sweep`` writes it), read as it is
 
 
 def read_board(path: Path, source: str) -> Loaded:
@@ -65,7 +66,8 @@ def read_board(path: Path, source: str) -> Loaded:
         raise gr.Error(f"cannot read the file: {exc.strerror or exc}") from None
     except LeaderboardError as exc:
         raise gr.Error(str(exc)) from None
-    return Loaded(board, rows, source)
+    stored = data.get("ranking")
+    return Loaded(board, rows, source, stored if isinstance(stored, list) else None)
 
 
 def summary_html(x: Loaded) -> str:
@@ -96,7 +98,7 @@ def rendered(x: Loaded, metric: str) -> tuple[str, object, str, str, object]:
     return (
         summary_html(x),
         figure(x.rows, title=title, protocol=b.protocol),
-        grouped_table_html(x.rows, b.protocol, metric),
+        grouped_table_html(x.rows, b.protocol, metric, x.ranking),
         str(out),
         choices,
     )
@@ -135,7 +137,7 @@ class LeaderboardTab:
             x = self._committed(label)
         else:
             return gr.skip()
-        return grouped_table_html(x.rows, x.board.protocol, metric)
+        return grouped_table_html(x.rows, x.board.protocol, metric, x.ranking)
 
     @staticmethod
     def rendered_or_empty(x: Loaded | None, metric: str):

@@ -1,6 +1,6 @@
 """The page: the model box, setup, progress and cards, then one tab per view (memory, errors, attention,
-quality vs memory, export / import, needle grid, about). Every event has an ``api_name``; model work
-(loading a model, a comparison) runs one at a time.
+what each head keeps, quality vs memory, export / import, leaderboard, claims, needle grid, about). Every
+event has an ``api_name``; model work (loading a model, a comparison) runs one at a time.
 """
 
 from __future__ import annotations
