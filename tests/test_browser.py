@@ -141,11 +141,14 @@ def test_default_comparison_renders_every_panel(page, app_url):
 
 RET_TRACES = r"""() => { const g = document.querySelector('#kv-ret .js-plotly-plot');
   if (!g || !g.data) return null;
+  const codes = z => {  // the heatmap's codes, flat: plotly keeps a numpy array as base64 bytes (dtype u1)
+    if (z && z.bdata) { const s = atob(z.bdata); return Array.from(s, c => c.charCodeAt(0)); }
+    return Array.from(z || []).flatMap(row => Array.from(row));
+  };
   return g.data.filter(t => t.type === 'heatmap').map(t => {
-    let evicted = 0, cells = 0;
-    for (const row of t.z) for (const v of row) { cells += 1; if (v === 1) evicted += 1; }
+    const z = codes(t.z);
     const run = (t.hovertemplate.match(/<extra>(.*)<\/extra>/) || [])[1];
-    return {run, evicted, cells, rows: Array.from(t.y).length};
+    return {run, evicted: z.filter(v => v === 1).length, cells: z.length, rows: Array.from(t.y).length};
   }); }"""
 
 

@@ -118,3 +118,22 @@ def test_a_prefill_only_run_between_its_two_snapshots(result):
     held, _ = m.masks(view)
     first, _ = m.masks(m.snapshots[0])
     assert held.shape[1] == n + mid and np.array_equal(held[:, :n], first) and held[:, n:].all()
+
+
+def test_a_question_asked_after_compression_gets_its_own_snapshot(engine, long_text):
+    comparison = Comparison(
+        long_text[:900],
+        ["exact", "streaming"],
+        ["0.5"],
+        settings=GenerationSettings(max_new_tokens=4),
+        questions=["What does the text define?"],
+        retention=RetentionSettings(snapshots=2),
+    )
+    result = compare(engine, comparison)
+    m = next(x for x in rm.maps_of(result) if x.label == "streaming@0.5")
+    stages = [s["stage"] for s in m.snapshots]
+    assert stages[:2] == ["compressed", "question"]
+    context = result.context_tokens
+    assert m.snapshots[0]["seen"] == context == m.prompt_tokens
+    assert m.snapshots[1]["seen"] == result.prompt_tokens > context  # the question's tokens fed through the cache
+    assert "after the question" in rm.run_title(m, m.snapshots[1], 0)
