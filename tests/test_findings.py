@@ -161,3 +161,22 @@ def test_snapshot_steps_are_bounded_and_end_on_the_last_step():
     assert snapshot_steps(3, 8) == {1, 2}
     assert snapshot_steps(1, 8) == set() and len(snapshot_steps(256, 8)) == 8
     assert max(snapshot_steps(256, 8)) == 255
+
+
+def test_long_prompts_are_pooled_to_at_most_1100_columns_keeping_a_lone_kept_token():
+    from kvlab.core.results import CompareResult, RunResult
+    from kvlab.report import retention_map as rm
+
+    n, layers = 3000, 2
+    held = np.zeros((layers, 1, n), dtype=bool)
+    held[:, :, 1500] = True  # one kept token in the middle, alone in its column
+    shot = {"step": 0, "stage": "compressed", "seen": n, "held": pack(held), "full": pack(held), "bits": None}
+    extras = {"retention": {"layers": layers, "kv_heads": 1, "prompt_tokens": n, "streaming": False,
+                            "summarizes": False, "snapshots": [shot]}}  # fmt: skip
+    run = RunResult(method="snapkv", budget="0.25", params={}, extras=extras)
+    result = CompareResult({"id": "m"}, "p", n, [], {}, {}, [run])
+    heat = rm.figure(result).data[0]
+    z = np.asarray(heat.z)
+    assert z.shape == (layers, 1000)  # 3 positions a column
+    assert (z[:, 500] == KEPT).all() and (np.delete(z, 500, axis=1) == EVICTED).all()
+    assert "3 positions (pooled)" in rm.figure(result).layout.title.text
