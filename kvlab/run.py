@@ -33,6 +33,7 @@ from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, 
 from kvlab.measure.fidelity import add_fidelity
 from kvlab.measure.health import HealthProbe
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
+from kvlab.measure.retention import RetentionProbe, RetentionSettings
 from kvlab.tasks import Task, join_question, prompt_ids, prompt_text, score_result, split_ids
 
 
@@ -42,7 +43,9 @@ class Comparison:
 
     ``budgets`` are ``Budget``s or their text (``"0.25"``, ``"512t"``); ``params`` maps a method to
     its parameter overrides; ``measure`` None leaves out the costly measurements (attention error,
-    teacher-forced fidelity, attention maps); ``chat`` feeds the prompt through the chat template.
+    teacher-forced fidelity, attention maps); ``chat`` feeds the prompt through the chat template;
+    ``retention`` takes kept-position snapshots of every run (``kvlab.measure.retention``: what each layer
+    and KV head holds, at a bounded number of steps).
 
     ``questions``: ``source`` is then the context, and each question is asked of it. ``protocol``:
     "query-agnostic" (the default with questions: the context compressed once, each question fed
@@ -59,6 +62,7 @@ class Comparison:
     chat: bool = True
     questions: Sequence[str] = ()
     protocol: str | None = None
+    retention: RetentionSettings | None = None  # kept-position snapshots for the retention map (None: none)
 
     def __post_init__(self) -> None:
         self.budgets: Sequence[Budget] = [Budget.parse(b) for b in self.budgets]
@@ -144,6 +148,8 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
     engine = as_engine(model)
     runs = comparison.check()
     measure: list[Probe] = [MetricsProbe(comparison.measure)] if comparison.measure is not None else []
+    if comparison.retention is not None:
+        measure.append(RetentionProbe(comparison.retention, comparison.settings.max_new_tokens))
     every: list[Probe] = [*probes, HealthProbe(), *measure]
     settings, task = comparison.settings, comparison.task
     if not comparison.asked():  # one prompt, compressed with its question

@@ -79,6 +79,9 @@ class Compressor(ABC):
     no_value_head_size: ClassVar[str] = ""
     # why a composition (``METHOD+kivi2``, ``METHOD+qjl``) cannot wrap this method ("": it can)
     no_composition: ClassVar[str] = ""
+    # tokens the cache no longer holds exactly still stand in what it keeps (clusters, merged values, sample
+    # weights): the retention map shows them as summarized, not evicted (``kvlab.measure.retention``)
+    summarizes: ClassVar[bool] = False
 
     decode_steps: int | None = None  # decode steps the plan must hold its budget for (the engine sets it)
 

@@ -62,6 +62,7 @@ class CaM(StreamingLLM):
     name = "cam"
     title = "CaM"
     group = "recent"
+    summarizes = True  # an evicted token's value is merged into the tokens after it
     paper = (
         "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024 "
         "(proceedings.mlr.press/v235/zhang24n)"

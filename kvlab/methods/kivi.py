@@ -503,6 +503,12 @@ class KIVI(Compressor):
         for layer in self.layers:
             yield from layer.tensors()
 
+    def kept_positions(self, layer: int) -> Tensor | None:
+        """[Hkv, r] positions of the full-precision residual (the newest tokens; the older ones are codes)."""
+        st = self.layers[layer]
+        r = st.rk.n
+        return torch.arange(st.seen - r, st.seen, dtype=torch.int32).expand(self.info.n_kv_heads, r)
+
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """Softmax over the dequantized keys (every token held, in order; 0 for the groups a local layer
         dropped). q [Hq, 1, d] -> [Hq, n]."""

@@ -17,6 +17,7 @@ from kvlab.measure.metrics import token_diff
 from kvlab.methods import UnknownMethodError, get, methods
 from kvlab.report import comparison_figures as plots
 from kvlab.report.charts import finite
+from kvlab.report.leaderboard import protocol_text
 from kvlab.ui.config import GROUP_TITLES
 
 
@@ -26,6 +27,26 @@ def progress_html(frac: float, message: str) -> str:
         f"<div class='kv-progress' role='progressbar' aria-valuenow='{pct:.0f}'>"
         f"<div class='kv-progress-bar' style='width:{pct:.1f}%'></div></div>"
         f"<div class='kv-progress-msg'>{html.escape(message)}</div>"
+    )
+
+
+def source_html(result: CompareResult | None) -> str:
+    """Where the numbers below come from: the model, the protocol, the prompt and the generation settings."""
+    if result is None:
+        return "<div id='kv-source-line' class='kv-source'></div>"
+    model = str((result.model or {}).get("id", "?"))
+    s = result.settings or {}
+    gen = "sampled" if s.get("do_sample") else "greedy"
+    new = s.get("max_new_tokens")
+    prompt = (
+        f"{result.context_tokens} context tokens, the question fed after"
+        if result.protocol == QUERY_AGNOSTIC
+        else f"{result.prompt_tokens} prompt tokens"
+    )
+    return (
+        f"<div id='kv-source-line' class='kv-source' style='font-size:.86em;color:#374151'><b>Model:</b> "
+        f"{html.escape(model)} · <b>protocol:</b> {html.escape(protocol_text(result.protocol))} · "
+        f"{html.escape(prompt)} · {html.escape(str(new))} new tokens, {gen}</div>"
     )
 
 

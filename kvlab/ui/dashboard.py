@@ -29,17 +29,20 @@ from kvlab.engine.loader import EMBEDDED, Progress, load_model, spec_of, unload
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.measure.metrics import ProbeSettings
+from kvlab.measure.retention import RetentionSettings
 from kvlab.methods import get
 from kvlab.report import comparison_figures as plots
+from kvlab.report import retention_map
 from kvlab.report.result_file import ResultFileError, load_result_text
 from kvlab.run import Comparison, stream
 from kvlab.tasks import Task, join_question
-from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
+from kvlab.ui.cards import cards_html, kept_strip_html, progress_html, source_html
 from kvlab.ui.config import Limits
 from kvlab.ui.export import export_files
 from kvlab.ui.gpu_lease import WorkSize
 from kvlab.ui.methods import params_from_rows
 from kvlab.ui.model_choice import model_line, offered, refused_line
+from kvlab.ui.retention_view import prompt_positions_html, slider_range, steps_note
 
 FIGURE_TITLES = (
     "Cache size",
@@ -50,7 +53,10 @@ FIGURE_TITLES = (
     "Attention over the prompt",
     "Quality vs memory",
 )
-FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
+FIGURE_OUTPUTS = FIGURE_TITLES + (
+    "kept strip", "layer picker", "strip picker", "source line", "retention maps", "retention prompt",
+    "retention step", "retention steps",
+)  # fmt: skip
 
 
 CANCEL_WAIT_S = 30.0  # how long Cancel waits for the model work in progress to end
@@ -220,9 +226,11 @@ def _ended_early(result: CompareResult) -> str:
 class Dashboard:
     """The callbacks behind the page; holds the model loaded at start and the last one chosen on the page."""
 
-    def __init__(self, lm: LoadedModel, limits: Limits | None = None):
+    def __init__(self, lm: LoadedModel, limits: Limits | None = None, device: str | None = None):
         self.lm = lm
         self.limits = limits or Limits()
+        self.device = device  # where models load (``gpu_lease.placement_device``: "cuda" on ZeroGPU; None: auto)
+        self.keep = KEEP_CHOSEN  # models held besides the first (more when the page preloads its list)
         self.admission = AdmissionLimits.from_env()
         self.start = spec_of(lm)  # the model the page started with: always held
         self.engines: dict[str, Engine] = {self.start: Engine(lm)}  # spec -> engine, oldest first
@@ -249,7 +257,7 @@ class Dashboard:
         if not load:
             raise InputError(f"model {spec!r} is not loaded yet: press Load model (Run loads it too)")
         try:
-            engine = Engine(load_model(spec, progress=progress))
+            engine = Engine(load_model(spec, device=self.device, progress=progress))
         except ModelLoadError as exc:
             raise InputError(str(exc)) from None
         self.engines[spec] = engine
@@ -257,13 +265,22 @@ class Dashboard:
         return engine
 
     def _free_older(self, keep: str) -> None:
-        """Hold at most ``KEEP_CHOSEN`` models besides the first one (``keep``, just loaded, stays)."""
+        """Hold at most ``self.keep`` models besides the first one (``keep``, just loaded, stays)."""
         chosen = [s for s in self.engines if s not in (self.start, keep)]
-        for spec in chosen[: max(0, len(chosen) + 1 - KEEP_CHOSEN)]:
+        for spec in chosen[: max(0, len(chosen) + 1 - self.keep)]:
             engine = self.engines.pop(spec)
             if engine.lm.model is not self.lm.model:
                 unload(engine.lm)
         gc.collect()
+
+    def preload(self, specs) -> list[str]:
+        """Load every model of ``specs`` now and hold them all (ZeroGPU: models are placed at import, never
+        inside a lease); returns the specs held. A model that cannot be loaded raises ``InputError``."""
+        specs = list(dict.fromkeys(s for s in specs if s and s != self.start))
+        self.keep = max(self.keep, len(specs))
+        for spec in specs:
+            self.engine_for(spec)
+        return [self.start, *specs]
 
     def offered(self) -> list[str]:
         """The models the page's model box lists (this machine's, or the fixed list), and those held now."""
@@ -341,6 +358,7 @@ class Dashboard:
             settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(inputs.seed, "the seed", 0)),
             measure=measure,
             questions=[question] if question else (),
+            retention=RetentionSettings(),
         )
         n = len(comparison.encode(engine.lm))
         if n > self.limits.max_prompt_tokens:
@@ -542,6 +560,11 @@ class Dashboard:
                 kept_strip_html(None, None, None),
                 gr.update(),
                 gr.update(),
+                source_html(None),
+                retention_map.figure_or_empty(None),
+                prompt_positions_html(None, None),
+                gr.update(value=0, maximum=1),
+                steps_note(None),
             )
         result = CompareResult.from_json(data)
         lm = self._lm_for(result)
@@ -561,7 +584,18 @@ class Dashboard:
             kept_strip_html(result, strip, lm),
             gr.update(choices=layers, value=layer_choice if layer_choice in layers else "mean"),
             gr.update(choices=labels, value=strip),
+            source_html(result),
+            retention_map.figure(result, step=0),
+            prompt_positions_html(result, lm),
+            gr.update(value=0, maximum=max(1, slider_range(result)[0]), step=1),
+            steps_note(result),
         )
+
+    def view_retention(self, data, step):
+        """The retention maps at the slider's ``step`` (from the stored result; nothing recomputed)."""
+        if not data:
+            return retention_map.figure_or_empty(None)
+        return retention_map.figure(CompareResult.from_json(data), step=int(step or 0))
 
     def view_errors(self, data, layer_choice):
         if not data:
