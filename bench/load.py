@@ -79,7 +79,8 @@ def compare(tree: Path, model: str, length: str, env: dict[str, str]) -> dict:
     """One ``kvlab compare`` in a fresh process: its timings (seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        cmd = [sys.executable, "-m", "kvlab", "compare", "--model", model, "--length", length, *TASK, "--json", str(out)]
+        cmd = [sys.executable, "-m", "kvlab", "compare", "--model", model, "--length", length, *TASK]
+        cmd += ["--json", str(out)]
         t0 = time.perf_counter()
         subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True)
         wall = time.perf_counter() - t0

@@ -35,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="embedded")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--table", action="store_true", help="print the Markdown table of the files in --out and stop")
+    p.add_argument("--merge-from", default="", help="add the samples of another run's folder to --out and stop")
     args = p.parse_args(argv)
+    if args.merge_from:
+        merge_from(Path(args.merge_from), Path(args.out))
+        return 0
     if args.table:
         print(markdown_table(Path(args.out), [t for t in args.tasks.split(",") if t]))
         return 0
@@ -77,6 +81,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cell(row: dict) -> str:
+    """``0.80 [0.44, 0.97] (10)``: exact's mean score, its 95% interval and the prompts."""
+    ci = row.get("interval") or {}
+    spread = f" [{ci['low']:.2f}, {ci['high']:.2f}]" if ci.get("low") is not None else ""
+    return f"{row['accuracy']:.2f}{spread} ({row['seeds']})"
+
+
+def merge_from(other: Path, out: Path) -> None:
+    """Add the samples of the calibration files in ``other`` (another process's seeds) to those in ``out``:
+    a (length, seed) pair already in ``out`` is kept; each file's results are summarized again."""
+    for path in sorted(other.glob("calibrate-*.json")):
+        theirs = json.loads(path.read_text())
+        mine_path = out / path.name
+        mine = json.loads(mine_path.read_text()) if mine_path.exists() else theirs | {"samples": []}
+        have = {(s["length"], s["seed"]) for s in mine["samples"]}
+        mine["samples"] += [s for s in theirs["samples"] if (s["length"], s["seed"]) not in have]
+        seconds = {r["length"]: r["seconds"] for r in mine.get("results", [])}
+        for r in theirs.get("results", []):
+            seconds[r["length"]] = seconds.get(r["length"], 0.0) + r["seconds"]
+        lengths = sorted({s["length"] for s in mine["samples"]})
+        mine["results"] = summarize(mine["samples"], lengths, seconds)
+        mine_path.write_text(json.dumps(mine, indent=1))
+
+
 def markdown_table(folder: Path, tasks: list[str]) -> str:
     """docs/tasks.md's table: exact's mean score (seeds) per task and length, and whether it is >= ABLE."""
     from kvlab.tasks.exact_accuracy import ABLE
@@ -85,13 +113,15 @@ def markdown_table(folder: Path, tasks: list[str]) -> str:
     for task in tasks:
         path = folder / f"calibrate-{task}.json"
         if path.exists():
-            per[task] = {r["length"]: r for r in json.loads(path.read_text())["results"]}
+            data = json.loads(path.read_text())
+            seen = sorted({s["length"] for s in data["samples"]})
+            per[task] = {r["length"]: r for r in summarize(data["samples"], seen)}  # intervals from the samples
             lengths += [n for n in per[task] if n not in lengths]
     lengths.sort()
-    rows.append("| task | " + " | ".join(f"{n} tokens" for n in lengths) + " | exact can do it (>= 0.8) at |")
+    rows.append("| task | " + " | ".join(f"{n} tokens" for n in lengths) + " | exact can do it (mean >= 0.8) at |")
     rows.append("| --- " * (len(lengths) + 2) + "|")
     for task, res in per.items():
-        cells = [f"{res[n]['accuracy']:.2f} ({res[n]['seeds']})" if n in res else "—" for n in lengths]
+        cells = [_cell(res[n]) if n in res else "—" for n in lengths]
         able = [str(n) for n in lengths if n in res and res[n]["accuracy"] >= ABLE]
         rows.append(f"| `{task}` | " + " | ".join(cells) + f" | {', '.join(able) or 'none'} |")
     literal = {t: {n: round(r["accuracy"], 3) for n, r in res.items()} for t, res in per.items()}

@@ -1,13 +1,15 @@
 """Budgets on sliding-window models: every method's peak bytes against what its budget allows.
 
 Tiny random-weight models (4 layers, hidden 128, 4 query / 2 KV heads, float32 cache) with a 64-token
-window: Mistral (every layer local) and Cohere 2 (three local layers, then one global). A 520-token
+window: Mistral (every layer local) and Cohere 2 (three local layers, then one global); Llama 4 (three
+layers of chunked attention in 64-token blocks, then one global) and DeepSeek-V2 (multi-head latent
+attention: 4 KV heads whose keys hold 48 numbers and values 32; no window) with `--families`. A 520-token
 prompt of CPython's reference manual, 12 decode steps, every listed method at 0.25 and 0.5. For each
 run: the peak over the steps of bytes held / bytes its budget allows (``health.budget_limits``, the
 share of the exact cache's bytes at that step; the exact cache of a local layer is its window), the
 lowest such ratio, the health flags, or the refusal.
 
-    python -m bench.windowed_budgets [--methods all] [--families mistral,cohere2] [--out FILE]
+    python -m bench.windowed_budgets [--methods all] [--families mistral,cohere2,llama4,deepseek-v2] [--out FILE]
 
 Target: every ratio within [0.85, 1.05] at its peak, no flag, no refusal a plain evictor would not make.
 A run under 0.85 whose bytes at budget 0.99 are the same is marked ``full``: the method already holds
@@ -52,6 +54,36 @@ FAMILIES = {
             sliding_window=WINDOW,
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
             pad_token_id=0,
+        ),
+    ),
+    # chunked attention in 64-token blocks on three layers with RoPE, global attention without RoPE on the fourth
+    "llama4": lambda: (
+        tf.Llama4ForCausalLM,
+        tf.Llama4TextConfig(
+            **{**COMMON, "intermediate_size": 256},
+            head_dim=32,
+            intermediate_size_mlp=256,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            attention_chunk_size=WINDOW,
+        ),
+    ),
+    # multi-head latent attention: key heads of 32 + 16 rotary numbers, value heads of 32, complex RoPE
+    "deepseek-v2": lambda: (
+        tf.DeepseekV2ForCausalLM,
+        tf.DeepseekV2Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            moe_intermediate_size=64,
         ),
     ),
 }

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from kvlab.core.budgets import BudgetError, parse_budgets
 from kvlab.core.cancel import TimeLimit
 from kvlab.engine.embedded import MODELS as CARRIED
-from kvlab.reproduce.registry import REPRODUCTIONS
+from kvlab.reproduce.registry import ALSO as REPRODUCE_ALSO
+from kvlab.reproduce.registry import APART, REPRODUCTIONS
 
 if TYPE_CHECKING:  # for annotations only; the results module is imported where a comparison runs
     from kvlab.core.results import CompareResult
@@ -128,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="passkey, needle, multikey, lines, document, a RULER task (niah_single_1, ..., vt, cwe, fwe), "
         "several comma-separated, or file:PATH / hub:REPO rows (docs/tasks.md)",
     )
-    s.add_argument("--suite", choices=("ruler",), help="a task suite instead of --task: ruler (RULER's eight tasks)")
+    s.add_argument(
+        "--suite",
+        choices=("ruler", "able"),
+        help="a task suite instead of --task: ruler (RULER's eight tasks), or able (those RULER tasks that exact "
+        "does right on the model at every length asked, by its calibration: kvlab/tasks/exact_accuracy.py)",
+    )
     s.add_argument("--lengths", default="1k", help="comma-separated prompt lengths in tokens, e.g. 1k,2k")
     s.add_argument(
         "--methods", default="all", help="comma-separated method names, or all, paper, baselines, recent, quantizers"
@@ -145,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (passkey, needle, multikey)")
     s.add_argument("--depths", default="", help="needle depths, e.g. 0,0.5,1: a depth x length grid")
     s.add_argument("--probes", action=argparse.BooleanOptionalAction, default=True, help="costly metrics (default on)")
+    s.add_argument(
+        "--fidelity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="teacher-forced log-probability of exact's answer, also with --no-probes (default on)",
+    )
     s.add_argument(
         "--protocol",
         default="query-agnostic",
@@ -175,15 +187,31 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     cal.add_argument("--out", help="write the results and every sample as JSON here")
     cal.add_argument("--quiet", action="store_true", help="no per-sample lines on stderr")
-    r = sub.add_parser("reproduce", help="measure a paper's claim on the model: one reproduction by name, or all")
+    r = sub.add_parser("reproduce", help="measure the papers' claims on the model: one reproduction by name, or all")
     r.add_argument(
-        "name",
-        help=", ".join(REPRODUCTIONS) + ", or all",
+        "name", nargs="?", help=", ".join(REPRODUCTIONS) + ", or all; by name only (hours): " + ", ".join(APART)
     )
     r.add_argument("--out", default="reproduce-out", help="output folder (NAME.json, NAME.html, summary.json)")
     r.add_argument("--quick", action="store_true", help="small settings (short prompts, few seeds): a smoke run")
     r.add_argument("--model", default="embedded", help=MODEL_HELP)
+    r.add_argument(
+        "--also",
+        default=",".join(REPRODUCE_ALSO),
+        help="models the task claims also run on, comma-separated, or none (default: %(default)s)",
+    )
     r.add_argument("--device", default="auto")
+    r.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    r.add_argument(
+        "--docs", action="store_true", help="after the run, regenerate docs/reproductions.md and the README tally"
+    )
+    r.add_argument("--docs-from", metavar="SUMMARY", help="regenerate the docs from this summary.json; run nothing")
+    r.add_argument(
+        "--rejudge",
+        nargs="+",
+        metavar="NAME.json[=MODEL]",
+        help="decide the rows again from these stored results, measuring nothing (=MODEL: the model of a one-model "
+        "file whose command does not name it); writes to --out",
+    )
     r.add_argument("--quiet", action="store_true")
     return p
 
@@ -390,13 +418,35 @@ def _shown(ev) -> bool:
     return ev.kind == "step" and (ev.step % 8 == 0 or ev.step == ev.total)
 
 
+def able_suite(model: str, lengths: list[int]) -> list[str]:
+    """RULER's tasks that exact does right (calibrated mean >= ``exact_accuracy.ABLE``) on ``model`` at every
+    length of ``lengths``; ``CliError`` when there are none, naming the calibration to run."""
+    from kvlab.engine.embedded import embedded
+    from kvlab.tasks import RULER_TASKS
+    from kvlab.tasks.exact_accuracy import ABLE, able
+
+    carried = embedded(model)
+    model_id = carried.display if carried else model
+    tasks = [t for t in RULER_TASKS if all(able(model_id, t, n) for n in lengths)]
+    if not tasks:
+        at = ", ".join(str(n) for n in lengths)
+        raise CliError(
+            f"no RULER task is calibrated as one exact does right (>= {ABLE}) on {model!r} at {at} tokens; "
+            f"calibrate it (python -m bench.ruler_calibrate --model {model}) or name tasks with --task"
+        )
+    return tasks
+
+
 def cmd_sweep(args) -> int:
     from kvlab.engine.comparison import Engine
     from kvlab.engine.specs import InputError, expand_runs
     from kvlab.sweep import SweepConfig, budget_labels, run_sweep
     from kvlab.tasks import OWN_TASKS, SUITES, TASKS, TaskError, parse_length
 
-    task = ",".join(SUITES[args.suite]) if args.suite else args.task
+    if args.suite == "able":
+        task = ",".join(able_suite(args.model, [parse_length(x) for x in args.lengths.split(",") if x.strip()]))
+    else:
+        task = ",".join(SUITES[args.suite]) if args.suite else args.task
     for name in task.split(","):
         if name not in TASKS and not name.startswith(("file:", "hub:")):
             raise CliError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}, file:PATH or hub:REPO")
@@ -436,6 +486,7 @@ def cmd_sweep(args) -> int:
         args.out,
         depths=sorted(set(depths)),
         protocol=args.protocol,
+        fidelity=args.fidelity,
     )
 
     def engine_factory():
@@ -459,17 +510,42 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_reproduce(args) -> int:
+    from kvlab.reproduce.docs import write_docs
     from kvlab.reproduce.registry import UnknownReproduction
-    from kvlab.reproduce.runner import expand, run_reproductions
+    from kvlab.reproduce.runner import RejudgeError, expand, rejudge_reproductions, run_reproductions
     from kvlab.reproduce.setup import ReproductionSetup
 
-    ctx = ReproductionSetup(quick=args.quick, model=args.model, device=args.device)
+    root = Path(__file__).resolve().parents[1]
+    if args.docs_from:
+        if not Path(args.docs_from).is_file():
+            raise CliError(f"--docs-from: no such file {args.docs_from!r} (a summary.json written by reproduce all)")
+        for path in write_docs(args.docs_from, root):
+            print(f"wrote {path}")
+        return 0
+    if args.rejudge:
+        try:
+            rejudge_reproductions(args.rejudge, args.out)
+        except (RejudgeError, UnknownReproduction) as exc:
+            raise CliError(str(exc)) from None
+        return 0
+    if not args.name:
+        raise CliError("reproduce: give a reproduction's name or all (or --docs-from SUMMARY, --rejudge NAME.json); "
+                       "allowed: " + ", ".join((*REPRODUCTIONS, *APART)) + ", all")  # fmt: skip
+    also = tuple(m for m in args.also.split(",") if m.strip() and m.strip() != "none")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    ctx = ReproductionSetup(quick=args.quick, model=args.model, device=args.device, models=also)
     if args.quiet:
         ctx.log = lambda m: None
     try:
         run_reproductions(expand(args.name), ctx, args.out)
     except UnknownReproduction as exc:
         raise CliError(str(exc)) from None
+    if args.docs:
+        for path in write_docs(Path(args.out) / "summary.json", root):
+            print(f"wrote {path}")
     return 0
 
 

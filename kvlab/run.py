@@ -30,8 +30,10 @@ from kvlab.engine import faults
 from kvlab.engine.comparison import Engine, each_in_own_prompt
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import Event, GenerationSettings, InputError, Question, RunSpec, expand_runs, results_of
+from kvlab.measure.fidelity import add_fidelity
 from kvlab.measure.health import HealthProbe
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings, add_text_metrics, answer_positions
+from kvlab.measure.retention import RetentionProbe, RetentionSettings
 from kvlab.tasks import Task, join_question, prompt_ids, prompt_text, score_result, split_ids
 
 
@@ -41,7 +43,9 @@ class Comparison:
 
     ``budgets`` are ``Budget``s or their text (``"0.25"``, ``"512t"``); ``params`` maps a method to
     its parameter overrides; ``measure`` None leaves out the costly measurements (attention error,
-    teacher-forced fidelity, attention maps); ``chat`` feeds the prompt through the chat template.
+    teacher-forced fidelity, attention maps); ``chat`` feeds the prompt through the chat template;
+    ``retention`` takes kept-position snapshots of every run (``kvlab.measure.retention``: what each layer
+    and KV head holds, at a bounded number of steps).
 
     ``questions``: ``source`` is then the context, and each question is asked of it. ``protocol``:
     "query-agnostic" (the default with questions: the context compressed once, each question fed
@@ -58,6 +62,7 @@ class Comparison:
     chat: bool = True
     questions: Sequence[str] = ()
     protocol: str | None = None
+    retention: RetentionSettings | None = None  # kept-position snapshots for the retention map (None: none)
 
     def __post_init__(self) -> None:
         self.budgets: Sequence[Budget] = [Budget.parse(b) for b in self.budgets]
@@ -143,6 +148,8 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
     engine = as_engine(model)
     runs = comparison.check()
     measure: list[Probe] = [MetricsProbe(comparison.measure)] if comparison.measure is not None else []
+    if comparison.retention is not None:
+        measure.append(RetentionProbe(comparison.retention, comparison.settings.max_new_tokens))
     every: list[Probe] = [*probes, HealthProbe(), *measure]
     settings, task = comparison.settings, comparison.task
     if not comparison.asked():  # one prompt, compressed with its question
@@ -163,7 +170,7 @@ def stream(model: LoadedModel | Engine, comparison: Comparison, probes: Sequence
                 for r in ev.results:
                     if task is not None and not r.question:  # a task run query-aware: its question is inside
                         r.question = task.question
-                    finish(r, task)
+                    finish(r, task, engine.lm.decode)
                     if task is not None and comparison.measure is not None:  # where the maps mark the answer
                         r.settings["answer_positions"] = answer_positions(
                             r.prompt_token_ids, task.answer, engine.lm.decode
@@ -189,11 +196,16 @@ def compare_all(
     return results_of(stream(model, comparison, probes))
 
 
-def finish(result: CompareResult, task: Task | None = None) -> CompareResult:
-    """Text metrics against the exact run (diff, first divergence, similarity) and the task's scores."""
+def finish(
+    result: CompareResult, task: Task | None = None, decode: Callable[[list[int]], str] | None = None
+) -> CompareResult:
+    """Text metrics against the exact run (diff, first divergence, similarity), the task's scores and, with
+    ``decode`` (token ids -> text), the fidelity to exact's answer (``kvlab.measure.fidelity``)."""
     add_text_metrics(result)
     if task is not None:
         score_result(task, result)
+    if decode is not None:
+        add_fidelity(result, task, decode)
     return result
 
 

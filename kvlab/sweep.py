@@ -35,11 +35,15 @@ from kvlab.core.budgets import parse_budgets
 from kvlab.core.results import memory_figures
 from kvlab.core.statistics import mean_interval, score_interval
 from kvlab.engine.specs import GenerationSettings
+from kvlab.measure.fidelity import agreement
 from kvlab.measure.metrics import ProbeSettings
-from kvlab.report import leaderboard
+from kvlab.report import leaderboard, ranking
 from kvlab.report.sweep_report import write_report
 from kvlab.run import Comparison, compare
-from kvlab.tasks import make_task
+from kvlab.tasks import Task, make_task
+
+FIDELITY_ONLY = ProbeSettings(attn_error=False, fidelity=True, maps=False)  # teacher forcing alone
+FIDELITY = ("agreement", "answer_logprob")  # kvlab.measure.fidelity's scores, per run
 
 CSV_FIELDS = (
     "task",
@@ -61,6 +65,8 @@ CSV_FIELDS = (
     "budget_use",
     "shared_bytes",
     "task_score",
+    "agreement",
+    "answer_logprob",
     "text_similarity",
     "first_divergence",
     "kl_mean",
@@ -87,6 +93,7 @@ class SweepConfig:
     out: str = "sweep-out"
     depths: list[float] = field(default_factory=list)  # needle depths of a depth x length grid; empty: [depth]
     protocol: str = "query-agnostic"  # kvpress's: the task's question asked after compression; or "query-aware"
+    fidelity: bool = True  # teacher-forced answer likelihood even without ``probes`` (kvlab.measure.fidelity)
 
     @property
     def tasks(self) -> list[str]:
@@ -98,7 +105,8 @@ class SweepConfig:
 
     def key(self) -> str:
         """Hash of everything besides the cell that changes a cell's result."""
-        skip = ("lengths", "seeds", "out", "depths", "depth", "methods")  # a cell file lists its methods
+        # a cell file lists its methods; teacher forcing adds measures, never changes what the runs generate
+        skip = ("lengths", "seeds", "out", "depths", "depth", "methods", "fidelity")
         parts = {k: v for k, v in asdict(self).items() if k not in skip}
         if parts["protocol"] == "query-aware":  # keeps the keys of cells stored before the protocol existed
             del parts["protocol"]
@@ -151,7 +159,7 @@ def run_cell(engine, cfg: SweepConfig, cell: Cell, methods: list[str] | None = N
         settings=GenerationSettings(
             max_new_tokens=cfg.max_new_tokens if cfg.max_new_tokens is not None else task.max_new_tokens or 16
         ),
-        measure=ProbeSettings() if cfg.probes else None,
+        measure=ProbeSettings() if cfg.probes else FIDELITY_ONLY if cfg.fidelity else None,
         protocol=cfg.protocol,
     )
     result = compare(engine, comparison)
@@ -257,8 +265,24 @@ def load_cells(cfg: SweepConfig) -> list[dict]:
         if path.exists():
             rec = json.loads(path.read_text())
             rec["runs"] = [r for r in rec["runs"] if r["method"] in cfg.methods]
-            recs.append(rec)
+            recs.append(backfilled(rec))
     return recs
+
+
+def backfilled(rec: dict) -> dict:
+    """A cell's record with ``agreement`` set on runs stored before it was measured, from their stored texts
+    and tokens against the cell's exact run (``kvlab.measure.fidelity.agreement``); the answer's
+    log-probability needs the teacher-forced run and stays unset."""
+    exact = next((r for r in rec["runs"] if r["method"] == "exact"), None)
+    if exact is None or all("agreement" in r["metrics"] for r in rec["runs"]):
+        return rec
+    meta = rec.get("meta") or {}
+    refs = meta.get("references")
+    task = Task(rec["cell"]["task"], "", rec.get("answer"), meta, references=refs, metric="all" if refs else "number")
+    for r in rec["runs"]:
+        if "agreement" not in r["metrics"]:
+            r["metrics"]["agreement"] = agreement(task, r["text"], r["token_ids"], exact["text"], exact["token_ids"])
+    return rec
 
 
 def rows(recs: list[dict], cfg_depth: float = 0.5) -> Iterator[dict]:
@@ -291,6 +315,7 @@ def rows(recs: list[dict], cfg_depth: float = 0.5) -> Iterator[dict]:
                     k: m.get(k)
                     for k in (
                         "task_score",
+                        *FIDELITY,
                         "text_similarity",
                         "first_divergence",
                         "kl_mean",
@@ -315,6 +340,8 @@ def merge(cfg: SweepConfig) -> Path:
         "protocol": protocol,
         "summary": summary(recs),
         "leaderboard": [r.as_dict() for r in board],
+        # which methods the paired, Holm-corrected tests separate, per ratio and score (kvlab.report.ranking)
+        "ranking": [rk.as_dict() for metric in RANKED for rk in ranking.rank_board(board, metric)],
         "cells": recs,
     }
     (out / "results.json").write_text(json.dumps(data))
@@ -328,28 +355,29 @@ def merge(cfg: SweepConfig) -> Path:
     return write_report(cfg, recs, out / "report.html")
 
 
+SUMMARY = ("task_score", *FIDELITY, "text_similarity")
+RANKED = ("task_score", *FIDELITY)  # the per-prompt scores the leaderboard's ranking tests
+
+
 def summary(recs: list[dict]) -> list[dict]:
-    """Per task and run label: the mean task score and text similarity over the cells, each with n and its
-    95% interval (the exact binomial interval for 0/1 task scores, else a bootstrap over the cells)."""
+    """Per task and run label: the mean task score, agreement with exact's answer, answer log-probability
+    and text similarity over the cells, each with n and its 95% interval (the exact binomial interval for
+    0/1 scores, else a bootstrap over the cells)."""
     acc: dict[tuple[str, str], dict[str, list[float]]] = {}
     for rec in recs:
         for r in rec["runs"]:
-            per = acc.setdefault((rec["cell"]["task"], r["label"]), {"task_score": [], "text_similarity": []})
+            per = acc.setdefault((rec["cell"]["task"], r["label"]), {k: [] for k in SUMMARY})
             for key in per:
                 v = r["metrics"].get(key)
                 if v is not None:
                     per[key].append(float(v))
     out = []
     for (task, label), per in acc.items():
-        ts, sim = score_interval(per["task_score"]), mean_interval(per["text_similarity"])
-        out.append(
-            {
-                "task": task,
-                "label": label,
-                "task_score": ts.as_dict() if ts else None,
-                "text_similarity": sim.as_dict() if sim else None,
-            }
-        )
+        row: dict = {"task": task, "label": label}
+        for key, xs in per.items():
+            est = score_interval(xs) if key in ("task_score", "agreement") else mean_interval(xs)
+            row[key] = est.as_dict() if est else None
+        out.append(row)
     return out
 
 

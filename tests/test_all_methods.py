@@ -14,7 +14,6 @@ from kvlab.core import semantics as sm
 from kvlab.core.budgets import BudgetRefused, exact_bytes
 from kvlab.engine.prefill import prefill, query_stats
 from kvlab.methods import get, names
-from kvlab.methods.adakv import AdaKV, Adaptive
 from kvlab.methods.dense import DenseCompressor
 from kvlab.methods.handover import PrefillNeeds
 from kvlab.methods.scored import ScoredEvictionCompressor
@@ -35,9 +34,10 @@ STEPS = 3
 def matrix_state(lm, long_text):
     """The same ~600-token real prefill as ``prefill_state``, with everything a method may ask of the
     prefill handed over: every prompt query (methods with long query windows, Scissorhands: w = B/2),
-    accumulated attention, pre-RoPE query statistics over the whole prompt, and the model itself."""
+    accumulated attention, pre-RoPE query statistics over the whole prompt, the model itself and its output
+    projections."""
     ids = lm.encode(long_text[:3000])
-    needs = PrefillNeeds(query_window=len(ids), acc_attn=True, query_stats=len(ids), model_access=True)
+    needs = PrefillNeeds(query_window=len(ids), acc_attn=True, query_stats=len(ids), model_access=True, out_proj=True)
     state, _ = prefill(lm, ids, needs)
     return state
 
@@ -115,8 +115,8 @@ def test_full_budget_is_exact(lm, matrix_state, name):
 def test_declared_capabilities_match_the_class(method):
     """The fast feeds are chosen by what a class declares (``plain_feed``, ``feeds_in_blocks``), never by
     comparing its methods; here, for every method, the declaration is checked against the class itself."""
-    made = get(method)  # a wrapper's instances are of its inner class (a composition) or AdaKV's
-    cls = made if isinstance(made, type) else AdaKV if isinstance(made, Adaptive) else made.inner
+    made = get(method)  # a wrapper's instances are of its inner class (a composition) or its cache's (``ada-``)
+    cls = made if isinstance(made, type) else made.instance_class
     if issubclass(cls, DenseCompressor):
         own = cls.append is DenseCompressor.append and cls.attend is DenseCompressor.attend
         assert cls.plain_feed == own, f"{method}: plain_feed should be {own}"

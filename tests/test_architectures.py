@@ -1,10 +1,13 @@
-"""The architecture matrix: tiny random-weight models of 17 configurations, built in-process (no hub).
+"""The architecture matrix: tiny random-weight models of 20 configurations, built in-process (no hub).
 
 For each (``tiny_models``): the load path (attention semantics read from the model, the self-check
 against its own forward) accepts it; ``exact`` with a float32 cache generates ``generate``'s tokens
 on a prompt longer than its sliding window; every registered method runs at budget 0.5 in the same
 comparison, holds its budget in bytes and raises no health flag. Also: the self-check refuses a broken attention
-path, unsupported architectures are refused in one line, and bf16 on the CPU stays exact.
+path, unsupported architectures (MPT's ALiBi among them) are refused in one line and exit status 2, a run
+that would cross the length where Phi-3's longrope switches factors is refused before it starts, RoPE is read
+as each model applies it (complex angles, latent attention's rotated part, layers without RoPE), PhiMoE's
+window is read from its config, and bf16 on the CPU stays exact.
 """
 
 from __future__ import annotations
@@ -14,24 +17,37 @@ import tiny_models
 import torch
 import transformers as tf
 from tiny_models import ARCHITECTURES, WINDOW, build, instantiate
+from transformers.models.mpt.configuration_mpt import MptAttentionConfig
 
+from kvlab.cli import main
 from kvlab.core import semantics as sm
 from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.core.model import ModelLoadError
+from kvlab.core.rope import HALF, INTERLEAVED, SameToken, model_rotary
+from kvlab.engine import attention as attn
 from kvlab.engine.comparison import Engine
-from kvlab.engine.loader import from_model, load_model, refuse_unsupported
-from kvlab.engine.prefill import prefill
-from kvlab.engine.selfcheck import self_check
-from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.engine.loader import from_model, load_model, refuse_unsupported, uses_alibi, verdict_of
+from kvlab.engine.prefill import ExactExtension, prefill
+from kvlab.engine.selfcheck import divergence, probe_ids, self_check
+from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.methods import names
 from kvlab.methods.exact import Exact
 from kvlab.methods.handover import PrefillNeeds
 
 PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
-LOCAL = {"mistral", "gemma2", "gemma3", "olmo3", "gpt-oss", "llama4"}  # families with sliding-window or chunked layers
+# families with sliding-window or chunked layers
+LOCAL = {"mistral", "gemma2", "gemma3", "olmo3", "gpt-oss", "llama4", "phimoe"}
 # refused on a model without a rotary embedding kvlab can read (per layer)
-NEEDS_ROPE = {"expected-attention", "ada-expected-attention"}
+NEEDS_ROPE = {
+    "expected-attention",
+    "ada-expected-attention",
+    "lukv-expected-attention",
+    "duoattention",
+    "capkv",
+    "leverage",
+    "compactor",
+}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +191,8 @@ def test_self_check_is_on_by_default_and_cheap(lm):
         (tf.T5Config(), "encoder-decoder"),
         (tf.MambaConfig(), "state-space"),
         (tf.FalconConfig(alibi=True), "ALiBi"),
+        (tiny_models.mpt_config(True), "ALiBi"),
+        (tf.BloomConfig(), "ALiBi"),
         (tf.Qwen3NextConfig(), "not softmax attention"),
     ],
 )
@@ -192,3 +210,109 @@ def test_bfloat16_cpu_exact_equals_generate(lm):
     ids = bf.encode("Name three rivers of Europe and the seas they flow into.")
     res = Engine(bf).compare(ids, [RunSpec("exact")], GenerationSettings(max_new_tokens=16))
     assert res.runs[0].token_ids == _generate(bf.model, ids, 16)
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+def test_mpt_is_refused_in_one_line_with_status_2(alibi, lm, tmp_path, capsys):
+    """MPT keeps ALiBi in ``attn_config.alibi``: refused from its config. Without ALiBi its hand-written attention
+    calls neither transformers' interface nor SDPA, and reading it fails inside the model's own code: that too is
+    a one-line refusal naming the cause, never a traceback. From the command line: status 2, one line."""
+    model = instantiate(tf.MptForCausalLM, tiny_models.mpt_config(alibi), "eager")
+    why = "ALiBi" if alibi else "reading its attention failed (AttributeError"
+    with pytest.raises(ModelLoadError, match=why.replace("(", r"\(")) as info:
+        from_model(model, lm.tokenizer, "mpt")
+    assert "\n" not in str(info.value) and "docs/models.md" in str(info.value)
+    folder = tmp_path / "mpt"
+    model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+    capsys.readouterr()
+    code = main(["compare", "--prompt", "hi", "--model", str(folder), "--max-new-tokens", "2", "--quiet"])
+    lines = [x for x in capsys.readouterr().err.splitlines() if x and "Loading weights" not in x]  # the bar: not ours
+    assert code == 2 and len(lines) == 1 and "kvlab cannot run" in lines[0] and why in lines[0], lines
+
+
+def test_alibi_is_read_wherever_families_keep_it():
+    assert uses_alibi(tf.FalconConfig(alibi=True)) and not uses_alibi(tf.FalconConfig())
+    assert uses_alibi(tiny_models.mpt_config(True)) and not uses_alibi(tiny_models.mpt_config(False))
+    assert uses_alibi(tf.MptConfig(attn_config=MptAttentionConfig(alibi=True)))  # an object, not a dict
+    assert uses_alibi(tf.BloomConfig())  # BLOOM always adds it; no field says so
+
+
+def test_a_run_crossing_the_rope_switch_is_refused(lm):
+    """Phi-3's longrope rotates every position with short factors up to ``original_max_position_embeddings``
+    tokens and with long ones past it; transformers' ``generate`` re-encodes the whole sequence at the crossing.
+    kvlab finds the switch in the model's rotary module, probes past it at load, runs what stays on one side
+    (exact == generate) and refuses, before any work, a run that would cross it."""
+    model = build("phi3-longrope")
+    loaded = from_model(model, lm.tokenizer, "phi3-longrope").with_cache_dtype("float32")
+    switch = tiny_models.SWITCH
+    assert loaded.info.rope_switches == (switch,)
+    assert verdict_of(loaded).past_switches == (switch + 1,)
+    ids = probe_ids(loaded, switch + 16)
+    engine, runs = Engine(loaded), [RunSpec("exact"), RunSpec("snapkv", Budget.parse("0.5"))]
+    with pytest.raises(InputError, match=f"would run past {switch} tokens") as info:
+        engine.compare(ids[: switch - 4], runs, GenerationSettings(max_new_tokens=8))
+    assert f"at most {switch + 1} tokens" in str(info.value) and "\n" not in str(info.value)
+    below = ids[: switch - 8]  # prompt + new tokens fed: exactly up to the switch
+    res = engine.compare(below, runs, GenerationSettings(max_new_tokens=9))
+    assert res.runs[0].token_ids == _generate(model, below, 9) and not res.runs[1].error
+    # the refusal is needed: decoding across the switch, kvlab's cache keeps keys of the short factors
+    errs, _ = divergence(loaded, prefix=switch - 2)
+    assert max(errs[3:]) > 1e-2
+
+
+def test_kvzip_reconstructs_within_the_rope_switch(lm, monkeypatch):
+    """KVzip runs the prompt again after itself to score it; on a prompt within the switch that forward stays
+    within it too (past it, its queries would turn with other factors than the prompt's keys)."""
+    loaded = from_model(build("phi3-longrope"), lm.tokenizer, "phi3-longrope", check=False)
+    reached: list[int] = []
+    real = ExactExtension.extend
+
+    def extend(self, ids, observe):
+        reached.append(self.keys.shape[-2] + len(ids))
+        return real(self, ids, observe)
+
+    monkeypatch.setattr(ExactExtension, "extend", extend)
+    ids, gen = probe_ids(loaded, 40), GenerationSettings(max_new_tokens=2)
+    res = Engine(loaded).compare(ids, [RunSpec("kvzip", Budget.parse("0.5"))], gen)
+    assert not res.runs[0].error and reached and max(reached) <= tiny_models.SWITCH
+
+
+def test_complex_rope_and_its_placement_are_the_models(lm):
+    """DeepSeek-V2 and Llama 4 give complex angles (``torch.polar``), rotating neighbouring pairs; latent
+    attention rotates the last 16 of 48 key numbers; Llama 4's global layer and SmolLM3's every fourth apply no
+    RoPE. On the first layer's keys of one token at positions 2 and 30 (its input is the token alone), kvlab's
+    rotation turns one into the other; a placement the keys contradict is not read (the rotation is None)."""
+    cases = {"deepseek-v2": (INTERLEAVED, 32, [0, 1, 2, 3]), "llama4": (INTERLEAVED, 0, [0, 1, 2])}
+    cases |= {"deepseek-v3": (HALF, 32, [0, 1, 2, 3]), "smollm3": (HALF, 0, [0, 1, 2])}
+    for arch, (pairing, offset, with_rope) in cases.items():
+        model = build(arch)
+        rope = from_model(model, lm.tokenizer, arch, check=False).info.rope
+        assert rope is not None, arch
+        assert [i for i, r in enumerate(rope.layers) if r is not None] == with_rope, arch
+        r = rope.layer(0)
+        assert (r.pairing, r.offset) == (pairing, offset), arch
+        rec = sm.Recorder()
+        ids = list(range(100, 131))
+        ids[30] = ids[2]
+        with torch.inference_mode(), attn.active(model, rec):
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+        k = rec.first_keys
+        assert k is not None
+        moved = r.rotate(r.unrotate(k[:, 2:3].float(), torch.tensor([2])), torch.tensor([30]))
+        torch.testing.assert_close(moved, k[:, 30:31].float(), rtol=0, atol=1e-4 * float(k.abs().max()))
+        assert (k[:, 30] - k[:, 2]).abs().max() > 1e-2  # RoPE did turn them
+    # keys that no rotation relates: nothing is read
+    noise = SameToken(torch.randn(2, 48), torch.randn(2, 48), (0, 3), 4)
+    assert model_rotary(build("deepseek-v2"), 48, 4, noise) is None
+
+
+def test_phimoe_window_is_read_from_its_config(lm, monkeypatch):
+    """PhiMoE applies ``config.sliding_window`` through its mask alone: the attention call is not told. kvlab
+    reads it from the config (no ``layer_types``), and the self-check, whose probe runs past it, confirms it;
+    read as global attention instead, the self-check refuses the model."""
+    info = from_model(build("phimoe"), lm.tokenizer, "phimoe").info
+    assert [s.window for s in info.semantics.layers] == [WINDOW] * 4
+    monkeypatch.setattr(sm, "_config_window", lambda config, layer: None)
+    with pytest.raises(ModelLoadError, match="differs from the model's own forward"):
+        from_model(build("phimoe"), lm.tokenizer, "phimoe")

@@ -135,7 +135,67 @@ def test_default_comparison_renders_every_panel(page, app_url):
     page.wait_for_selector("#kv-heat .main-svg", timeout=30_000)
     page.wait_for_timeout(1500)
     page.screenshot(path=str(SHOT.with_name("screenshot-attention.png")), full_page=True)
+    check_retention_maps(page, n)
     assert not page.dialogs
+
+
+RET_TRACES = r"""() => { const g = document.querySelector('#kv-ret .js-plotly-plot');
+  if (!g || !g.data) return null;
+  const codes = z => {  // the heatmap's codes, flat: plotly keeps a numpy array as base64 bytes (dtype u1)
+    if (z && z.bdata) { const s = atob(z.bdata); return Array.from(s, c => c.charCodeAt(0)); }
+    return Array.from(z || []).flatMap(row => Array.from(row));
+  };
+  return g.data.filter(t => t.type === 'heatmap').map(t => {
+    const z = codes(t.z);
+    const run = (t.hovertemplate.match(/<extra>(.*)<\/extra>/) || [])[1];
+    return {run, evicted: z.filter(v => v === 1).length, cells: z.length, rows: Array.from(t.y).length};
+  }); }"""
+
+
+def ret_titles(page) -> list[str]:
+    return page.evaluate("() => document.querySelector('#kv-ret .js-plotly-plot').layout.annotations.map(a => a.text)")
+
+
+def check_retention_maps(page, n: int) -> None:
+    """What each head keeps: one map per run; Scissorhands' kept positions change with the step slider.
+    Saves the tab at two steps (assets/screenshot-retention-0.png, assets/screenshot-retention-step.png)."""
+    page.get_by_role("tab", name="What each head keeps").click()
+    page.wait_for_function(f"() => {{ const t = ({RET_TRACES})(); return t && t.length === {n}; }}", timeout=120_000)
+    before = {t["run"]: t for t in page.evaluate(RET_TRACES)}
+    assert set(before) >= {"exact", "scissorhands@0.25"}, before.keys()
+    assert all(t["rows"] == 90 for t in before.values())  # 30 layers x 3 KV heads
+    assert before["exact"]["evicted"] == 0
+    titles = ret_titles(page)
+    assert all("after compression" in t for t in titles), titles
+    page.wait_for_timeout(1000)
+    clip_tab(page, SHOT.with_name("screenshot-retention-0.png"))
+    last = int(page.locator("#kv-ret-step input[type=number]").get_attribute("max") or 0)
+    assert last >= 4
+    step = min(last, 16)
+    box = page.locator("#kv-ret-step input[type=number]")
+    box.fill(str(step))
+    box.press("Enter")
+    page.wait_for_function(
+        "() => Array.from(document.querySelector('#kv-ret .js-plotly-plot').layout.annotations)"
+        f".some(a => a.text.includes('scissorhands@0.25') && a.text.includes('step {step}'))",
+        timeout=120_000,
+    )
+    after = {t["run"]: t for t in page.evaluate(RET_TRACES)}
+    sh_before, sh_after = before["scissorhands@0.25"], after["scissorhands@0.25"]
+    assert sh_after["evicted"] > sh_before["evicted"]  # Scissorhands evicts prompt tokens while decoding
+    assert after["exact"]["evicted"] == 0
+    page.wait_for_timeout(1000)
+    clip_tab(page, SHOT.with_name("screenshot-retention-step.png"))
+
+
+def clip_tab(page, path: Path) -> None:
+    """A screenshot of the retention tab: from the prompt's text to the end of the maps."""
+    page.evaluate("window.scrollTo(0, 0)")  # element boxes are then page coordinates, as the clip's are
+    a = page.locator("#kv-ret-prompt").bounding_box()
+    b = page.locator("#kv-ret").bounding_box()
+    y0 = max(0.0, a["y"] - 8)
+    clip = {"x": 0, "y": y0, "width": 1400, "height": b["y"] + b["height"] + 8 - y0}
+    page.screenshot(path=str(path), full_page=True, clip=clip)
 
 
 def test_html_in_prompt_is_text(page, app_url):

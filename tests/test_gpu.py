@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -37,11 +38,22 @@ def test_without_spaces_the_function_is_unchanged(monkeypatch):
 
 @pytest.fixture
 def zero_gpu_spaces(monkeypatch):
-    """A stand-in for the ``spaces`` package on a ZeroGPU Space: records the durations asked for."""
-    asked: list[int] = []
+    """A stand-in for the ``spaces`` package on a ZeroGPU Space: records the durations asked for (and, in
+    ``asked.sizes``, the lease sizes); like the real one, it refuses a coroutine function."""
 
-    def GPU(duration):
+    class Asked(list):
+        sizes: list[str | None]
+
+    asked = Asked()
+    asked.sizes = sizes = []
+
+    def GPU(duration, size=None):
+        sizes.append(size)
+
         def deco(fn):
+            if inspect.iscoroutinefunction(fn):
+                raise NotImplementedError
+
             def run(*args, **kwargs):
                 asked.append(duration(*args, **kwargs))
                 return fn(*args, **kwargs)
@@ -84,6 +96,56 @@ def test_a_bad_request_gets_the_smallest_lease(zero_gpu_spaces):
 
     assert gpu.gpu(lambda prompt: "refused", work)("x") == "refused"
     assert zero_gpu_spaces == [int(gpu.BASE_S)]
+
+
+def test_the_lease_asks_for_the_size_given(zero_gpu_spaces, monkeypatch):
+    monkeypatch.delenv("KVLAB_GPU_SIZE", raising=False)
+    gpu.gpu(lambda x: x, lambda x: gpu.WorkSize(1, 1, 1))(1)
+    monkeypatch.setenv("KVLAB_GPU_SIZE", "xlarge")
+    gpu.gpu(lambda x: x, lambda x: gpu.WorkSize(1, 1, 1))(1)
+    assert zero_gpu_spaces.sizes == ["large", "xlarge"]  # large (half a card) unless told
+    monkeypatch.setenv("KVLAB_GPU_SIZE", "huge")
+    with pytest.raises(ValueError, match="allowed: large, xlarge"):
+        gpu.gpu(lambda x: x, lambda x: gpu.WorkSize(1, 1, 1))
+
+
+@pytest.mark.parametrize("on_zero_gpu", [False, True])
+def test_async_functions_are_refused_everywhere(on_zero_gpu, request):
+    if on_zero_gpu:
+        request.getfixturevalue("zero_gpu_spaces")
+
+    async def compare(prompt):
+        return prompt
+
+    async def stream(prompt):
+        yield prompt
+
+    for fn in (compare, stream):
+        with pytest.raises(TypeError, match="async function"):
+            gpu.gpu(fn, lambda p: gpu.WorkSize(1, 1, 1))
+
+
+def test_models_are_placed_on_cuda_at_import_only_on_zero_gpu(monkeypatch, request):
+    monkeypatch.setitem(sys.modules, "spaces", None)
+    assert gpu.placement_device() is None  # load_model picks: the CPU here
+    request.getfixturevalue("zero_gpu_spaces")
+    assert gpu.placement_device() == "cuda"
+
+
+def test_the_page_preloads_every_offered_model_on_its_device(lm, monkeypatch):
+    from kvlab.ui import dashboard as dash_mod
+
+    asked = []
+
+    def fake_load(spec, device=None, progress=None, **kw):
+        asked.append((spec, device))
+        return lm
+
+    monkeypatch.setattr(dash_mod, "load_model", fake_load)
+    dash = dash_mod.Dashboard(lm, device="cuda")
+    assert dash.preload(["embedded", "gemma3-270m", "other/model"]) == ["embedded", "gemma3-270m", "other/model"]
+    assert asked == [("gemma3-270m", "cuda"), ("other/model", "cuda")]  # the first model is held already
+    assert set(dash.engines) == {"embedded", "gemma3-270m", "other/model"}  # all held: none freed
 
 
 def test_host_only_and_tensor_paths():

@@ -63,6 +63,7 @@ NEEDY = [
     _needy("needs-observer", query_window=3, observer=3),
     _needy("needs-stats", query_stats=12),
     _needy("needs-model", model_access=True),
+    _needy("needs-proj", out_proj=True),
     _needy("needs-nothing"),
 ]
 
@@ -93,6 +94,8 @@ def test_one_prefill_meets_every_need(engine, lm, needy_methods, monkeypatch):
     assert state.acc_attn is not None and state.acc_attn.shape == (info.n_layers, info.n_heads, n)
     assert state.query_stats is not None and state.query_stats.n == 12 and state.query_stats.first_pos == n - 12
     assert state.model is not None and state.model.prompt_ids == ids
+    assert state.out_proj is not None and len(state.out_proj) == info.n_layers  # read once, a view per layer
+    assert state.out_proj[0].shape == (lm.model.config.hidden_size, info.n_heads, info.v_head_dim)  # [hidden, Hq, dv]
 
 
 def test_observer_sees_its_rows_and_nothing_asked_costs_nothing(lm):
@@ -109,7 +112,7 @@ def test_observer_sees_its_rows_and_nothing_asked_costs_nothing(lm):
     torch.testing.assert_close(obs.last, torch.softmax(x, -1), rtol=1e-4, atol=1e-6)
     bare, bare_logits = prefill(lm, ids, PrefillNeeds())
     assert bare.queries.shape[-2] == 0 and bare.acc_attn is None
-    assert bare.query_stats is None and bare.model is None
+    assert bare.query_stats is None and bare.model is None and bare.out_proj is None
     assert torch.equal(logits, bare_logits)  # observing changes nothing: the model's own attention computes
     assert torch.equal(state.keys, bare.keys)  # every row's output, observed or not
 
@@ -230,3 +233,15 @@ def test_chat_wrap_and_encode_rebuild_the_models_prompt(lm):
     before, after = access.chat_wrap(text)
     assert before and after
     assert before + access.encode(text) + after == lm.encode(text)
+
+
+def test_a_calibration_prefill_is_the_engines_prefill_of_that_text(lm):
+    """``ModelAccess.prefill`` (LU-KV's calibration) runs another text exactly as a prompt's prefill, with the
+    needs it is given; ``owner`` is the loaded model, the same for every prefill of it."""
+    state, _ = prefill(lm, lm.encode(PROMPT), PrefillNeeds(model_access=True))
+    other = lm.encode("A second text, to calibrate on.")
+    got = state.model.prefill(other, PrefillNeeds(query_window=3))
+    ref, _ = prefill(lm, other, PrefillNeeds(query_window=3))
+    assert torch.equal(got.keys, ref.keys) and torch.equal(got.queries, ref.queries) and got.model is None
+    again, _ = prefill(lm, other, PrefillNeeds(model_access=True))
+    assert state.model.owner is again.model.owner is lm.model

@@ -15,6 +15,7 @@ pytest.importorskip("gradio")
 import gradio as gr  # noqa: E402
 from tiny_models import build  # noqa: E402
 
+from kvlab.engine import embedded  # noqa: E402
 from kvlab.engine.specs import InputError  # noqa: E402
 from kvlab.ui import Dashboard, Limits, PageInputs  # noqa: E402
 from kvlab.ui.config import fixed_models, model_choice_allowed  # noqa: E402
@@ -55,8 +56,12 @@ def test_who_may_choose_a_model(env, allowed):
     assert model_choice_allowed(env) is allowed
 
 
+INSTALLED = tuple(m.spec for m in embedded.MODELS if m.installed())  # both, where requirements-model.txt went in
+
+
 def test_the_fixed_list():
-    assert fixed_models({}) == ("embedded",)
+    assert INSTALLED[0] == "embedded"
+    assert fixed_models({}) == INSTALLED
     assert fixed_models({"KVLAB_MODELS": " embedded, acme/tiny ,acme/tiny"}) == ("embedded", "acme/tiny")
 
 
@@ -141,7 +146,7 @@ def test_the_page_offers_this_machines_models_or_the_fixed_list(lm, tmp_path, mo
     with gr.Blocks():
         free, load, line, state = model_box(lm, Limits(allow_model_choice=True))
         fixed, fixed_load, _, _ = model_box(lm, Limits(allow_model_choice=False, models=("embedded",)))
-    assert [c[1] for c in free.choices] == ["embedded", str(mine)] and free.allow_custom_value and load.visible
+    assert [c[1] for c in free.choices] == [*INSTALLED, str(mine)] and free.allow_custom_value and load.visible
     assert "self-check passed" in line.value and state.value == "embedded"
     assert [c[1] for c in fixed.choices] == ["embedded"] and not fixed.allow_custom_value
     assert not fixed.interactive and not fixed_load.visible

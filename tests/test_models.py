@@ -4,6 +4,7 @@ import os
 import pytest
 
 from kvlab.core.model import ModelLoadError
+from kvlab.engine import embedded
 from kvlab.engine.loader import load_model, local_models, verdict_of
 
 
@@ -78,7 +79,9 @@ def test_local_models_lists_the_causal_lms_of_both_caches(tmp_path, monkeypatch)
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "kv"))
-    assert local_models() == ["embedded"]  # neither cache exists yet: no error
+    installed = [m.spec for m in embedded.MODELS if m.installed()]  # the embedded models: SmolLM2 first
+    assert installed[0] == "embedded"
+    assert local_models() == installed  # neither cache exists yet: no error
     hub = tmp_path / "hf" / "hub"
     _hub_repo(hub, "models", "acme/tiny-llama", {"config.json": LLAMA, "model.safetensors": "x"})
     _hub_repo(hub, "models", "acme/bert", {"config.json": '{"architectures": ["BertForMaskedLM"]}'})
@@ -93,6 +96,6 @@ def test_local_models_lists_the_causal_lms_of_both_caches(tmp_path, monkeypatch)
         (kv / folder).mkdir(parents=True)
         if config:
             (kv / folder / "config.json").write_text(config)
-    assert local_models() == ["embedded", "acme/tiny-llama", str(kv / "my-model")]
+    assert local_models() == [*installed, "acme/tiny-llama", str(kv / "my-model")]
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # HF_HUB_CACHE wins over HF_HOME
-    assert local_models() == ["embedded", str(kv / "my-model")]
+    assert local_models() == [*installed, str(kv / "my-model")]

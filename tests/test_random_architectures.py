@@ -1,11 +1,14 @@
 """Architectures drawn at random: tiny 2-layer models whose configurations Hypothesis draws per family.
 
 Per family (``tiny_models.FAMILIES``) the draw covers what the family can vary: head size, grouped-query
-ratio, sliding window size and which layers use it, partial rotary, attention logit soft-capping, attention
-biases, attention sinks (gpt-oss), the ranks of multi-head latent attention (DeepSeek-V3). Each draw is either
-refused by the load path in one line (ModelLoadError, no newline) or: ``exact`` with a float32 cache
-generates the model's own greedy ``generate`` tokens on a prompt past every window, and snapkv and streaming
-at budget 0.5 hold their budget with no health flag.
+ratio, sliding window size and which layers use it (PhiMoE: through its mask alone), partial rotary, Phi-3's
+longrope and the length where it switches factors, attention logit soft-capping, attention biases, attention
+sinks (gpt-oss), the ranks of multi-head latent attention (DeepSeek-V2 with complex RoPE, DeepSeek-V3), Llama 4's
+chunk size and layers without RoPE, MPT with or without ALiBi. Each draw is either refused by the load path in
+one line (ModelLoadError, no newline), or its run refused before it starts in one line (a prompt and new
+tokens that would cross the RoPE switch), or: ``exact`` with a float32 cache generates the model's own greedy
+``generate`` tokens on a prompt past every window, and snapkv and streaming at budget 0.5 hold their budget
+with no health flag.
 
 A failing draw prints as ``tiny_models.random_model(family, **kwargs)``: anyone can rebuild it.
 The short run (fixed seed, a few draws per family) is part of ``make test``; the long one (200 draws over all
@@ -22,11 +25,11 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from tiny_models import FAMILIES, random_model
 
-from kvlab.core.budgets import TOLERANCE, Budget
+from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.core.model import ModelLoadError
 from kvlab.engine.comparison import Engine
 from kvlab.engine.loader import from_model
-from kvlab.engine.specs import GenerationSettings, RunSpec
+from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.measure.health import HealthProbe
 
 PROMPT_TOKENS = 40  # past every drawn window (at most 16)
@@ -108,18 +111,54 @@ def config_kwargs(draw, family: str) -> dict:
         else:
             kw["layer_types"] = _layer_types(draw)
         return kw
-    if family == "phi3":  # fused qkv, partial rotary, optional window on every layer
+    if family == "phi3":  # fused qkv, partial rotary, optional window on every layer, longrope switching factors
+        kw = _base(draw, head_dim_field=False)
+        partial = draw(st.sampled_from([0.25, 0.5, 1.0]))
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+        if draw(st.booleans()):  # the switch before the prompt's end, inside its decoding (refused), or after it
+            switch = draw(st.sampled_from([16, PROMPT_TOKENS, PROMPT_TOKENS + 1, 64]))
+            pairs = int(kw["hidden_size"] // kw["num_attention_heads"] * partial) // 2
+            rope.update(
+                rope_type="longrope",
+                short_factor=[1.0] * pairs,
+                long_factor=[draw(st.sampled_from([2.0, 8.0]))] * pairs,
+                original_max_position_embeddings=switch,
+            )
+            kw["original_max_position_embeddings"] = switch
+        kw.update(pad_token_id=0, sliding_window=draw(st.one_of(st.none(), WINDOWS)), rope_parameters=rope)
+        return kw
+    if family == "phimoe":  # a window through the mask alone, mixture of experts
         kw = _base(draw, head_dim_field=False)
         kw.update(
-            pad_token_id=0,
             sliding_window=draw(st.one_of(st.none(), WINDOWS)),
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": draw(st.sampled_from([0.25, 0.5, 1.0])),
-            },
+            attention_bias=draw(st.booleans()),
+            num_local_experts=4,
+            num_experts_per_tok=2,
         )
         return kw
+    if family == "llama4":  # chunked attention on the layers with RoPE, global without; qk norm, temperature
+        kw = _base(draw)
+        kw.update(
+            intermediate_size_mlp=128,
+            attention_chunk_size=draw(WINDOWS),
+            no_rope_layers=draw(st.lists(st.sampled_from([0, 1]), min_size=2, max_size=2)),
+            use_qk_norm=draw(st.booleans()),
+            attn_temperature_tuning=draw(st.booleans()),
+            interleave_moe_layer_step=draw(st.sampled_from([1, 2])),
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        )
+        return kw
+    if family == "mpt":  # ALiBi in attn_config (refused), or none: hand-written attention (refused too)
+        heads = draw(_heads(gqa=False))
+        return dict(
+            vocab_size=VOCAB,
+            d_model=heads["num_attention_heads"] * draw(HEAD_DIMS),
+            n_heads=heads["num_attention_heads"],
+            n_layers=2,
+            max_seq_len=512,
+            attn_config={"alibi": draw(st.booleans())},
+        )
     if family == "gpt-neox":  # multi-head only, partial rotary, optional biases
         kw = _base(draw, gqa=False, head_dim_field=False)
         kw.update(
@@ -153,7 +192,7 @@ def config_kwargs(draw, family: str) -> dict:
             num_experts_per_tok=2,
         )
         return kw
-    if family == "deepseek-v3":  # multi-head latent attention: ranks and head sizes drawn
+    if family in ("deepseek-v3", "deepseek-v2"):  # multi-head latent attention: ranks and head sizes drawn
         kw = _base(draw, head_dim_field=False)
         kw.pop("num_key_value_heads")
         n = kw["num_attention_heads"]
@@ -224,7 +263,14 @@ def check_draw(family: str, kwargs: dict, lm, prompt) -> None:
         return
     event(f"{family}: loaded")
     runs = [RunSpec("exact")] + [RunSpec(m, Budget.parse("0.5")) for m in METHODS]
-    res = Engine(loaded).compare(prompt, runs, GenerationSettings(max_new_tokens=NEW_TOKENS), probes=[HealthProbe()])
+    gen = GenerationSettings(max_new_tokens=NEW_TOKENS)
+    if loaded.info.switch_crossed(len(prompt), len(prompt) + NEW_TOKENS - 1) is not None:
+        with pytest.raises(InputError, match="where this model's RoPE switches") as info:
+            Engine(loaded).compare(prompt, runs, gen)
+        assert "\n" not in str(info.value)
+        event(f"{family}: run refused (crosses the RoPE switch)")
+        return
+    res = Engine(loaded).compare(prompt, runs, gen, probes=[HealthProbe()])
     exact = res.runs[0]
     assert not exact.error, exact.error
     expected = _generate(model, prompt, NEW_TOKENS)
@@ -233,7 +279,10 @@ def check_draw(family: str, kwargs: dict, lm, prompt) -> None:
     for r in res.runs[1:]:
         assert not r.error, f"{r.method}: {r.error}"
         assert r.health == [], f"{r.method}: {r.health}"
-        assert r.kv_bytes <= 0.5 * exact.kv_bytes * (1 + TOLERANCE), f"{r.method}: {r.kv_bytes} of {exact.kv_bytes}"
+        # the budget's base: the exact cache as transformers holds it (a chunked layer's whole block; the exact run
+        # keeps only the part of it its newest query sees)
+        base = exact_bytes(loaded.info, len(prompt))
+        assert r.kv_bytes <= 0.5 * base * (1 + TOLERANCE), f"{r.method}: {r.kv_bytes} of {base}"
         assert r.token_ids, r.method
 
 

@@ -169,6 +169,9 @@ def test_sweep_writes_the_leaderboard(lm, tmp_path):
     assert {r["protocol"] for r in rows} == {"query-agnostic"}
     assert {"niah_single_1_n", "niah_single_1_low", "niah_single_1_high", "average_n"} <= set(rows[0])
     assert {r["niah_single_1_n"] for r in rows} == {"1"}  # one prompt: n = 1, and its exact binomial interval
+    # fidelity to exact, teacher-forced even without the costly probes: exact agrees with itself
+    assert {"agreement", "agreement_n", "answer_logprob", "answer_logprob_low"} <= set(rows[0])
+    assert rows[0]["agreement"] == "100.00" and rows[0]["agreement_n"] == "2" and float(rows[0]["answer_logprob"]) < 0
     data = json.loads((out / "results.json").read_text())
     assert data["protocol"] == "query-agnostic" and {c["protocol"] for c in data["cells"]} == {"query-agnostic"}
     for r, board in zip(rows, leaderboard.rows_from_results(data)):
@@ -225,7 +228,7 @@ def test_leaderboard_means_carry_n_and_their_interval():
     needle, cwe, avg = row.estimate("niah_single_1"), row.estimate("cwe"), row.average_estimate()
     assert needle.method == "clopper-pearson" and (needle.n, needle.mean) == (10, 0.7)
     assert needle.low == pytest.approx(0.3475, abs=1e-4) and needle.high == pytest.approx(0.9333, abs=1e-4)
-    assert cwe.method == "bootstrap" and cwe.low < cwe.mean < cwe.high
+    assert cwe.method == "student-t" and cwe.low < cwe.mean < cwe.high  # ten prompts: the t interval
     assert avg.n == 10 and avg.mean == pytest.approx(row.average / 100) and avg.low < avg.mean < avg.high
     line = leaderboard.csv_text([row], leaderboard.protocol_of(recs)).splitlines()[1].split(",")
     head = leaderboard.csv_text([row]).splitlines()[0].split(",")
@@ -237,6 +240,29 @@ def test_leaderboard_means_carry_n_and_their_interval():
     assert trace.error_y.array[0] == pytest.approx(100 * avg.high - row.average)
     assert "query-agnostic" in fig.layout.title.text
     assert "70.0 [34.8, 93.3] n=10" in leaderboard.table_html([row], "query-agnostic")
+
+
+def test_leaderboard_average_is_never_a_zero_width_interval():
+    """A 4-prompt pass-key sweep: exact answers all 4 and SnapKV none. The average over one task is that
+    task's exact binomial interval, not [100, 100] or [0, 0]."""
+    recs = [
+        {
+            "cell": {"task": "passkey", "length": 1024, "seed": s},
+            "runs": [
+                {"label": "exact", "budget": None, "metrics": {"task_score": 1.0}},
+                {"label": "snapkv@0.25", "budget": "0.25", "metrics": {"task_score": 0.0}},
+            ],
+        }
+        for s in range(4)
+    ]
+    exact, snap = leaderboard.rows(recs)
+    for row in (exact, snap):
+        avg = row.average_estimate()
+        assert avg == row.estimate("passkey") and avg.high - avg.low > 0.3
+    assert exact.average_estimate().low == pytest.approx(0.025**0.25) and snap.average_estimate().high > 0.5
+    two = leaderboard.Row("m", 0.5, {"a": 100.0, "b": 100.0}, {"a": 3, "b": 3}, {"a": [1.0] * 3, "b": [1.0] * 3})
+    avg = two.average_estimate()  # two tasks whose per-prompt averages do not vary: no interval, said so
+    assert avg.low is None and avg.high is None and "do not vary" in avg.note
 
 
 def test_presets_offer_ruler_tasks_only_where_exact_can(monkeypatch):
@@ -255,3 +281,12 @@ def test_leaderboard_lines_are_told_apart_past_the_palette():
     traces = [t for t in leaderboard.figure(rows).data if t.name != "exact (ratio 0)"]
     looks = {(t.line.color, t.line.dash, t.marker.symbol) for t in traces}
     assert len(traces) == 17 and len(looks) == len(traces)
+
+
+def test_the_able_suite_is_what_exact_does_right_at_every_length():
+    from kvlab.cli import CliError, able_suite
+
+    assert able_suite("embedded", [1024]) == ["niah_single_1", "niah_single_2"]
+    assert able_suite("smollm2-135m", [1024, 4096]) == ["niah_single_1"]  # niah_single_2 is 0.1 at 4k
+    with pytest.raises(CliError, match="calibrate it"):
+        able_suite("acme/never-calibrated", [1024])

@@ -31,23 +31,56 @@ def _common(**over) -> dict:
     return {**COMMON, **over}
 
 
+# multi-head latent attention (DeepSeek-V2/V3): keys of 32 + 16 rotary dimensions, values of 32, K/V on every head
+MLA = dict(
+    num_key_value_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    moe_intermediate_size=64,
+)
+
+
 def _deepseek(**over) -> object:
-    """A tiny DeepSeek-V3 (multi-head latent attention: keys of 32 + 16 rotary dimensions, values of 32)."""
-    mla = dict(
-        num_key_value_heads=4,
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        moe_intermediate_size=64,
+    """A tiny DeepSeek-V3 (``MLA``; RoPE as cos and sin)."""
+    return tf.DeepseekV3Config(**_common(**{**MLA, **over}))
+
+
+def _deepseek_v2(**over) -> object:
+    """A tiny DeepSeek-V2: the same latent attention, with complex (``torch.polar``) RoPE angles."""
+    return tf.DeepseekV2Config(**_common(**{**MLA, **over}))
+
+
+SWITCH = 64  # the tiny Phi-3's original_max_position_embeddings: its longrope switches factors past it
+
+
+def _phi3_longrope(switch: int = SWITCH, **over) -> object:
+    """A tiny Phi-3 with longrope: short factors up to ``switch`` tokens, long ones (4x slower) past it."""
+    rotary = 128 // 4 // 2  # hidden 128 over 4 heads: 16 rotated pairs
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * rotary,
+        "long_factor": [4.0] * rotary,
+        "original_max_position_embeddings": switch,
+    }
+    return tf.Phi3Config(
+        **_common(pad_token_id=0, original_max_position_embeddings=switch, rope_parameters=rope, **over)
     )
-    return tf.DeepseekV3Config(**_common(**{**mla, **over}))
+
+
+def mpt_config(alibi: bool = True) -> object:
+    """A tiny MPT: its attention adds an ALiBi bias (``attn_config.alibi``) unless ``alibi`` is off."""
+    return tf.MptConfig(
+        vocab_size=VOCAB, d_model=128, n_heads=4, n_layers=4, max_seq_len=2048, attn_config={"alibi": alibi}
+    )
 
 
 CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
@@ -57,6 +90,13 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
     "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**_common())),
     "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**_common(head_dim=32))),
     "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(**_common(pad_token_id=0))),
+    # longrope: the RoPE factors switch past SWITCH tokens (the matrix's prompt is past it)
+    "phi3-longrope": lambda: (tf.Phi3ForCausalLM, _phi3_longrope()),
+    # a window applied through the mask alone (the attention call is not told)
+    "phimoe": lambda: (
+        tf.PhimoeForCausalLM,
+        tf.PhimoeConfig(**_common(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+    ),
     "gpt-neox": lambda: (
         tf.GPTNeoXForCausalLM,
         tf.GPTNeoXConfig(**_common(rotary_pct=0.25, tie_word_embeddings=False)),
@@ -103,6 +143,7 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
         ),
     ),
     "deepseek-v3": lambda: (tf.DeepseekV3ForCausalLM, _deepseek()),
+    "deepseek-v2": lambda: (tf.DeepseekV2ForCausalLM, _deepseek_v2()),
     # num_key_value_heads that the model ignores: multi-head latent attention expands K/V to every head
     "deepseek-v3-kv2": lambda: (tf.DeepseekV3ForCausalLM, _deepseek(num_key_value_heads=2, v_head_dim=48)),
     # chunked attention (blocks of WINDOW positions) on three layers with RoPE, global without RoPE on the fourth
@@ -169,7 +210,11 @@ FAMILIES: dict[str, tuple[type, type, str]] = {
     "olmo3": (tf.Olmo3ForCausalLM, tf.Olmo3Config, "sdpa"),
     "gpt-oss": (tf.GptOssForCausalLM, tf.GptOssConfig, "eager"),
     "deepseek-v3": (tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config, "sdpa"),
+    "deepseek-v2": (tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config, "sdpa"),
     "falcon": (tf.FalconForCausalLM, tf.FalconConfig, "sdpa"),
+    "llama4": (tf.Llama4ForCausalLM, tf.Llama4TextConfig, "sdpa"),
+    "phimoe": (tf.PhimoeForCausalLM, tf.PhimoeConfig, "sdpa"),
+    "mpt": (tf.MptForCausalLM, tf.MptConfig, "eager"),
 }
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from kvlab.core.model import ModelInfo
 
 TOLERANCE = 0.05  # bytes held may exceed what a budget allows by this share (kvlab.measure.health, plan checks)
@@ -93,6 +96,24 @@ class Budget:
         prompt = exact_bytes(info, n_prompt)
         return self.fraction_of(n_prompt) * prompt + (now - prompt)
 
+    def allowed_per_step(self, info: ModelInfo, n_prompt: int, steps: int, streaming: bool) -> Tensor:
+        """``allowed_bytes`` after 0, 1, .., ``steps`` decode steps: float64 [steps + 1] (at least 1 each)."""
+        seen = n_prompt + torch.arange(steps + 1, dtype=torch.float64)
+        spans = [s.span for s in info.semantics.layers]
+        held = torch.zeros_like(seen)
+        for sp in spans:
+            held += seen if sp is None else seen.clamp(max=sp)
+        now = held * per_token_bytes(info) * info.n_kv_heads
+        if streaming:
+            share = (
+                (self.tokens / seen).clamp(max=1.0)
+                if self.tokens is not None
+                else torch.full_like(seen, self.as_fraction)
+            )
+            return (share * now).clamp(min=1.0)
+        prompt = float(exact_bytes(info, n_prompt))
+        return (self.fraction_of(n_prompt) * prompt + (now - prompt)).clamp(min=1.0)
+
     def token_budget(self, n_tokens: int) -> int:
         """Tokens per layer and KV head a full-precision eviction cache may keep (before overheads)."""
         if self.tokens is not None:
@@ -105,6 +126,14 @@ class Budget:
         if self.fraction is None:
             raise BudgetError(f"{self!r} is not a fraction of the exact cache")
         return self.fraction
+
+
+def prefill_only_peak(budget: Budget, n_prompt: int, new_tokens: int) -> float:
+    """How many times its budget's share of the exact cache's peak a prefill-only method peaks at, when it
+    keeps its share of ``n_prompt`` prompt tokens and ``new_tokens`` later ones whole (overheads left out):
+    (f n + T) / (f (n + T)), f the budget's fraction of the prompt. 1 for a full budget."""
+    f = budget.fraction_of(n_prompt)
+    return (f * n_prompt + new_tokens) / (f * (n_prompt + new_tokens)) if f < 1 else 1.0
 
 
 def round_up_fraction(f: float) -> float:

@@ -44,6 +44,9 @@ class ModelInfo:
     semantics: ModelSemantics = field(default=ModelSemantics(()), compare=False, repr=False)
     # the model's rotary position embedding, per layer (``kvlab.core.rope``); None: none kvlab can read
     rope: Rotary | None = field(default=None, compare=False, repr=False)
+    # sequence lengths past which the model's RoPE switches factors for every position (Phi-3's longrope:
+    # ``original_max_position_embeddings``; ``Rotary.factor_switches``): a run must not cross one
+    rope_switches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.cache_dtype:
@@ -52,6 +55,13 @@ class ModelInfo:
             object.__setattr__(self, "semantics", plain_semantics(self.n_layers, self.head_dim))
         if self.cache_dtype not in CACHE_DTYPES:
             raise ModelLoadError(f"unknown cache dtype {self.cache_dtype!r}; allowed: {', '.join(CACHE_DTYPES)}")
+
+    def switch_crossed(self, prefilled: int, longest: int) -> int | None:
+        """The first RoPE switch (``rope_switches``) a run would cross: its prefill of ``prefilled`` tokens ends
+        at or before it and a later forward sees a sequence of ``longest`` tokens, longer than it (transformers'
+        ``generate`` re-encodes the whole sequence with the new factors there; kvlab's caches keep the keys of
+        the old). None: no switch is crossed."""
+        return next((s for s in self.rope_switches if prefilled <= s < longest), None)
 
     @property
     def group_size(self) -> int:

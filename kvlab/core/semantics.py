@@ -105,6 +105,47 @@ class LayerSemantics:
         span = self.span
         return n_tokens if span is None else min(n_tokens, span)
 
+    def sees_many(self, n_tokens: Tensor) -> Tensor:
+        """``sees`` of every count in ``n_tokens`` (an integer tensor of counts >= 1)."""
+        last = n_tokens - 1
+        first = torch.zeros_like(last)
+        if self.window is not None:
+            first = torch.maximum(first, last - self.window + 1)
+        if self.chunk is not None:
+            first = torch.maximum(first, last - last % self.chunk)
+        return n_tokens - first
+
+    def sees(self, n_tokens: int) -> int:
+        """Keys the query of the ``n_tokens``-th token (at position n_tokens - 1) sees: ``held`` on a global or
+        sliding-window layer; on a chunked layer only its block's, fewer than ``held`` inside a block."""
+        return n_tokens - self.visible_from(n_tokens - 1) if n_tokens > 0 else 0
+
+    def reach(self, n_tokens: int, steps: int = 0) -> int:
+        """The most tokens a cache that keeps only what this layer's queries see may need on it, from the
+        ``n_tokens``-th token through ``steps`` more, beyond what the exact cache's own growth pays for (a
+        budget allows a prefill-only method's generated tokens as the exact cache holds them): the largest
+        ``sees(m) - (held(m) - held(n))`` for m in n .. n + steps. ``held(n)`` on a global or sliding-window
+        layer (their queries see what their exact cache holds); on a chunked layer the most its queries see
+        until the horizon: a whole block when one ends before it, else the last query's view."""
+        if self.chunk is None:
+            return self.held(n_tokens)
+        return max(self.sees(m) - (self.held(m) - self.held(n_tokens)) for m in self._marks(n_tokens, steps))
+
+    def most_seen(self, n_tokens: int, steps: int = 0) -> int:
+        """The most keys a query sees from the ``n_tokens``-th token through ``steps`` more: the largest
+        ``sees(m)`` for m in n .. n + steps (the last query's view on a global or sliding-window layer; on a
+        chunked layer a whole block when one ends before the last)."""
+        return max(self.sees(m) for m in self._marks(n_tokens, steps))
+
+    def _marks(self, n_tokens: int, steps: int) -> set[int]:
+        """The token counts in n .. n + steps where ``sees`` peaks: both ends and, on a chunked layer, the
+        first block end at or after n (``sees`` grows by one a token inside a block)."""
+        last = n_tokens + steps
+        if self.chunk is None:
+            return {n_tokens, last}
+        ends = -(-n_tokens // self.chunk) * self.chunk
+        return {n_tokens, last} | ({ends} if ends <= last else set())
+
     def cap(self, logits: Tensor) -> Tensor:
         """Soft-capped logits (unchanged when the layer has no cap)."""
         if self.softcap is None:
@@ -385,10 +426,13 @@ class Recorder:
     def __init__(self):
         self.layers: dict[int, LayerSemantics] = {}
         self.heads: tuple[int, int] | None = None  # (query heads, KV heads) the attention function sees
+        self.first_keys: Tensor | None = None  # [Hkv, m, d]: the first layer's keys, as its attention sees them
 
     def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, mask, sem: LayerSemantics, **kw):
         self.layers[module.layer_idx] = sem
         self.heads = (query.shape[1], key.shape[1])
+        if module.layer_idx == 0:
+            self.first_keys = key[0].detach().clone()
         return reference_attention(query, key, value, sem), None
 
     def semantics(self, n_layers: int) -> ModelSemantics:
@@ -429,11 +473,18 @@ def from_call(module, query: Tensor, key: Tensor, value: Tensor, scaling: float,
 
 
 def _config_window(config, layer: int) -> int | None:
-    """The window of ``layer`` from config.layer_types (when the model does not pass it)."""
+    """The window of ``layer`` when the model does not pass it: from config.layer_types, or, on a config
+    without them, its ``sliding_window`` (PhiMoE applies it through the mask alone, on every layer; the
+    load-time self-check, whose probe runs past that window, confirms it)."""
     types = getattr(config, "layer_types", None)
-    if types and layer < len(types) and types[layer] == "sliding_attention":
-        return getattr(config, "sliding_window", None)
-    return None
+    if types:
+        if layer < len(types) and types[layer] == "sliding_attention":
+            return getattr(config, "sliding_window", None)
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
 
 
 def _config_chunk(config, layer: int) -> int | None:

@@ -55,7 +55,11 @@ class Engine:
         cancel.install(lm.model, lm.info.n_layers)  # a cancel or the time limit stops a forward between layers
 
     # ----- compare ------------------------------------------------------------------------
-    def check_prompt(self, ids: list[int], gen: GenerationSettings) -> None:
+    def check_prompt(self, ids: list[int], gen: GenerationSettings, prefilled: int | None = None) -> None:
+        """Refuse (``InputError``, one line) an empty prompt, one past the model's context, and a run that would
+        cross a length where the model's RoPE switches factors (``ModelInfo.switch_crossed``). ``ids``: every
+        token fed before generating (the context and the longest question); ``prefilled``: the tokens of the
+        prefill (None: all of ``ids``)."""
         if not ids:
             raise InputError("the prompt is empty; type some text or pick a preset")
         limit = self.info.max_positions
@@ -63,6 +67,17 @@ class Engine:
             raise InputError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({gen.max_new_tokens}) exceeds the model's "
                 f"context of {limit} tokens; shorten the prompt or generate fewer tokens"
+            )
+        first = len(ids) if prefilled is None else prefilled
+        longest = len(ids) + gen.max_new_tokens - 1  # the last generated token is never fed
+        switch = self.info.switch_crossed(first, longest)
+        if switch is not None:
+            what = f"the context ({first} tokens) + the longest question" if prefilled is not None else "the prompt"
+            raise InputError(
+                f"{what} + max_new_tokens ({gen.max_new_tokens}) would run past {switch} tokens, where this "
+                f"model's RoPE switches to other factors for every position (transformers' generate re-encodes the "
+                f"whole sequence there; kvlab's compressed caches cannot): keep prompt + max_new_tokens at most "
+                f"{switch + 1} tokens, or use a prompt longer than {switch} tokens (docs/models.md)"
             )
 
     def stream(
@@ -108,7 +123,7 @@ class Engine:
                 raise InputError("the context is empty; give some text to ask the questions about")
             if any(not q.ids for q in questions):
                 raise InputError("a question has no tokens; give each question some text")
-            self.check_prompt(prompt_ids + max((q.ids for q in questions), key=len), gen)
+            self.check_prompt(prompt_ids + max((q.ids for q in questions), key=len), gen, len(prompt_ids))
         else:
             self.check_prompt(prompt_ids, gen)
         if not runs:

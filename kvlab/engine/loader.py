@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlab.core.model import CACHE_DTYPES, MODELS_DOC, LoadedModel, ModelInfo, ModelLoadError
-from kvlab.core.rope import model_rotary
+from kvlab.core.rope import SameToken, model_rotary
 from kvlab.core.semantics import ModelSemantics, Recorder, UnsupportedAttention
 from kvlab.engine import attention as attn
 from kvlab.engine import embedded
@@ -266,6 +266,23 @@ def local_models() -> list[str]:
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
+ALIBI_MODEL_TYPES = ("bloom",)  # families whose attention always adds an ALiBi bias (no config field says so)
+
+
+def uses_alibi(config) -> bool:
+    """Whether ``config`` (a text config) names an ALiBi position bias, wherever its family keeps it:
+    ``alibi`` (Falcon), ``attn_config.alibi`` (MPT; an object or a dict), ``position_embedding_type``
+    "alibi", or a family that always uses it (BLOOM)."""
+    attn_cfg = getattr(config, "attn_config", None)
+    nested = attn_cfg.get("alibi", False) if isinstance(attn_cfg, dict) else getattr(attn_cfg, "alibi", False)
+    return bool(
+        getattr(config, "alibi", False)
+        or nested
+        or str(getattr(config, "position_embedding_type", "") or "").lower() == "alibi"
+        or getattr(config, "model_type", "") in ALIBI_MODEL_TYPES
+    )
+
+
 def refuse_unsupported(config, spec: str) -> None:
     """Raise ModelLoadError (one line: why, and where the supported families are listed) for an
     architecture kvlab cannot route: encoder-decoder, hybrid linear-attention / state-space layers."""
@@ -278,7 +295,7 @@ def refuse_unsupported(config, spec: str) -> None:
     elif any(t not in ATTENTION_LAYER_TYPES for t in getattr(text, "layer_types", None) or ()):
         kinds = sorted({t for t in text.layer_types if t not in ATTENTION_LAYER_TYPES})
         why = f"it has layers that are not softmax attention ({', '.join(kinds)})"
-    elif getattr(text, "alibi", False) or getattr(text, "position_embedding_type", "") == "alibi":
+    elif uses_alibi(text):
         why = "it adds an ALiBi position bias inside attention, which kvlab does not compute"
     if why:
         raise ModelLoadError(f"kvlab cannot run {spec!r}: {why}; supported families are listed in {MODELS_DOC}")
@@ -297,31 +314,20 @@ def from_model(
     line when either fails."""
     step = progress or (lambda fraction, stage: None)
     model.eval()
-    refuse_unsupported(model.config, name)
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n_layers = text_cfg.num_hidden_layers
     step(0.7, "reading each layer's attention")
     try:
-        sem, (n_heads, n_kv) = inspect_attention(model, n_layers)
+        info = read_model(model, name)
+    except ModelLoadError:
+        raise
     except UnsupportedAttention as exc:
         raise ModelLoadError(
             f"kvlab cannot run {name!r}: {exc}; supported families are listed in {MODELS_DOC}"
         ) from exc
-    if sem.nonlinear and model.config._attn_implementation == "sdpa":  # SDPA cannot soft-cap or add sinks
-        model.set_attn_implementation("eager")
-    dt = next(model.parameters()).dtype
-    info = ModelInfo(
-        id=name,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=sem[0].k_dim,
-        dtype=str(dt).removeprefix("torch."),
-        device=_device_name(next(model.parameters()).device),
-        max_positions=getattr(text_cfg, "max_position_embeddings", 2048),
-        semantics=sem,
-        rope=model_rotary(model, sem[0].k_dim, n_layers),
-    )
+    except Exception as exc:  # noqa: BLE001 - whatever fails while reading the model refuses it in one line
+        raise ModelLoadError(
+            f"kvlab cannot run {name!r}: reading its attention failed ({_first_line(exc)}); supported families "
+            f"are listed in {MODELS_DOC}"
+        ) from exc
     loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info)
     if check:
         step(0.8, "self-check: kvlab's exact path against the model's own forward")
@@ -329,14 +335,55 @@ def from_model(
     return loaded
 
 
+def read_model(model: PreTrainedModel, name: str) -> ModelInfo:
+    """The ``ModelInfo`` of an in-memory causal LM: refused architectures raise ModelLoadError, attention kvlab
+    cannot compute UnsupportedAttention; each layer's semantics, the head counts and the first layer's keys come
+    from one short forward (``inspect_attention``), the RoPE from the model's rotary module
+    (``rope.model_rotary``, checked against those keys) with the lengths where its factors switch."""
+    refuse_unsupported(model.config, name)
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_layers = text_cfg.num_hidden_layers
+    sem, (n_heads, n_kv), sample = inspect_attention(model, n_layers)
+    if sem.nonlinear and model.config._attn_implementation == "sdpa":  # SDPA cannot soft-cap or add sinks
+        model.set_attn_implementation("eager")
+    dt = next(model.parameters()).dtype
+    max_positions = getattr(text_cfg, "max_position_embeddings", 2048)
+    rope = model_rotary(model, sem[0].k_dim, n_layers, sample)
+    return ModelInfo(
+        id=name,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=sem[0].k_dim,
+        dtype=str(dt).removeprefix("torch."),
+        device=_device_name(next(model.parameters()).device),
+        max_positions=max_positions,
+        semantics=sem,
+        rope=rope,
+        rope_switches=() if rope is None else rope.factor_switches(max_positions),
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception, its first line, at most 200 characters."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
 def _device_name(dev: torch.device) -> str:
     return dev.type if dev.index in (None, 0) else str(dev)
 
 
-def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSemantics, tuple[int, int]]:
-    """Each layer's attention semantics and the (query, KV) head counts, from one short forward."""
+INSPECT_IDS = (1, 2, 3, 1)  # the inspection's forward: the first token again last (``SameToken``)
+
+
+def inspect_attention(
+    model: torch.nn.Module, n_layers: int
+) -> tuple[ModelSemantics, tuple[int, int], SameToken | None]:
+    """Each layer's attention semantics, the (query, KV) head counts and the first layer's keys of one token
+    at two positions (``rope.SameToken``; None when not captured), from one short forward."""
     dev = next(model.parameters()).device
-    ids = torch.tensor([[1, 2, 3, 4]], device=dev)
+    ids = torch.tensor([list(INSPECT_IDS)], device=dev)
     rec = Recorder()
     try:
         with torch.inference_mode(), attn.active(model, rec):
@@ -353,7 +400,14 @@ def inspect_attention(model: torch.nn.Module, n_layers: int) -> tuple[ModelSeman
     sem = rec.semantics(n_layers)
     if rec.heads is None:
         raise UnsupportedAttention("no layer called transformers' attention interface")
-    return sem, rec.heads
+    keys = rec.first_keys
+    last = len(INSPECT_IDS) - 1
+    sample = (
+        None
+        if keys is None or keys.shape[-2] != len(INSPECT_IDS)
+        else SameToken(keys[:, 0], keys[:, last], (0, last), last + 1)
+    )
+    return sem, rec.heads, sample
 
 
 def _explain(spec: str, exc: Exception) -> str:

@@ -15,7 +15,10 @@ some method asked for it:
   embedding (``ModelInfo.rope``; None on a model without one); one per distinct window asked
   (``state.stats_over(w)``), so two methods asking for different windows each get their own;
 * ``state.model`` (``ExactExtension``): the model, for a method that runs tokens of its own after
-  the prompt on the exact prefill cache (KVzip's reconstruction of the context).
+  the prompt on the exact prefill cache (KVzip's reconstruction of the context), or the exact prefill
+  of a calibration text (LU-KV's profile of the model);
+* ``state.out_proj``: each layer's attention output projection W_o, a view of the model's weight
+  (``output_projections``; CriticalKV's ||W_o v||_1).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class MergedNeeds:
     observers: tuple[WindowObserver, ...] = ()
     query_stats: tuple[int, ...] = ()  # every distinct statistics window asked, ascending
     model_access: bool = False
+    out_proj: bool = False
 
     @classmethod
     def of(cls, needs: Iterable[PrefillNeeds]) -> MergedNeeds:
@@ -59,6 +63,7 @@ class MergedNeeds:
             observers=tuple(x.observer for x in needs if x.observer is not None),
             query_stats=tuple(sorted({x.query_stats for x in needs if x.query_stats})),
             model_access=any(x.model_access for x in needs),
+            out_proj=any(x.out_proj for x in needs),
         )
 
 
@@ -104,6 +109,7 @@ def prefill(lm: LoadedModel, ids: list[int], *needs: PrefillNeeds) -> tuple[Pref
         query_stats=stats,
         model=ExactExtension(lm, list(ids), keys, values) if want.model_access else None,
         query_stats_by_window=by_window,
+        out_proj=output_projections(lm) if want.out_proj else None,
     )
     return state, out.logits[0, -1]
 
@@ -127,6 +133,28 @@ def query_stats(queries: Tensor, rope: Rotary, first_pos: int) -> QueryStats:
     return QueryStats(mean=mean, cov=cov, n=w, first_pos=first_pos)
 
 
+OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "wo")  # an attention module's output projection
+
+
+def output_projections(lm: LoadedModel) -> tuple[Tensor, ...] | None:
+    """Each layer's attention output projection, as a view of the model's weight: [hidden, Hq, dv] per layer
+    (the block of query head h is [:, h]; bias left out). Found as the linear child named as transformers'
+    models name it (``OUT_PROJ_NAMES``) whose input is the Hq x dv attention output, one per layer in module
+    order; None when the model does not have exactly one per layer (the method then says so)."""
+    info = lm.info
+    width = info.n_heads * info.v_head_dim
+    found = []
+    for module in lm.model.modules():
+        for name in OUT_PROJ_NAMES:
+            child = getattr(module, name, None)
+            if isinstance(child, torch.nn.Linear) and child.in_features == width and hasattr(module, "layer_idx"):
+                found.append(child.weight)
+                break
+    if len(found) != info.n_layers:
+        return None
+    return tuple(w.detach().view(w.shape[0], info.n_heads, info.v_head_dim) for w in found)
+
+
 class ExactExtension:
     """``handover.ModelAccess`` over one exact prefill: the model runs tokens after the prompt, attending
     over the prompt's exact keys and values (never changed) and causally inside the chunk."""
@@ -134,6 +162,13 @@ class ExactExtension:
     def __init__(self, lm: LoadedModel, prompt_ids: list[int], keys: Tensor, values: Tensor):
         self.lm, self.prompt_ids = lm, prompt_ids
         self.keys, self.values = keys, values  # [L, Hkv, n, d]: the prefill's, read only
+
+    @property
+    def owner(self) -> object:
+        return self.lm.model
+
+    def prefill(self, ids: list[int], needs: PrefillNeeds) -> PrefillState:
+        return prefill(self.lm, ids, needs)[0]
 
     def encode(self, text: str) -> list[int]:
         tok: Any = self.lm.tokenizer

@@ -52,14 +52,27 @@ def probe_window(lm: LoadedModel) -> int | None:
     return min(windows, default=None)
 
 
-@torch.inference_mode()
-def divergence(lm: LoadedModel, through: type[Compressor] | None = None) -> tuple[list[float], int]:
-    """The relative logit difference (largest |difference| / largest |logit|) at the prefill's last token,
-    then after each decode step; and the prefill length. The decode steps run through ``through``'s
-    cache (None: exact; another class puts that path on trial the same way, as a test of the check does)."""
-
+def probe_prefixes(lm: LoadedModel) -> list[int]:
+    """The prefill length of each probe: past the smallest window or chunk (``PLAIN_PREFIX`` without one), and,
+    where the model's RoPE switches factors at S tokens within its context (``ModelInfo.rope_switches``), one
+    just past each switch (S + 1 tokens: every position with the new factors; a run that would cross S is
+    refused before it starts, ``Engine.check_prompt``)."""
     window = probe_window(lm)
-    prefix = window + 8 if window else PLAIN_PREFIX
+    out = [window + 8 if window else PLAIN_PREFIX]
+    out += [s + 1 for s in lm.info.rope_switches if s + 1 + DECODE_STEPS <= lm.info.max_positions]
+    return out
+
+
+@torch.inference_mode()
+def divergence(
+    lm: LoadedModel, through: type[Compressor] | None = None, prefix: int | None = None
+) -> tuple[list[float], int]:
+    """The relative logit difference (largest |difference| / largest |logit|) at the prefill's last token,
+    then after each decode step; and the prefill length (``prefix``; None: the first of ``probe_prefixes``).
+    The decode steps run through ``through``'s cache (None: exact; another class puts that path on trial the
+    same way, as a test of the check does)."""
+    if prefix is None:
+        prefix = probe_prefixes(lm)[0]
     ids = probe_ids(lm, prefix + DECODE_STEPS)
     dev = lm.device
     try:
@@ -92,37 +105,47 @@ class Verdict:
     dtype: str  # the model's compute dtype
     prefill_tokens: int
     decode_steps: int
+    past_switches: tuple[int, ...] = ()  # prefill lengths of the probes past a RoPE switch (``probe_prefixes``)
 
     def summary(self) -> str:
         """One line, e.g. "self-check passed: kvlab's exact path equals the model's own forward (...)"."""
+        past = "".join(f" and a {n}-token one past its RoPE switch" for n in self.past_switches)
         return (
             f"self-check passed: kvlab's exact path equals the model's own forward (largest |Δlogit| / "
             f"largest |logit| = {self.largest:.1e}, bound {self.bound:g} in {self.dtype}; a "
-            f"{self.prefill_tokens}-token prefill, then {self.decode_steps} decode steps)"
+            f"{self.prefill_tokens}-token prefill{past}, then {self.decode_steps} decode steps)"
         )
 
 
 def self_check(lm: LoadedModel, through: type[Compressor] | None = None) -> Verdict:
     """Raise ModelLoadError (one line) when kvlab's exact path does not reproduce the model's forward;
-    else return what was measured (``Verdict``). ``through``: as in ``divergence``."""
-    try:
-        errs, prefix = divergence(lm, through)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure of the exact path refuses the model in one line
-        raise ModelLoadError(
-            f"kvlab cannot run {lm.info.id!r}: its exact path fails on this model "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); supported families are listed in {MODELS_DOC}"
-        ) from exc
+    else return what was measured (``Verdict``). ``through``: as in ``divergence``. Every probe of
+    ``probe_prefixes`` runs: past the smallest window, and past each length where the model's RoPE switches."""
     bound = BOUNDS.get(lm.info.dtype, 6e-2)
-    first = next((i for i, e in enumerate(errs) if not e <= bound), None)
-    if first is not None:
-        err = errs[first]
-        where = "in the prefill" if first == 0 else f"at decode step {first}"
-        features = ", ".join(lm.info.semantics.features()) or "plain softmax attention"
-        raise ModelLoadError(
-            f"kvlab cannot run {lm.info.id!r}: its exact attention differs from the model's own forward "
-            f"{where} (logits differ by {err:.2g} of their range, bound {bound:g}; the model's attention: "
-            f"{features}); supported families are listed in {MODELS_DOC}"
-        )
-    return Verdict(max(errs), bound, lm.info.dtype, prefix, len(errs) - 1)
+    prefixes = probe_prefixes(lm)
+    largest = 0.0
+    for k, prefix in enumerate(prefixes):
+        try:
+            errs, _ = divergence(lm, through, prefix)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the exact path refuses the model in one line
+            raise ModelLoadError(
+                f"kvlab cannot run {lm.info.id!r}: its exact path fails on this model "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); supported families are listed in "
+                f"{MODELS_DOC}"
+            ) from exc
+        first = next((i for i, e in enumerate(errs) if not e <= bound), None)
+        if first is not None:
+            err = errs[first]
+            where = "in the prefill" if first == 0 else f"at decode step {first}"
+            if k:
+                where += f" of a {prefix}-token probe past its RoPE switch at {prefix - 1} tokens"
+            features = ", ".join(lm.info.semantics.features()) or "plain softmax attention"
+            raise ModelLoadError(
+                f"kvlab cannot run {lm.info.id!r}: its exact attention differs from the model's own forward "
+                f"{where} (logits differ by {err:.2g} of their range, bound {bound:g}; the model's attention: "
+                f"{features}); supported families are listed in {MODELS_DOC}"
+            )
+        largest = max(largest, *errs)
+    return Verdict(largest, bound, lm.info.dtype, prefixes[0], DECODE_STEPS - 1, tuple(prefixes[1:]))

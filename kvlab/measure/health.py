@@ -8,7 +8,8 @@ lists the flags raised, each ``{"flag": name, "detail": one line}``:
   decode step (a token budget counts as its share of the tokens seen at that step);
 * ``non_finite_logits`` — NaN or inf in the run's logits at some step;
 * ``not_compressed`` — at a budget <= 0.5, the run's tokens *and* logits equal the exact run's
-  at every step: the sign of a cache that silently did not compress;
+  at every step: the sign of a cache that silently did not compress (not raised when no query after
+  the prompt sees a prompt token on any layer: chunked layers whose block ends with the prompt);
 * ``evicted_nothing`` — at a budget < 1, a method kept every prompt position in every layer and
   head at full size (a composition that keeps every token quantized is not flagged).
 """
@@ -42,6 +43,9 @@ class HealthProbe(Probe):
         finite = bool(torch.isfinite(logits).all())
         self.non_finite: dict[int, int] = {} if finite else dict.fromkeys(range(len(compressors)), 0)
         self.same_logits = [True] * len(compressors)  # the first token's logits are shared by all
+        # whether a query after the prompt sees a prompt token on some layer (a chunked layer whose block ends
+        # with the prompt does not): if none does, what compression kept cannot show in the logits
+        self.prompt_seen = any(s.visible_from(self.n) < self.n for s in state.semantics.layers)
         self.evicted_nothing = [self._kept_everything(c) for c in compressors]
         self.question_tokens = 0
 
@@ -73,7 +77,7 @@ class HealthProbe(Probe):
                 )
             budget = _budget(r)
             small = budget is not None and budget.fraction_of(self.n) <= 0.5
-            if small and exact is not None and i != self.exact and self.same_logits[i]:
+            if small and exact is not None and i != self.exact and self.same_logits[i] and self.prompt_seen:
                 if r.token_ids == exact.token_ids:
                     flags.append(
                         _flag(
@@ -134,6 +138,27 @@ def budget_use(run, n_prompt: int, streaming: bool, question_tokens: int = 0) ->
         (h, a) for h, a in zip(run.kv_bytes_per_step, budget_limits(run, n_prompt, streaming, question_tokens)) if a > 0
     ]
     return round(sum(h / a for h, a in pairs) / len(pairs), 4) if pairs else None
+
+
+def budget_overrun(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> tuple[float, str] | None:
+    """(factor, reason) when the run's peak passes its budget's share of the exact cache's peak by more than
+    ``TOLERANCE`` (factor: peak / (share x exact peak)); None otherwise, or without a budget. The reason: a
+    prefill-only method keeps its generated tokens (and a question fed after compression) whole; a
+    quantizer's smallest configuration is above the budget; else it held more than its budget allows."""
+    budget = _budget(run)
+    held, exact = run.kv_bytes_per_step, run.exact_kv_bytes_per_step
+    if budget is None or not held or not exact or budget.fraction_of(n_prompt) >= 1:
+        return None
+    factor = max(held) / (budget.fraction_of(n_prompt) * max(exact))
+    if factor <= 1 + TOLERANCE:
+        return None
+    if run.params.get("fits_budget") is False:
+        reason = "its smallest configuration is above the budget"
+    elif not streaming:
+        reason = "question and generated tokens kept whole" if question_tokens else "generated tokens kept whole"
+    else:
+        reason = "held more than its budget allows"
+    return factor, reason
 
 
 def bytes_flags(run, n_prompt: int, streaming: bool, question_tokens: int = 0) -> list[dict]:

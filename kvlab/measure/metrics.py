@@ -313,7 +313,7 @@ class MetricsProbe(Probe):
 
     def _fidelity(self, i: int, exact: int | None, runs) -> dict:
         if exact is None:
-            return {"kl": None, "kl_mean": None, "top1_agreement": None, "perplexity": None}
+            return {"kl": None, "kl_mean": None, "top1_agreement": None, "perplexity": None, "forced_logprob": None}
         first = self.first_logp.get(i, self.prefill_logp)  # query-aware: shared by every run
         nll0 = -float(first[runs[exact].token_ids[0]])
         kl, nll = self.kl[i], [nll0] + self.nll[i]
@@ -323,6 +323,7 @@ class MetricsProbe(Probe):
             extra["question_kl"] = _round(float((lp_e.exp() * (lp_e - first)).sum().clamp_min(0)))
         return {
             **extra,
+            "forced_logprob": _round([-x for x in nll]),  # log p of each exact token, along exact's continuation
             "kl": _round(kl),
             "kl_mean": _round(sum(kl) / len(kl)) if kl else 0.0,
             "top1_agreement": _round(sum(self.agree[i]) / len(self.agree[i])) if self.agree[i] else 1.0,

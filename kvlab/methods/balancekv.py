@@ -300,6 +300,7 @@ class BalanceKV(DenseCompressor):
     title = "BalanceKV"
     group = "paper"
     window_capped = True  # one capacity; a window keeps less of it, the global layers more
+    summarizes = True  # the halved-away tokens stand in the kept ones' weights (2^T)
     paper = (
         "Han, Kochetkova, Kapralov, Sheth, Zandieh. BalanceKV: KV Cache Compression through Discrepancy "
         "Theory, arXiv:2502.07861 (2025), https://arxiv.org/abs/2502.07861"

@@ -79,6 +79,9 @@ class Compressor(ABC):
     no_value_head_size: ClassVar[str] = ""
     # why a composition (``METHOD+kivi2``, ``METHOD+qjl``) cannot wrap this method ("": it can)
     no_composition: ClassVar[str] = ""
+    # tokens the cache no longer holds exactly still stand in what it keeps (clusters, merged values, sample
+    # weights): the retention map shows them as summarized, not evicted (``kvlab.measure.retention``)
+    summarizes: ClassVar[bool] = False
 
     decode_steps: int | None = None  # decode steps the plan must hold its budget for (the engine sets it)
 
@@ -148,6 +151,12 @@ class Compressor(ABC):
         """Decode steps the plan must hold its budget for: ``decode_steps``, else up to the model's context."""
         steps = DEFAULT_HORIZON if self.decode_steps is None else self.decode_steps
         return max(0, min(steps, self.info.max_positions - n_prompt))
+
+    def reach(self, layer: int, n_prompt: int) -> int:
+        """The most tokens per KV head ``layer`` may need to hold for what its queries see, over the plan's
+        horizon (``LayerSemantics.reach``): a chunked layer sees only its current block, so a plan gives what
+        such a layer cannot use to the others, as it does a sliding window's."""
+        return self.sem[layer].reach(n_prompt, self.horizon(n_prompt))
 
     def allowed(self, n_prompt: int, steps: int = 0) -> float:
         """Bytes the budget allows after ``steps`` decode steps (``Budget.allowed_bytes``)."""

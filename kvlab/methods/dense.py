@@ -223,6 +223,9 @@ class DenseCompressor(Compressor):
         self.layers: list[KeptTokens] = []
         # prefill-only, per local layer: the prompt tokens held after compression (its share of the budget)
         self.local_held: dict[int, int] = {}
+        # prefill-only, per local layer: how many tokens more than ``local_held`` it may grow to while its queries
+        # see more than its exact cache grows by (a chunked layer inside a block): what its plan kept for them
+        self.local_reserve: dict[int, int] = {}
         self.n_prompt = 0
 
     # ----- what a subclass provides ----------------------------------------------------------
@@ -293,25 +296,20 @@ class DenseCompressor(Compressor):
 
     def spread_over_layers(self, n_prompt: int, shares: list[int]) -> list[int]:
         """Per-layer token counts ``shares`` (per KV head) as the layers can hold them: a local layer whose
-        exact cache holds fewer tokens (its window) keeps all of them, and what its share leaves goes to the
-        layers that can hold more, evenly (water-filling). Unchanged on a model without local layers."""
-        caps = [s.held(n_prompt) for s in self.sem.layers]
-        out = [min(a, c) for a, c in zip(shares, caps)]
-        surplus = sum(shares) - sum(out)
-        while surplus > 0:
-            room = [i for i, (o, c) in enumerate(zip(out, caps)) if o < c]
-            if not room:
-                break
-            each, extra = divmod(surplus, len(room))
-            for j, i in enumerate(room):
-                add = min(each + (j < extra), caps[i] - out[i])
-                out[i] += add
-                surplus -= add
-        return out
+        queries see fewer tokens (its window; a chunked layer's block, up to the plan's horizon: ``reach``)
+        keeps all of them, and what its share leaves goes to the layers that can hold more, evenly
+        (water-filling). Unchanged on a model without local layers."""
+        return water_fill(shares, [self.reach(i, n_prompt) for i in range(len(self.sem.layers))])
 
     def planned_tokens(self, n_prompt: int) -> int:
         """After ``plan``: tokens per layer and KV head the prefill compression keeps (the capacity by default)."""
         return n_prompt if self.capacity is None else min(n_prompt, self.capacity)
+
+    def layer_tokens(self, n_prompt: int) -> list[int]:
+        """After ``plan``: per layer, the most tokens per KV head the plan lets it hold after compression and while
+        its queries see more (``planned_tokens``, a local layer's at most its ``reach``)."""
+        kept = self.planned_tokens(n_prompt)
+        return [min(kept, self.reach(i, n_prompt)) for i in range(self.info.n_layers)]
 
     def planned_logw(self) -> bool:
         """After ``plan``: whether kept tokens carry a log-weight."""
@@ -319,9 +317,9 @@ class DenseCompressor(Compressor):
 
     def window_capped_bytes(self, n_prompt: int, kept: int) -> float:
         """The bytes of ``kept`` tokens on every layer, a local layer's capped by what its window shows (a
-        plain store keeps only that, ``compress_tokens``), + fixed bytes: a capacity's cost on a model with
-        local layers."""
-        tokens = sum(min(kept, s.held(n_prompt)) for s in self.sem.layers)
+        plain store keeps only that, ``compress_tokens``; a chunked layer's block up to the horizon, ``reach``),
+        + fixed bytes: a capacity's cost on a model with local layers."""
+        tokens = sum(min(kept, self.reach(i, n_prompt)) for i in range(len(self.sem.layers)))
         per_token = self.per_token_bytes(self.planned_logw())
         return self.info.n_kv_heads * (tokens * per_token + self.info.n_layers * self.fixed_stream_bytes())
 
@@ -363,7 +361,8 @@ class DenseCompressor(Compressor):
         lw = self.log_weights(state, idx)
         n = state.n_tokens
         self.layers = []
-        self.n_prompt, self.local_held = n, {}
+        self.n_prompt, self.local_held, self.local_reserve = n, {}, {}
+        caps = self.layer_tokens(n)
         for layer, ix in enumerate(idx):
             cancel.checkpoint()
             if ix is None:  # keep everything
@@ -373,7 +372,7 @@ class DenseCompressor(Compressor):
             layer_lw = None if lw is None else lw[layer]
             first = self.sem[layer].visible_from(n - 1)
             if first > 0 and self._plain_feed():  # a local layer holds what its last query sees
-                ix, layer_lw = _filled_recent(ix, layer_lw, first, n, self.planned_tokens(n))
+                ix, layer_lw = _filled_recent(ix, layer_lw, first, n, caps[layer])
                 pos = ix.to(torch.int32)
             self.layers.append(
                 DenseLayer.make(
@@ -384,7 +383,7 @@ class DenseCompressor(Compressor):
                 )
             )
             if self.sem[layer].is_local and not self.streaming and self._plain_feed():
-                self.local_held[layer] = self.layers[-1].n
+                self.hold_as_compressed(layer, self.layers[-1].n, caps[layer])
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
         cache = self.layers[layer]
@@ -399,12 +398,23 @@ class DenseCompressor(Compressor):
             if cache.n > room:
                 cache.keep(_oldest_dropped(cache.positions(), cache.n - room))
 
+    def hold_as_compressed(self, layer: int, kept: int, planned: int) -> None:
+        """Record that the local ``layer`` holds ``kept`` tokens (per KV head, or over its heads where a method
+        counts them so) after compression, of the ``planned`` its plan gave it: while decoding it then holds
+        ``kept`` plus its exact cache's growth, and up to ``planned`` where its queries see more
+        (``local_growth``, ``hold_local``)."""
+        self.local_held[layer] = kept
+        self.local_reserve[layer] = max(0, planned - kept)
+
     def local_growth(self, layer: int, newest: int) -> int:
-        """How many more tokens a local layer's exact cache holds once the newest token is at ``newest`` than
-        right after the prompt (0 once its window is full): what a local layer may add to what it held after
-        compression (``local_held``) and still hold its budget."""
-        s = self.sem[layer]
-        return newest + 1 - s.visible_from(newest) - (self.n_prompt - s.visible_from(self.n_prompt - 1))
+        """What a local layer may add to what it held after compression (``local_held``) once the newest token
+        is at ``newest`` and still hold its budget: the growth of its exact cache (0 once its window is full),
+        and where its queries see more than that (a chunked layer inside a block: its exact cache holds a whole
+        block throughout) the rest of what they see, up to its ``local_reserve``."""
+        s, n = self.sem[layer], self.n_prompt
+        exact = s.held(newest + 1) - s.held(n)
+        seen = s.sees(newest + 1) - s.sees(n)
+        return exact + min(max(0, seen - exact), self.local_reserve.get(layer, 0))
 
     def hold_local(self, layer: int, newest: int) -> int:
         """For a method with its own ``append``, after it: on a local layer, forget what the next query no
@@ -490,6 +500,23 @@ class DenseCompressor(Compressor):
         return weights_on_positions(q, k, pos, self.sem[layer], lw)
 
 
+def water_fill(shares: list[int], caps: list[int]) -> list[int]:
+    """``shares`` (one count per layer) capped by ``caps``, what the caps cut given evenly to the layers below
+    their caps, again until none is left or every layer is at its cap (water-filling)."""
+    out = [min(a, c) for a, c in zip(shares, caps)]
+    surplus = sum(shares) - sum(out)
+    while surplus > 0:
+        room = [i for i, (o, c) in enumerate(zip(out, caps)) if o < c]
+        if not room:
+            break
+        each, extra = divmod(surplus, len(room))
+        for j, i in enumerate(room):
+            add = min(each + (j < extra), caps[i] - out[i])
+            out[i] += add
+            surplus -= add
+    return out
+
+
 def _past_span(sem: sm.LayerSemantics, held: int, newest: int, m: int) -> bool:
     """Whether a local layer holding ``held`` tokens may hold some its next query no longer sees, after m new
     tokens up to position ``newest``: more than its window, or a chunk begun among the new tokens."""
@@ -540,4 +567,4 @@ def _in_window(pos: Tensor, first: int) -> Tensor | None:
     return idx[keep].view(pos.shape[0], -1)
 
 
-__all__ = ["DenseCompressor", "DenseLayer", "KeptTokens", "TokenStorage"]
+__all__ = ["DenseCompressor", "DenseLayer", "KeptTokens", "TokenStorage", "water_fill"]

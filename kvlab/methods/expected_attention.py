@@ -8,7 +8,9 @@ implementation, ``ExpectedAttentionPress`` in NVIDIA's kvpress:
    would distort the statistics) are modelled as a Gaussian N(mu, Sigma) per query head.
 2. A future query at position t is R_t q (RoPE's rotation). The rotation is averaged over the next
    ``n_future`` positions n .. n + T - 1: Rbar = mean_t R_t, and the future query is modelled as
-   Rbar q ~ N(Rbar mu, Rbar Sigma Rbar^T).
+   Rbar q ~ N(Rbar mu, Rbar Sigma Rbar^T). Each layer's own rotation (none on a layer without RoPE), in
+   the model's convention: halves or neighbouring pairs, complex angles (DeepSeek-V2, Llama 4), the
+   rotated dimensions after latent attention's unrotated ones (DeepSeek-V2/V3).
 3. The expected unnormalised attention of a (post-RoPE) key k is then the Gaussian's moment
    generating function at s k (s = the attention scaling, 1/sqrt(d)):
    E[exp(s q.k)] = exp(s (Rbar mu).k + s^2/2 k^T (Rbar Sigma Rbar^T) k)
@@ -30,10 +32,13 @@ Deviations:
 * A soft-capped model's logits are capped after q.k; the expectation is taken of the uncapped
   logit (the cap is monotone, so a single query's ranking is unchanged; the expectation is not
   exactly the capped one's).
+* On a model whose RoPE switches factors at S tokens (Phi-3's longrope), a prompt of at most S tokens
+  averages over the positions before S only: a run never crosses S (``Engine.check_prompt``).
 * ``stats_window`` (default: every prompt query after the sinks, as the paper's prefill) can
   restrict the statistics to the last prompt queries, as the paper's decoding-time buffer does.
 * The paper also compresses while decoding (statistics from a buffer of recent queries); here the
-  method is prefill-only, like SnapKV.
+  method is prefill-only, like SnapKV; ``decoding-expected-attention`` (``kvlab.methods.decoding``)
+  re-applies it every N decode steps, with the statistics of the queries it holds.
 """
 
 from __future__ import annotations
@@ -43,12 +48,22 @@ from torch import Tensor
 
 from kvlab.core import semantics as sm
 from kvlab.core.attention_ops import pool_heads
+from kvlab.core.model import ModelInfo
 from kvlab.core.rope import Rotary
 from kvlab.methods.dense import DenseCompressor, Ranking
 from kvlab.methods.handover import PrefillNeeds, PrefillState
 from kvlab.methods.params import Param
 
 CHUNK = 1 << 24  # numbers of the largest intermediate ([layers, Hq, n, d]) scored at once: 64 MiB of float32
+
+
+def require_rope(method: str, rope: Rotary | None, why: str) -> None:
+    """Refuse (``UnsupportedAttention``, one line) a model without a rotary position embedding kvlab can
+    read, for a method that needs it (``why``: what the method does with it)."""
+    if rope is None:
+        raise sm.UnsupportedAttention(
+            f"{method} cannot run on a model without a rotary position embedding kvlab can read: {why}"
+        )
 
 
 def mean_rotation(rotate, positions: Tensor, head_dim: int) -> Tensor:
@@ -87,6 +102,32 @@ def future_query_stats(mean: Tensor, cov: Tensor | None, rbar: Tensor) -> tuple[
     mu = mean.float() @ rbar.transpose(-1, -2)
     r = rbar if rbar.dim() == 2 else rbar.unsqueeze(-3)  # [L, 1, d, d] against cov [L, H, d, d]
     return mu, None if cov is None else r @ cov.float() @ r.transpose(-1, -2)
+
+
+def future_queries(
+    method: str,
+    state: PrefillState,
+    info: ModelInfo,
+    window: int,
+    n_future: int,
+    covariance: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The Gaussian of the future queries, (Rbar mean, Rbar cov Rbar^T or None): the pre-RoPE statistics of the
+    last ``window`` prompt queries (exactly that window's, ``state.stats_over``), Rbar RoPE averaged over the
+    ``n_future`` positions after the next token's (``state.next_pos``; up to a RoPE switch, which a run never
+    crosses). ``info.rope``: the model's (a method refuses a model without one)."""
+    try:  # its own window's statistics, never those of another method's window in the same prefill
+        stats = state.stats_over(window)
+    except LookupError as exc:
+        raise RuntimeError(f"{method}: {exc}") from None
+    rope = info.rope
+    assert rope is not None  # check_semantics refused a model without one
+    nxt = state.next_pos  # the next token's true position (n after a prefill)
+    end = nxt + n_future
+    switch = info.switch_crossed(nxt, end)
+    future = torch.arange(nxt, end if switch is None else max(nxt + 1, switch), device=state.keys.device)
+    rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
+    return future_query_stats(stats.mean, stats.cov if covariance else None, rbar)
 
 
 def expected_logits(keys: Tensor, mean: Tensor, cov: Tensor | None, scaling: float | Tensor) -> Tensor:
@@ -164,11 +205,7 @@ class ExpectedAttention(DenseCompressor):
 
     def check_semantics(self) -> None:
         super().check_semantics()
-        if self.info.rope is None:
-            raise sm.UnsupportedAttention(
-                f"{self.name} cannot run on a model without a rotary position embedding kvlab can read: "
-                "it averages each layer's RoPE over the next positions"
-            )
+        require_rope(self.name, self.info.rope, "it averages each layer's RoPE over the next positions")
 
     def stats_queries(self, n_prompt: int) -> int:
         """How many of the last prompt queries the statistics use: all after the sinks, or ``stats_window``."""
@@ -188,15 +225,9 @@ class ExpectedAttention(DenseCompressor):
     def scores(self, state: PrefillState) -> Tensor:
         """[L, Hkv, n - n_sink] the paper's score of every token after the sinks."""
         c, n = self.cfg, state.n_tokens
-        try:  # its own window's statistics, never those of another method's window in the same prefill
-            stats = state.stats_over(self.stats_queries(n))
-        except LookupError as exc:
-            raise RuntimeError(f"{self.name}: {exc}") from None
-        rope = self.info.rope
-        assert rope is not None  # check_semantics refused a model without one
-        future = torch.arange(n, n + int(c["n_future"]), device=state.keys.device)
-        rbar = mean_rotations(rope, future, stats.mean.shape[-1]).to(state.keys.device)
-        mean, cov = future_query_stats(stats.mean, stats.cov if c["use_covariance"] else None, rbar)
+        mean, cov = future_queries(
+            self.name, state, self.info, self.stats_queries(n), int(c["n_future"]), bool(c["use_covariance"])
+        )
         first = min(int(c["n_sink"]), n - 1)
         keys, values = state.keys[:, :, first:], state.values[:, :, first:]
         scaling = torch.tensor([self.sem[i].scaling for i in range(keys.shape[0])], device=keys.device)  # [L]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -39,7 +39,8 @@ class PrefillNeeds:
     acc_attn: ``state.acc_attn``, the attention each key received summed over all queries [L, Hq, n];
     observer: sees the prefill's attention of the last ``observer.rows`` queries as it is computed;
     query_stats: ``state.query_stats`` over the last w prompt queries, before RoPE;
-    model_access: ``state.model``, a forward pass of the method's own through the model.
+    model_access: ``state.model``, a forward pass of the method's own through the model;
+    out_proj: ``state.out_proj``, each layer's attention output projection W_o, read from the model.
     """
 
     query_window: int = 0
@@ -47,6 +48,7 @@ class PrefillNeeds:
     observer: WindowObserver | None = None
     query_stats: int = 0
     model_access: bool = False
+    out_proj: bool = False
 
     def __post_init__(self) -> None:
         if self.query_window < 0 or self.query_stats < 0:
@@ -88,6 +90,17 @@ class ModelAccess(Protocol):
         before that layer's attention."""
         ...
 
+    @property
+    def owner(self) -> object:
+        """The loaded model itself, one object per model: a key for what a method computes once per model
+        (held weakly)."""
+        ...
+
+    def prefill(self, ids: list[int], needs: PrefillNeeds) -> PrefillState:
+        """The exact prefill of another text ``ids`` (a calibration text, not the prompt), with ``needs``
+        captured as for a prompt; its ``state.model`` (with ``model_access``) extends that text."""
+        ...
+
 
 @dataclass
 class PrefillState:
@@ -96,9 +109,19 @@ class PrefillState:
     keys, values: [L, Hkv, n, d] post-RoPE; queries: [L, Hq, w, d], the last w prompt queries
     (post-RoPE; w the largest ``query_window`` asked); acc_attn: [L, Hq, n] attention each key
     received summed over all prompt queries; query_stats, model: see ``PrefillNeeds`` (each None
-    unless a method asked for it). ``query_stats`` is over the largest window asked;
-    ``query_stats_by_window`` holds one ``QueryStats`` per distinct window asked (read it through
-    ``stats_over(w)``): two methods asking for different windows each get their own.
+    unless a method asked for it); out_proj: per layer, the attention's output projection as a view of
+    the model's weight, [hidden, Hq, dv] (query head h's block W_o[:, h] maps its output [dv] into the
+    residual stream), when a method asked for it and the model has one kvlab can read (else None).
+    ``query_stats`` is over the largest window asked; ``query_stats_by_window`` holds one ``QueryStats``
+    per distinct window asked (read it through ``stats_over(w)``): two methods asking for different
+    windows each get their own.
+
+    ``next_position``: None after a prefill (the next token is at position n). A state built from a
+    running cache while decoding (``decoding-NAME``, ``kvlab.methods.decoding``) sets it to the true
+    position of the next token: its n kept tokens are then not positions 0..n-1, and its
+    ``query_stats`` are over the queries it holds, however many (``stats_over`` returns them).
+    ``memo`` holds what methods computed from this prefill independently of their budget
+    (``PromptScored.shared``).
     """
 
     keys: Tensor
@@ -110,15 +133,28 @@ class PrefillState:
     query_stats: QueryStats | None = None
     model: ModelAccess | None = None
     query_stats_by_window: dict[int, QueryStats] = field(default_factory=dict)
+    next_position: int | None = None
+    out_proj: tuple[Tensor, ...] | None = None
+    # what a method computed from this prefill that its budget does not change, by a key naming the method and
+    # what the result depends on (``PromptScored.shared``): a comparison's budgets compute it once
+    memo: dict[tuple, Any] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
         return self.keys.shape[-2]
 
+    @property
+    def next_pos(self) -> int:
+        """The true position of the next token: n after a prefill, ``next_position`` on a running state."""
+        return self.n_tokens if self.next_position is None else self.next_position
+
     def stats_over(self, w: int) -> QueryStats:
         """The query statistics over exactly the last ``w`` prompt queries (``PrefillNeeds.query_stats=w``):
         each distinct window a method asked for is computed on its own. Raises when the prefill computed
-        none over that window, so a method never reads statistics of another window than its own."""
+        none over that window, so a method never reads statistics of another window than its own. A running
+        state (``next_position`` set) returns the statistics of the queries it holds."""
+        if self.next_position is not None and self.query_stats is not None:
+            return self.query_stats
         stats = self.query_stats_by_window.get(w)
         if stats is None and self.query_stats is not None and self.query_stats.n == w:
             stats = self.query_stats  # a state built by hand with one window

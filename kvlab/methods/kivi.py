@@ -105,13 +105,14 @@ def kivi_held(info: ModelInfo, nq: int, r: int, bits: Bits, group: int, value_gr
 
 
 def kivi_stream_bytes(info: ModelInfo, nq, r, bits: Bits, group: int, value_group: int | None = None):
-    """``kivi_held`` of one layer and KV head (``nq``, ``r``: ints, or integer tensors of them)."""
-    d = info.head_dim
+    """``kivi_held`` of one layer and KV head (``nq``, ``r``: ints, or integer tensors of them). Keys and values
+    at their own head sizes (multi-head latent attention: values smaller than keys)."""
+    d, dv = info.head_dim, info.v_head_dim
     kb, vb = kv_bits(bits)
-    gv = min(value_group or group, d)
+    gv = min(value_group or group, dv)
     key = d * (nq // group) * (packed_bytes(group, kb) + 4)  # packed codes + fp16 scale + fp16 min per group
-    val = nq * (-(-d // gv)) * (packed_bytes(gv, vb) + 4)
-    return key + val + r * d * 2 * info.dtype_bytes
+    val = nq * (-(-dv // gv)) * (packed_bytes(gv, vb) + 4)
+    return key + val + r * (d + dv) * info.dtype_bytes
 
 
 def first_group_held(sem: LayerSemantics, newest: Tensor, group: int) -> Tensor:
@@ -389,7 +390,7 @@ class KIVI(Compressor):
             predicted = int(held[0])
         else:
             predicted = kivi_bytes(info, n_prompt, self.bits, self.group_size, self.residual)
-        shown = {} if self.value_group is None else {"value_group": min(self.value_group, info.head_dim)}
+        shown = {} if self.value_group is None else {"value_group": min(self.value_group, info.v_head_dim)}
         kb, vb = kv_bits(self.bits)
         return {
             "bits": self.bits,
@@ -535,6 +536,12 @@ class KIVI(Compressor):
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         for layer in self.layers:
             yield from layer.tensors()
+
+    def kept_positions(self, layer: int) -> Tensor | None:
+        """[Hkv, r] positions of the full-precision residual (the newest tokens; the older ones are codes)."""
+        st = self.layers[layer]
+        r = st.rk.n
+        return torch.arange(st.seen - r, st.seen, dtype=torch.int32).expand(self.info.n_kv_heads, r)
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """Softmax over the dequantized keys (every token held, in order; 0 for the groups a local layer

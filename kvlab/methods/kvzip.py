@@ -140,7 +140,8 @@ def reconstruction_scores(
     The context after the template prefix (``template``'s opening) is reconstructed chunk by chunk
     (``reconstruction_inputs``, one ``extend`` each) and scored by ``chunk_scores``; the prefix,
     among every chunk's keys, gets its largest score over the chunks. Chunks shrink so that prompt
-    + reconstruction input fit in ``max_positions``.
+    + reconstruction input fit in ``max_positions`` (the caller's: the model's context, or a RoPE switch the
+    prompt ends before).
     """
     n = len(model.prompt_ids)
     opening, closing = template(model)
@@ -148,8 +149,8 @@ def reconstruction_scores(
     room = max_positions - n - len(model.encode(REPEAT_NEXT)) - CARRY - len(closing)
     if room < 1 and n > sink:
         raise ValueError(
-            f"kvzip: a prompt of {n} tokens leaves no room for its reconstruction in the model's context "
-            f"of {max_positions} tokens"
+            f"kvzip: a prompt of {n} tokens leaves no room for its reconstruction in the {max_positions} tokens "
+            "it may reach (the model's context, or the length where its RoPE switches factors)"
         )
     scores = torch.zeros(len(semantics), n_kv_heads, n)
     for start, end, ids in reconstruction_inputs(model, sink, min(chunk, room), closing):
@@ -248,7 +249,13 @@ class KVzip(DenseCompressor):
         chunk = int(self.cfg["chunk"])
         done = SCORED.setdefault(model, {})  # the same prompt at several budgets is reconstructed once
         if chunk not in done:
-            done[chunk] = reconstruction_scores(model, self.sem, self.info.n_kv_heads, chunk, self.info.max_positions)
+            # a reconstruction past a RoPE switch (Phi-3's longrope) would rotate its queries with other factors
+            # than the prompt's keys: it stays within the switch as within the context
+            n, longest = state.n_tokens, self.info.max_positions
+            switch = self.info.switch_crossed(n, longest)
+            done[chunk] = reconstruction_scores(
+                model, self.sem, self.info.n_kv_heads, chunk, longest if switch is None else switch
+            )
         return done[chunk]
 
     def template_length(self, state: PrefillState) -> int:

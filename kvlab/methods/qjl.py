@@ -417,8 +417,9 @@ class QJL(Compressor):
         return sum(per_layer) / len(per_layer) + self.n_out / self.cfg["outlier_group"]
 
     def _value_bytes(self, bits: int) -> float:
-        d, g = self.info.head_dim, self.cfg["value_group"]
-        n_groups = -(-d // g)
+        """Bytes of one quantized value (the value head size: smaller than the key's under latent attention)."""
+        d, g = self.info.v_head_dim, self.cfg["value_group"]
+        n_groups = -(-d // g)  # a group longer than the head is padded (``quantize_groups``)
         return n_groups * (packed_bytes(g, bits) + 4)
 
     def _sketch_bytes(self, ms: list[int], m_outs: list[int]) -> float:

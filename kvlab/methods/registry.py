@@ -1,7 +1,8 @@
 """The registry of compression methods, by name: an explicit list of the classes each method file
 defines and of the wrappers listed with them (``snapkv+kivi2``, ``ada-snapkv``: ``wrapped.Wrapper``),
 and the resolvers that build named variants on demand (``h2o+kivi4``, ``snapkv+polarquant``,
-``ada-knorm``, ``qjl@paper``). Nothing registers itself on import; a new method is added to ``METHODS`` here.
+``ada-knorm``, ``decoding-keydiff``, ``qjl@paper``). Nothing registers itself on import; a new method is
+added to ``METHODS`` here.
 
 ``register``/``unregister`` add and remove a class at run time (a user's own method, a test's).
 """
@@ -14,6 +15,21 @@ from kvlab.methods.adakv import adaptive
 from kvlab.methods.adakv import resolve as resolve_adaptive
 from kvlab.methods.balancekv import BalanceKV, BalanceKVStream
 from kvlab.methods.base import Compressor
+from kvlab.methods.cam import CaM
+from kvlab.methods.capkv import CapKV
+from kvlab.methods.chunkkv import chunked_scorer
+from kvlab.methods.chunkkv import resolve as resolve_chunked
+from kvlab.methods.compactor import Compactor
+from kvlab.methods.criticalkv import critical
+from kvlab.methods.criticalkv import resolve as resolve_critical
+from kvlab.methods.curdkv import CurDKV
+from kvlab.methods.dapq import DapQ
+from kvlab.methods.decoding import decoding
+from kvlab.methods.decoding import resolve as resolve_decoding
+from kvlab.methods.dms import resolve as resolve_dms
+from kvlab.methods.dms import thresholded
+from kvlab.methods.dropkv import DropKV
+from kvlab.methods.duoattention import DuoAttention
 from kvlab.methods.engine_flags import ENGINE_METHODS
 from kvlab.methods.exact import Exact
 from kvlab.methods.expected_attention import ExpectedAttention
@@ -24,11 +40,16 @@ from kvlab.methods.keydiff import KeyDiff
 from kvlab.methods.kivi import KIVI
 from kvlab.methods.knorm import KNorm
 from kvlab.methods.kvzip import KVzip
+from kvlab.methods.lagkv import LagKV
+from kvlab.methods.leverage import LeverageScore
+from kvlab.methods.lukv import profiled
+from kvlab.methods.lukv import resolve as resolve_profiled
 from kvlab.methods.paper_presets import resolve as resolve_preset
 from kvlab.methods.polarquant import PolarQuant
 from kvlab.methods.pyramidkv import PyramidKV
 from kvlab.methods.qjl import QJL
 from kvlab.methods.scissorhands import Scissorhands
+from kvlab.methods.simlayerkv import SimLayerKV
 from kvlab.methods.snapkv import SnapKV
 from kvlab.methods.streaming import StreamingLLM
 from kvlab.methods.subgen import SubGen, SubGenKCenter, SubGenKCenterWeighted
@@ -68,6 +89,14 @@ METHODS: tuple[Method, ...] = (
     KNorm,
     KVzip,
     TOVA,
+    CaM,
+    CapKV,
+    LeverageScore,
+    Compactor,
+    CurDKV,
+    LagKV,
+    DropKV,
+    DapQ,
     FP8,
     TurboQuant,
     PolarQuant,
@@ -82,6 +111,17 @@ METHODS: tuple[Method, ...] = (
     qjl_keyed(H2O),
     coded(SnapKV, "turboquant"),
     coded(H2O, "fp8"),
+    decoding(SnapKV),  # kvpress's DecodingPress over its standard scorer
+    decoding(KNorm),  # the same over a scorer of keys alone (no queries held; its kept tokens match kvpress's)
+    critical(SnapKV),  # the paper's and kvpress's pairing (kvpress's critical_snapkv)
+    chunked_scorer(SnapKV),  # the paper's pairing, at its chunk size 10 (kvpress benchmarks 20)
+    chunked_scorer(SnapKV, gated=True),  # kvpress's EntropyGatedChunkKVPress over SnapKV, at its defaults
+    SimLayerKV,
+    DuoAttention,
+    profiled(
+        ExpectedAttention, epsilon=2e-2
+    ),  # kvpress's benchmarked LU-KV (its lukv: Expected Attention, epsilon 2e-2)
+    thresholded(SnapKV),  # kvpress benchmarks DMS with its trained KVzap scorers only; SnapKV's votes instead
 )
 
 # name -> method or None, for names that are not listed: compositions, adaptive heads, paper presets
@@ -90,6 +130,11 @@ RESOLVERS: tuple[Callable[[str, Lookup], Method | None], ...] = (
     resolve_qjl,
     resolve_coded,
     resolve_adaptive,
+    resolve_decoding,
+    resolve_critical,
+    resolve_chunked,
+    resolve_profiled,
+    resolve_dms,
     resolve_preset,
 )
 

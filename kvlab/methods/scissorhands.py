@@ -129,14 +129,18 @@ class Scissorhands(ScoredEvictionCompressor):
 
     def planned_tokens(self, n_prompt: int) -> int:
         """Mean kept tokens per layer (per-layer budgets sum to L x B, each capped by the prompt and by what a
-        local layer's window holds)."""
+        local layer's queries see over the horizon, ``reach``)."""
         if self.per_layer is None:
             return super().planned_tokens(n_prompt)
-        caps = zip(self.sem.layers, self.per_layer["B"])
-        return sum(min(s.held(n_prompt), c) for s, c in caps) / self.info.n_layers
+        caps = enumerate(self.per_layer["B"])
+        return sum(min(self.reach(i, n_prompt), c) for i, c in caps) / self.info.n_layers
 
     def layer_capacity(self, layer: int) -> int:
         return self.capacity if self.per_layer is None else self.per_layer["B"][layer]
+
+    def drop_size(self, capacity: int) -> int:
+        """m of a layer of budget ``capacity`` (B): an append past B drops m tokens at once."""
+        return max(1, round(self.cfg["m_ratio"] * capacity))
 
     def layer_recent(self, layer: int) -> int:
         return self.recent if self.per_layer is None else self.per_layer["r"][layer]

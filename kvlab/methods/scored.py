@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -42,6 +42,8 @@ from kernels.tensor_ops import gather_tokens
 from kvlab.core.attention_ops import pool_heads
 from kvlab.methods.dense import DenseCompressor, DenseLayer, Ranking
 from kvlab.methods.handover import PrefillState
+
+T = TypeVar("T")
 
 
 def eviction_keep(key: Tensor, n_drop: int, recent: int) -> Tensor:
@@ -143,8 +145,11 @@ class ScoredEvictionCompressor(DenseCompressor):
 
     def spread_capacity(self, n_prompt: int, capacity: int) -> list[int] | None:
         """Per-layer capacities on a model with local layers: a window that holds fewer than ``capacity``
-        tokens leaves the rest of its share to the global layers, evenly (``spread_over_layers``); a local
-        layer keeps ``capacity`` as its own cap (its window drops tokens before the cap is reached). None when
+        tokens (a chunked layer's block, up to the horizon: ``reach``) leaves the rest of its share to the
+        global layers, evenly (``spread_over_layers``); a local layer keeps ``capacity`` as its own cap (its
+        window drops tokens before the cap is reached). The global layers then take what the plan's peak over
+        the horizon still leaves (``held_per_step``: a chunked layer holds its most only late in a block, and
+        an eviction of several tokens at once leaves a global layer under its cap until it refills). None when
         every layer can hold ``capacity`` (always on a model without local layers)."""
         if self.full or not self.sem.has_local:
             return None
@@ -152,15 +157,67 @@ class ScoredEvictionCompressor(DenseCompressor):
         held = self.spread_over_layers(n_prompt, [capacity] * n_layers)
         if held == [min(capacity, n_prompt)] * n_layers:
             return None
-        return [capacity if s.is_local else c for s, c in zip(self.sem.layers, held)]
+        caps = [capacity if s.is_local else c for s, c in zip(self.sem.layers, held)]
+        return self._fill_global(n_prompt, caps)
+
+    def _fill_global(self, n: int, caps: list[int]) -> list[int]:
+        """``caps`` with the largest extra capacity on every global layer (the same for each, at most up to the
+        prompt) whose ``peak_ratio`` still fits the budget; ``caps`` itself when none fits."""
+
+        def raised(extra: int) -> list[int]:
+            return [c if s.is_local else min(n, c + extra) for s, c in zip(self.sem.layers, caps)]
+
+        if self.budget is None or self.peak_ratio(n, raised(1)) > 1.0:
+            return caps
+        lo, hi = 1, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.peak_ratio(n, raised(mid)) <= 1.0 else (lo, mid - 1)
+        return raised(lo)
+
+    def drop_size(self, capacity: int) -> int:
+        """Tokens one eviction drops from a layer of ``capacity`` that an append took one past it (1: one a step;
+        Scissorhands drops m at once)."""
+        return 1
+
+    def held_per_step(self, n: int, caps: list[int], steps: int) -> Tensor:
+        """Tokens per KV head each layer holds with capacities ``caps`` after the prefill of ``n`` tokens and each
+        of ``steps`` decode steps: int64 [L, steps + 1]. A global layer keeps its capacity less one eviction's
+        drop (``drop_size``) and refills; a local layer at most what its queries see (and its capacity: a bound
+        where drops of several tokens cut deeper)."""
+        s = torch.arange(steps + 1, dtype=torch.int64)
+        rows = []
+        for sem, cap in zip(self.sem.layers, caps):
+            if sem.is_local:
+                rows.append(sem.sees_many(n + s).clamp(max=cap))
+                continue
+            m = max(1, min(self.drop_size(cap), cap))
+            t = s + (n if n <= cap else n - max(m, n - cap))
+            rows.append(torch.where(t <= cap, t, cap - m + 1 + (t - cap - 1) % m))
+        return torch.stack(rows)
+
+    def peak_ratio(self, n: int, caps: list[int]) -> float:
+        """The largest ratio of bytes held (``held_per_step``) to bytes allowed, from the prefill to the horizon."""
+        assert self.budget is not None
+        h = self.horizon(n)
+        tokens = self.held_per_step(n, caps, h).sum(0).double()
+        info = self.info
+        held = info.n_kv_heads * (tokens * self.per_token_bytes() + info.n_layers * self.fixed_stream_bytes())
+        return float((held / self.budget.allowed_per_step(info, n, h, True)).max())
+
+    def budget_ratio(self, n_prompt: int) -> float | None:
+        """Spread over a model's local layers: the peak over the horizon (``peak_ratio``); else the dense store's."""
+        if self.full or self.layer_caps is None:
+            return super().budget_ratio(n_prompt)
+        return self.peak_ratio(n_prompt, [self.layer_capacity(i) for i in range(self.info.n_layers)])
 
     def planned_tokens(self, n_prompt: int) -> int:
         """After ``plan``: mean kept tokens per layer and KV head, rounded up (a local layer: what its window
         holds)."""
         if self.layer_caps is None:
             return super().planned_tokens(n_prompt)
-        caps = zip(self.sem.layers, self.layer_caps)
-        return math.ceil(sum(min(s.held(n_prompt), c) for s, c in caps) / self.info.n_layers)
+        caps = enumerate(self.layer_caps)
+        return math.ceil(sum(min(self.reach(i, n_prompt), c) for i, c in caps) / self.info.n_layers)
 
     def layer_capacity(self, layer: int) -> int:
         """Tokens per KV head ``layer`` holds at most (``capacity`` in every layer unless spread)."""
@@ -350,6 +407,15 @@ class PromptScored(DenseCompressor):
         raise NotImplementedError
 
     ranks_prompt = True
+
+    def shared(self, state: PrefillState, key: tuple, compute: Callable[[], T]) -> T:
+        """``compute()`` once per prefill for this class and ``key`` (what the result depends on besides the
+        prompt: parameters, seed; never the budget): the budgets of a comparison share one prefill and reuse
+        it (``PrefillState.memo``)."""
+        full = (type(self).__qualname__, *key)
+        if full not in state.memo:
+            state.memo[full] = compute()
+        return state.memo[full]
 
     def ranking(self, state: PrefillState) -> Ranking | None:
         """After ``plan``: the scores of the tokens before the window and each layer's budget for them (None:

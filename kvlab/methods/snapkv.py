@@ -26,11 +26,19 @@ from kvlab.methods.scored import PromptScored
 def snap_scores(state: PrefillState, window: int, kernel: int, pooling: str, n_kv_heads: int) -> Tensor:
     """SnapKV votes of the last ``window`` queries for every prefix token: [L, Hkv, n - window].
 
-    Attention [L, Hq, w, n] (causal, softmax over the whole prompt) -> prefix columns -> sum over
-    the window -> 1-D pooling along tokens (stride 1, same length) -> sum over each GQA group.
+    Attention [L, Hq, w, n] (causal, softmax over the whole prompt) -> ``window_votes``.
     """
     probs = state.window_probs(window)  # [L, Hq, w, n]
-    votes = probs[..., : state.n_tokens - window].sum(-2)  # [L, Hq, n - w]
+    return window_votes(probs, state.n_tokens - window, kernel, pooling, n_kv_heads)
+
+
+def window_votes(probs: Tensor, n_prefix: int, kernel: int, pooling: str, n_kv_heads: int) -> Tensor:
+    """Votes of an observation window for the first ``n_prefix`` keys: [L, Hkv, n_prefix].
+
+    probs [L, Hq, w, m] (m >= n_prefix keys) -> the prefix columns -> sum over the window -> 1-D
+    pooling along tokens (stride 1, same length) -> sum over each GQA group.
+    """
+    votes = probs[..., :n_prefix].sum(-2)  # [L, Hq, n_prefix]
     if kernel > 1:
         lead = votes.shape[:-1]
         flat = votes.reshape(-1, 1, votes.shape[-1])

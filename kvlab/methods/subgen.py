@@ -411,6 +411,7 @@ class SubGen(Compressor):
         "denominator and s (k, v) samples drawn proportional to ||v||^2 for the numerator; streams while decoding."
     )
     streaming = True
+    summarizes = True  # tokens outside the exact sink and window stand in the clusters and samples
     params = (
         Param(
             "delta",
@@ -566,6 +567,7 @@ class SubGen(Compressor):
 
     def compress(self, state: PrefillState) -> None:
         n = state.n_tokens
+        self.seen = [n] * self.info.n_layers  # tokens each layer has been given (for ``kept_positions``)
         self.local = {i: self._sliding(state, i) for i in self.local_layers}
         gl = self.global_layers
         self.slot = {layer: j for j, layer in enumerate(gl)}  # a global layer's index in Algorithm 1's streams
@@ -655,6 +657,7 @@ class SubGen(Compressor):
         return {"cap_bound_keys": int(joins.sum()), "cap_bound_streams": round(float((joins > 0).float().mean()), 4)}
 
     def append(self, layer: int, k: Tensor, v: Tensor, pos: int) -> None:
+        self.seen[layer] = pos + k.shape[-2]
         if layer in self.local:  # the sliding store drops the token that leaves it
             cache = self.local[layer]
             cache.append(k, v, pos)
@@ -690,6 +693,18 @@ class SubGen(Compressor):
             yield from self.state.tensors()
             yield "keys", self.exact.keys
             yield "values", self.exact.values
+
+    def kept_positions(self, layer: int) -> Tensor | None:
+        """[Hkv, m] positions held exactly: a dense store's, else the first ``sink`` and the ``recent`` latest
+        (the other tokens stand in Algorithm 1's clusters and samples, not at positions)."""
+        dense = self._dense(layer)
+        if dense is not None:
+            return dense.positions()
+        if self.state is None:
+            return None
+        n, sink, recent = self.seen[layer], self.exact.sink, self.exact.recent
+        pos = torch.cat([torch.arange(min(sink, n)), torch.arange(max(sink, n - recent), n)]).to(torch.int32)
+        return pos.expand(self.info.n_kv_heads, -1)
 
     def estimated_weights(self, layer: int, q: Tensor) -> Tensor | None:
         """Each token weighted by its cluster's sampled scores (``SubGenState.estimated_weights``); on
@@ -762,7 +777,7 @@ class SubGenKCenter(DenseCompressor):
         firsts = [max(sem.visible_from(n - 1), n - share) for sem, share in zip(self.sem.layers, shares)]
         local = [sem.is_local and first > 0 for sem, first in zip(self.sem.layers, firsts)]
         self.layers = [None] * n_layers  # type: ignore[list-item]  # every layer is set below
-        self.n_prompt, self.local_held = n, {}
+        self.n_prompt, self.local_held, self.local_reserve = n, {}, {}
         for share in sorted({c for c, loc in zip(shares, local) if not loc}):  # the layers of one share at once
             idx = [i for i, c in enumerate(shares) if c == share and not local[i]]
             if share >= n:
@@ -784,7 +799,7 @@ class SubGenKCenter(DenseCompressor):
                     torch.arange(first, n).expand(h, -1),
                     torch.zeros(h, n - first) if weighted else None,
                 )
-                self.local_held[i] = n - first
+                self.hold_as_compressed(i, n - first, shares[i])
 
 
 class SubGenKCenterWeighted(SubGenKCenter):
@@ -793,6 +808,7 @@ class SubGenKCenterWeighted(SubGenKCenter):
     name = "subgen-kcenter-w"
     title = "SubGen k-center, weighted (kvlab variant)"
     group = "baseline"
+    summarizes = True  # each center stands for its cluster
     summary = (
         "kvlab's variant of SubGen k-center: each center carries log(cluster size) on its logit and its "
         "cluster's mean value; recent tokens kept; generated tokens kept."

@@ -158,7 +158,7 @@ class TokenQuantizer(Compressor):
         total = 0.0
         uncoded = self.full_layers()
         for i, sem in enumerate(self.sem.layers):
-            held = sem.held(n + steps)
+            held = sem.sees(n + steps)  # a local layer keeps only what its newest query sees (``_trim``)
             if i in uncoded:
                 total += info.n_kv_heads * held * full
                 continue
@@ -172,6 +172,8 @@ class TokenQuantizer(Compressor):
         steps = {0, horizon, *(s for s in range(0, horizon + 1, max(1, horizon // 16)))}
         r = self.residual if residual is None else residual
         steps |= {x - n for x in [r, *(s.window for s in self.sem.layers if s.window)] if 0 <= x - n <= horizon}
+        for c in {s.chunk for s in self.sem.layers if s.chunk}:  # a chunked layer holds its most at a block's end
+            steps |= set(range(-(-n // c) * c - n, horizon + 1, c))
         return max(self._held(n, j, r) / max(1.0, self.allowed(n, j)) for j in sorted(steps))
 
     def budget_ratio(self, n_prompt: int) -> float | None:

@@ -74,7 +74,8 @@ class QuantizedStorage(Storage):
         self.bits = bits
 
     def kv_bytes(self) -> int:
-        return 2 * quantized_token_bytes(self.info.head_dim, self.bits, int(self.cfg["quant_group"]))
+        g, info = int(self.cfg["quant_group"]), self.info  # keys and values at their own head sizes (MLA)
+        return quantized_token_bytes(info.head_dim, self.bits, g) + quantized_token_bytes(info.v_head_dim, self.bits, g)
 
     def store(self, layer: int, dense: KeptTokens) -> TokenStore:
         return QuantizedDenseLayer.from_dense(dense, self.bits, int(self.cfg["quant_group"]))

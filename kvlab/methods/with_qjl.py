@@ -179,8 +179,9 @@ class QJLStorage(Storage):
         return self.sketch_rows // 8 + 2 + (self.m_out // 8 + 2 + self.n_out if self.n_out else 0)
 
     def kv_bytes(self) -> int:
-        c = self.cfg
-        return self.key_bytes() + quantized_token_bytes(self.info.head_dim, int(c["value_bits"]), int(c["value_group"]))
+        c = self.cfg  # values at their own head size (smaller than keys under latent attention)
+        value = quantized_token_bytes(self.info.v_head_dim, int(c["value_bits"]), int(c["value_group"]))
+        return self.key_bytes() + value
 
     def sketch_bytes(self) -> float:
         """The sketches' bytes per layer and KV head when counted (``count_sketch``), else 0."""
@@ -199,7 +200,8 @@ class QJLStorage(Storage):
             return
         target = budget.target_bytes(self.info, n_prompt) / (self.info.n_layers * self.info.n_kv_heads)
         per_token = self.method.per_token_bytes
-        held = sum(s.held(n_prompt) for s in self.method.sem.layers) / self.info.n_layers  # per layer, on average
+        # per layer, on average: a local layer holds what its queries see (``reach``)
+        held = sum(self.method.reach(i, n_prompt) for i in range(self.info.n_layers)) / self.info.n_layers
         fits = lambda: held * per_token(with_logw=True) + self.sketch_bytes() <= target  # noqa: E731
         lo, hi = 2 * d, M_MAX_PER_D * d
         if not fits():

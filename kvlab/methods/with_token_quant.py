@@ -163,7 +163,8 @@ class CodedStorage(Storage):
         budget, info = self.method.budget, self.info
         if budget is None:
             return True
-        held = sum(s.held(n_prompt) for s in self.method.sem.layers) / info.n_layers  # per layer, on average
+        # per layer, on average: a local layer holds what its queries see (``reach``)
+        held = sum(self.method.reach(i, n_prompt) for i in range(info.n_layers)) / info.n_layers
         kept, target = held, budget.target_bytes(info, n_prompt) / (info.n_layers * info.n_kv_heads)
         if budget.tokens is not None:
             kept, target = min(held, budget.tokens), float(budget.tokens * per_token_bytes(info))

@@ -1,6 +1,6 @@
 """Methods made of another method, as kvpress wraps presses: the registry's entry for a name such as
 ``snapkv+kivi2`` (a composition, ``composed.Composition``) or ``ada-expected-attention`` (Ada-KV's
-allocation, ``adakv.Adaptive``).
+allocation, ``held_scorer.ScorerWrapper``; the other wrappers of a scorer are listed there).
 
 A wrapper is a value, not a class made at run time: it holds its inner method (the class), adds its own
 parameters, and builds an instance that holds an instance of the inner method or gives it a strategy
@@ -50,6 +50,11 @@ class Wrapper:
         if attr.startswith("__"):
             raise AttributeError(attr)
         return getattr(self.inner, attr)
+
+    @property
+    def instance_class(self) -> type[Compressor]:
+        """The class of the instances it makes (the inner method's, unless the wrapper's cache holds it)."""
+        return self.inner
 
     @property
     def params(self) -> tuple[Param, ...]:

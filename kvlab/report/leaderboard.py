@@ -18,8 +18,10 @@ bars and the protocol in its title.
 
 Every mean comes with n and a 95% interval (``kvlab.core.statistics``): a task's score over its
 prompts has the exact binomial interval when every score is 0 or 1 (single-answer tasks), else a
-bootstrap over the prompts; the average over tasks has a bootstrap interval over prompt indices
-(the i-th prompt of every task averaged), when every task has the same number of prompts.
+t interval (below 15 prompts) or a bootstrap over the prompts; the average over tasks is the task's own
+estimate when there is one task, else an interval over prompt indices (the i-th prompt of every task
+averaged), when every task has the same number of prompts; where those averages do not vary it has no
+interval (never one of zero width).
 
 The protocol is kvpress's question: ``query-agnostic`` (the context compressed alone, the question
 asked after it: kvpress's leaderboard) or ``query-aware`` (the question inside the compressed
@@ -31,13 +33,17 @@ from __future__ import annotations
 import csv
 import io
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import plotly.graph_objects as go
 
 from kvlab.core.statistics import Estimate, mean_interval, score_interval
 from kvlab.report.charts import PALETTE
+
+FIDELITY = ("agreement", "answer_logprob")  # kvlab.measure.fidelity's per-prompt scores
+FIDELITY_SCALE = {"agreement": 100.0, "answer_logprob": 1.0}  # agreement 0-100 as the scores; nats per token
+FIDELITY_HEAD = {"agreement": "agreement with exact", "answer_logprob": "log p(exact's answer)"}
 
 PROTOCOL_TEXT = {
     "query-agnostic": "query-agnostic: the context compressed alone, the question asked after (kvpress's protocol)",
@@ -68,6 +74,9 @@ class Row:
     scores: dict[str, float] = field(default_factory=dict)  # task -> mean score, 0-100
     cells: dict[str, int] = field(default_factory=dict)  # task -> prompts scored
     samples: dict[str, list[float]] = field(default_factory=dict)  # task -> each prompt's score, 0-1, in cell order
+    prompts: dict[str, list[str]] = field(default_factory=dict)  # task -> each prompt's cell name, as ``samples``
+    # fidelity to exact (kvlab.measure.fidelity): metric -> task -> each prompt's value (None: not measured)
+    fidelity: dict[str, dict[str, list[float | None]]] = field(default_factory=dict)
 
     @property
     def budget(self) -> float:
@@ -84,23 +93,49 @@ class Row:
         return score_interval(xs) if xs else None
 
     def average_estimate(self) -> Estimate | None:
-        """The average over tasks with a bootstrap interval over prompt indices (the i-th prompt of every task
-        averaged); None unless every task has the same number of prompts."""
+        """The average over tasks with its interval: with one task, that task's own (the exact binomial one
+        for right-or-wrong scores); with several, ``mean_interval`` over prompt indices (the i-th prompt of
+        every task averaged), cut to [0, 1], and no interval where those averages do not vary (the estimate's
+        note says so). None unless every task has the same number of prompts."""
         per = [self.samples.get(t) or [] for t in self.scores]
         if not per or len({len(x) for x in per}) != 1 or not per[0]:
             return None
-        return mean_interval([sum(col) / len(col) for col in zip(*per)])
+        if len(per) == 1:
+            return score_interval(per[0])
+        est = mean_interval([sum(col) / len(col) for col in zip(*per)])
+        if est is None or est.low is None or est.high is None:
+            return est
+        return replace(est, low=max(0.0, est.low), high=min(1.0, est.high))
+
+    def paired(self, metric: str = "task_score") -> dict[str, float]:
+        """Each prompt's value of ``metric`` (the task score or a fidelity score) by "task/cell", for pairing
+        with another method on the same prompts; prompts where it was not measured are left out."""
+        out: dict[str, float] = {}
+        for task, names in self.prompts.items():
+            values = self.samples[task] if metric == "task_score" else self.fidelity.get(metric, {}).get(task, [])
+            out.update({f"{task}/{n}": float(v) for n, v in zip(names, values) if v is not None})
+        return out
+
+    def fidelity_estimate(self, metric: str) -> Estimate | None:
+        """``metric``'s mean over every prompt of every task, with n and its 95% interval (None: not measured)."""
+        xs = list(self.paired(metric).values())
+        if not xs:
+            return None
+        return score_interval(xs) if metric == "agreement" else mean_interval(xs)
 
     def as_dict(self) -> dict:
-        """JSON-able: each task's and the average's mean (0-100), n, 95% interval and method."""
+        """JSON-able: each task's and the average's mean (0-100), n, 95% interval and method; the fidelity
+        scores (agreement 0-100, answer log-probability in nats) over all prompts."""
         tasks = {t: (e.as_dict(100) if (e := self.estimate(t)) else None) for t in self.scores}
         avg = self.average_estimate()
+        fid = {m: (e.as_dict(FIDELITY_SCALE[m]) if (e := self.fidelity_estimate(m)) else None) for m in FIDELITY}
         return {
             "method": self.method,
             "ratio": self.ratio,
             "budget": self.budget,
             "tasks": tasks,
             "average": avg.as_dict(100) if avg else {"mean": self.average, "n": None, "low": None, "high": None},
+            "fidelity": fid,
         }
 
 
@@ -115,28 +150,35 @@ def _ratio(budget: str | None) -> float | None:
 
 def rows(recs: list[dict]) -> list[Row]:
     """One ``Row`` per (method, ratio), methods in the order they first appear, ratios ascending."""
-    acc: dict[tuple[str, float], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    acc: dict[tuple[str, float], dict[str, list[tuple]]] = defaultdict(lambda: defaultdict(list))
     order: list[str] = []
     for rec in recs:
-        task = rec["cell"]["task"]
+        task, cell = rec["cell"]["task"], _cell_name(rec["cell"])
         for r in rec["runs"]:
-            score, ratio = r["metrics"].get("task_score"), _ratio(r.get("budget"))
-            if score is None or ratio is None:
+            m, ratio = r["metrics"], _ratio(r.get("budget"))
+            if m.get("task_score") is None or ratio is None:
                 continue
             method = r["label"].split("@")[0]
             order += [method] if method not in order else []
-            acc[(method, ratio)][task].append(float(score))
+            acc[(method, ratio)][task].append((cell, float(m["task_score"]), *(m.get(k) for k in FIDELITY)))
     out = [
         Row(
             m,
             ratio,
-            {t: 100 * sum(v) / len(v) for t, v in per.items()},
+            {t: 100 * sum(x[1] for x in v) / len(v) for t, v in per.items()},
             {t: len(v) for t, v in per.items()},
-            {t: list(v) for t, v in per.items()},
+            {t: [x[1] for x in v] for t, v in per.items()},
+            {t: [x[0] for x in v] for t, v in per.items()},
+            {k: {t: [x[2 + i] for x in v] for t, v in per.items()} for i, k in enumerate(FIDELITY)},
         )
         for (m, ratio), per in acc.items()
     ]
     return sorted(out, key=lambda r: (order.index(r.method), r.ratio))
+
+
+def _cell_name(cell: dict) -> str:
+    """A prompt's name within its task: length, depth and seed."""
+    return f"{cell.get('length')}-d{cell.get('depth', 0.5):g}-s{cell.get('seed')}"
 
 
 def rows_from_results(data: dict) -> list[Row]:
@@ -169,13 +211,18 @@ def csv_text(items: list[Row], protocol: str = "query-aware") -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     extra = [f"{t}_{k}" for t in [*tasks, "average"] for k in ("n", "low", "high")]
-    w.writerow(["method", "ratio", *tasks, "average", "protocol", *extra])
+    fid = [f"{m}{k}" for m in FIDELITY for k in ("", "_n", "_low", "_high")]
+    w.writerow(["method", "ratio", *tasks, "average", "protocol", *extra, *fid])
     for r in items:
         scores = [f"{r.scores[t]:.2f}" if t in r.scores else "" for t in tasks]
         spread = []
         for e in [*(r.estimate(t) for t in tasks), r.average_estimate()]:
             d = e.as_dict(100) if e else {"n": None, "low": None, "high": None}
             spread += ["" if d["n"] is None else str(d["n"]), _num(d["low"]), _num(d["high"])]
+        for m in FIDELITY:
+            e = r.fidelity_estimate(m)
+            d = e.as_dict(FIDELITY_SCALE[m]) if e else {"mean": None, "n": None, "low": None, "high": None}
+            spread += [_num(d["mean"]), "" if d["n"] is None else str(d["n"]), _num(d["low"]), _num(d["high"])]
         w.writerow([r.method, f"{r.ratio:g}", *scores, f"{r.average:.2f}", protocol, *spread])
     return buf.getvalue()
 
@@ -193,17 +240,30 @@ def _cell(e: Estimate | None, mean: float) -> str:
     return f"{mean:.1f} [{100 * e.low:.1f}, {100 * e.high:.1f}] n={e.n}"
 
 
+def _fidelity_cell(e: Estimate | None, metric: str) -> str:
+    """A fidelity score with its interval and n: agreement 0-100 as the scores, log-probability in nats."""
+    if e is None:
+        return "—"
+    scale, digits = FIDELITY_SCALE[metric], (1 if metric == "agreement" else 2)
+    f = f"{{:.{digits}f}}"
+    if e.low is None or e.high is None:
+        return f.format(e.mean * scale) + f" n={e.n}"
+    return f"{f.format(e.mean * scale)} [{f.format(e.low * scale)}, {f.format(e.high * scale)}] n={e.n}"
+
+
 def table_html(items: list[Row], protocol: str | None = None) -> str:
     """The leaderboard as an HTML table: ratio with kvlab's budget beside it, scores per task, average, each
     mean with its 95% interval and n; the protocol above it when given."""
     import html
 
     tasks = tasks_of(items)
-    head = ["method", "ratio (removed)", "budget (kept)", *tasks, "average"]
+    fid = [m for m in FIDELITY if any(r.fidelity_estimate(m) for r in items)]
+    head = ["method", "ratio (removed)", "budget (kept)", *tasks, "average", *(FIDELITY_HEAD[m] for m in fid)]
     body = []
     for r in sorted(items, key=lambda r: (r.ratio, -r.average)):
         cells = [r.method, f"{r.ratio:g}", f"{r.budget:g}", *(_cell(r.estimate(t), r.scores[t]) if t in r.scores
-                 else "—" for t in tasks), _cell(r.average_estimate(), r.average)]  # fmt: skip
+                 else "—" for t in tasks), _cell(r.average_estimate(), r.average),
+                 *(_fidelity_cell(r.fidelity_estimate(m), m) for m in fid)]  # fmt: skip
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     caption = (
         f"<p class='kv-protocol'>Protocol: {html.escape(protocol_text(protocol))}. "

@@ -104,7 +104,7 @@ def grid_figure(items: list[Grid], title: str = "Needle grid", cols: int = 4) ->
         cols=cols,
         subplot_titles=[g.label for g in items] or [""],
         horizontal_spacing=0.06,
-        vertical_spacing=0.22 / rows if rows > 1 else 0.1,
+        vertical_spacing=0.32 / rows if rows > 1 else 0.1,  # room for the x title above the next row's titles
     )
     for k, g in enumerate(items):
         text = [[f"{h}/{n}" if n else "" for h, n in zip(hr, nr)] for hr, nr in zip(g.hits, g.seeds)]
@@ -129,7 +129,7 @@ def grid_figure(items: list[Grid], title: str = "Needle grid", cols: int = 4) ->
     fig.update_layout(
         title=title,
         coloraxis={"colorscale": COLORSCALE, "cmin": 0, "cmax": 1, "colorbar": {"title": {"text": "found"}}},
-        height=120 + 260 * rows,
+        height=120 + 280 * rows,
         margin={"l": 60, "r": 30, "t": 80, "b": 50},
         template="plotly_white",
     )

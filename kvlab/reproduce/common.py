@@ -1,19 +1,21 @@
-"""What every reproduction shares: the paper claims it checks, the table it prints, the files it writes.
+"""What every reproduction shares: the quotes it pins, the rows it prints, its progress on disk.
 
-A reproduction measures one claim of one paper on the embedded model and returns a ``Report``:
-rows of (setting, the paper's number, kvlab's number, n and the 95% interval where kvlab's number is
-a mean over prompts or seeds, the verdict), the raw measurements (JSON) and a plotly figure (HTML).
-The paper's numbers are ``Claim`` constants: each carries the exact text it quotes and where in the
-paper it is, and a test checks that the text is in the paper (``papers/<paper>.txt`` beside the
-repository).
+A reproduction measures claims of one paper on the embedded model and returns a ``Report``
+(``kvlab.reproduce.report``): rows of (setting, the paper's number, kvlab's number, n and the 95%
+interval where kvlab's number is a mean over prompts, documents, seeds or draws, the verdict), the raw
+measurements (JSON) and a plotly figure (HTML). The paper's numbers and sentences are ``Claim`` constants
+(quotes): each carries the exact text it quotes and where in the paper it is, and a test checks that the
+text is in the paper (``papers/<paper>.txt`` beside the repository).
 
-A row is one of three kinds. A **claim** row tests the paper's own claim and carries one of four
-verdicts: ``holds``, ``does not hold``, ``inconclusive`` (the data cannot decide: every method ties,
-the interval straddles the line) or ``not testable here`` (the model or the data cannot test it; the
-row's note says why). A **control** row is kvlab's own check (a control method, a threshold the
-paper does not state) with a verdict in the same words; a **context** row gives settings, references
-or bookkeeping and has no verdict. The tally counts claim rows only; controls and context are
-listed apart.
+A row is one of four kinds. A **claim** row is evidence for a paper claim at the paper's operating point
+and carries one of the verdicts: ``holds``, ``does not hold``, ``inconclusive`` (the data cannot decide:
+every method ties, the interval straddles the line, or too few prompts for the test to pass: "inconclusive
+by design"), ``not testable here`` (the model or the data cannot test it; the row's note says why). A
+**check** row verifies kvlab's own implementation, a **control** row is kvlab's own control; both carry a
+verdict in the same words. A **context** row gives settings, references, other operating points or
+bookkeeping and has no verdict. Each row names the registry id it bears on (``claim``, see
+``kvlab.reproduce.claims``), the model it was measured on where a reproduction runs several (``model``),
+and for a test, the smallest n at which it could pass (``min_n``).
 
 A long reproduction is resumable: ``Progress`` keeps each finished unit of work (a document, a
 prompt) on disk as it completes, and a rerun with the same settings reads those units back
@@ -26,7 +28,8 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +70,12 @@ HOLDS = "holds"
 DOES_NOT_HOLD = "does not hold"
 INCONCLUSIVE = "inconclusive"
 NOT_TESTABLE = "not testable here"
-VERDICTS = (HOLDS, DOES_NOT_HOLD, INCONCLUSIVE, NOT_TESTABLE)
-CLAIM, CONTROL, CONTEXT = "claim", "control", "context"
-KINDS = (CLAIM, CONTROL, CONTEXT)
+NOT_TESTABLE_SCALE = "not testable at this scale"  # a claim's verdict only: the paper ties it to a larger model
+VERDICTS = (HOLDS, DOES_NOT_HOLD, INCONCLUSIVE, NOT_TESTABLE)  # a row's verdict
+CLAIM_VERDICTS = (*VERDICTS, NOT_TESTABLE_SCALE)  # a claim's verdict
+CLAIM, CHECK, CONTROL, CONTEXT = "claim", "check", "control", "context"
+KINDS = (CLAIM, CHECK, CONTROL, CONTEXT)
+BY_DESIGN = "inconclusive by design"
 
 
 @dataclass
@@ -78,7 +84,10 @@ class Row:
 
     ``holds`` (True / False) is shorthand for the verdicts "holds" / "does not hold"; a row given
     neither a direction nor a verdict is context. ``n`` and ``interval`` (kvlab's 95% interval, the
-    same scale as ``kvlab``) where kvlab's number is a mean over prompts or seeds."""
+    same scale as ``kvlab``) where kvlab's number is a mean over prompts, documents, seeds or draws;
+    ``claim`` the registry id the row bears on; ``model`` the model it was measured on (rows of several
+    models); ``min_n`` the smallest n at which the row's test could pass: below it an inconclusive row
+    says it is inconclusive by design."""
 
     setting: str
     paper: str
@@ -89,6 +98,9 @@ class Row:
     kind: str = CLAIM
     n: int | None = None
     interval: tuple[float, float] | None = None
+    claim: str = ""
+    model: str = ""
+    min_n: int | None = None
 
     def __post_init__(self) -> None:
         if self.verdict is None and self.holds is not None:
@@ -106,22 +118,31 @@ class Row:
         self.holds = {HOLDS: True, DOES_NOT_HOLD: False}.get(self.verdict or "")
         if self.interval is not None:
             self.interval = (float(self.interval[0]), float(self.interval[1]))
+        short = self.min_n is not None and self.n is not None and self.n < self.min_n
+        if short and self.verdict == HOLDS:
+            raise ValueError(f"{self.setting!r}: holds at n = {self.n}, below the n = {self.min_n} its test needs")
+        if short and self.verdict == INCONCLUSIVE and BY_DESIGN not in self.note:
+            why = f"{BY_DESIGN}: its test cannot pass below n = {self.min_n}"
+            self.note = f"{why}; {self.note}" if self.note else why
 
     @property
     def shown(self) -> str:
-        """The verdict column: the verdict, "control: ..." for kvlab's own controls, "(context)"."""
+        """The verdict column: the verdict, "check: ..." / "control: ..." for kvlab's own, "(context)"."""
         if self.kind == CONTEXT:
             return "(context)"
-        return f"control: {self.verdict}" if self.kind == CONTROL else str(self.verdict)
+        return f"{self.kind}: {self.verdict}" if self.kind in (CHECK, CONTROL) else str(self.verdict)
 
     @property
     def spread(self) -> str:
-        """n and the interval as printed: "n = 10, [0.35, 0.93]", "n = 1", or ""."""
+        """n and the interval as printed: "n = 10, [0.35, 0.93]", "n = 1", or ""; and the n the test needs."""
         if self.n is None:
             return ""
-        if self.interval is None:
-            return f"n = {self.n}"
-        return f"n = {self.n}, [{fmt(self.interval[0])}, {fmt(self.interval[1])}]"
+        out = f"n = {self.n}"
+        if self.interval is not None:
+            out += f", [{fmt(self.interval[0])}, {fmt(self.interval[1])}]"
+        if self.min_n is not None and self.kind != CONTEXT:
+            out += f"; passes from n = {self.min_n}"
+        return out
 
 
 class Progress:
@@ -164,6 +185,20 @@ class Progress:
         tmp.write_text(json.dumps(self.units))
         os.replace(tmp, self.path)
 
+    def value(
+        self, unit: str, compute: Callable[..., Any], *args: Any, log: Callable[[str], None] | None = None,
+        say: str = "", **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """What unit ``unit`` measured: read back when it has finished, else measured by ``compute(*args,
+        **kwargs)`` (``say`` written to ``log`` first), kept on disk and returned."""
+        got = self.units.get(unit)
+        if got is None:
+            if log is not None and say:
+                log(say)
+            got = compute(*args, **kwargs)
+            self.put(unit, got)
+        return got
+
     def clear(self) -> None:
         """The reproduction has finished: forget its units."""
         self.path.unlink(missing_ok=True)
@@ -185,132 +220,27 @@ def estimate_fields(est) -> dict:
     return {"n": est.n, "interval": interval}
 
 
-def tally(rows: list[dict]) -> dict:
-    """Counts of a report's rows (as in its JSON): the claims by verdict, kvlab's controls by verdict,
-    and the context rows, each apart."""
-    out: dict = {"claims": {v: 0 for v in VERDICTS}, "controls": {v: 0 for v in VERDICTS}, "context": 0}
-    for r in map(row_from_json, rows):
-        if r.kind == CONTEXT or r.verdict is None:
-            out["context"] += 1
-        else:
-            out["claims" if r.kind == CLAIM else "controls"][r.verdict] += 1
-    return out
-
-
-def overall(rows: list[Row]) -> str | None:
-    """A reproduction's verdict from its claim rows: "not testable here" when none could be tested, else
-    "does not hold" if any claim does not, "inconclusive" if any is, "holds" when every tested one holds."""
-    verdicts = [r.verdict for r in rows if r.kind == CLAIM]
-    if not verdicts:
-        return None
-    tested = [v for v in verdicts if v != NOT_TESTABLE]
-    if not tested:
-        return NOT_TESTABLE
-    for v in (DOES_NOT_HOLD, INCONCLUSIVE):
-        if v in tested:
-            return v
-    return HOLDS
-
-
-@dataclass
-class Report:
-    name: str
-    title: str
-    command: str
-    setting: str
-    rows: list[Row]
-    data: dict[str, Any]
-    claims: list[Claim] = field(default_factory=list)
-    figure: Any = None  # plotly Figure
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def holds(self) -> bool | None:
-        """True when every tested claim holds, False when any does not; None otherwise."""
-        v = overall(self.rows)
-        return {HOLDS: True, DOES_NOT_HOLD: False}.get(v or "")
-
-    @property
-    def verdict(self) -> str | None:
-        return overall(self.rows)
-
-    def tally(self) -> dict:
-        return tally([asdict(r) for r in self.rows])
-
-    def table(self) -> str:
-        head = ("setting", "paper", "kvlab", "n, 95% interval", "verdict")
-        body = [
-            (r.setting, r.paper, r.kvlab, r.spread, r.shown + (f" ({r.note})" if r.note else "")) for r in self.rows
-        ]
-        widths = [max(len(x[i]) for x in [head, *body]) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(x[:4], widths)) + "  " + x[4] for x in [head, *body]]
-        return "\n".join(lines)
-
-    def markdown(self) -> str:
-        return markdown_table([asdict(r) for r in self.rows])
-
-    def to_json(self) -> dict:
-        return _clean(
-            {
-                "name": self.name,
-                "title": self.title,
-                "command": self.command,
-                "setting": self.setting,
-                "verdict": self.verdict,
-                "holds": self.holds,
-                "tally": self.tally(),
-                "seconds": round(self.seconds, 1),
-                "rows": [asdict(r) for r in self.rows],
-                "claims": [asdict(c) for c in self.claims],
-                "notes": self.notes,
-                "data": self.data,
-            }
-        )
-
-    def write(self, out: Path) -> list[Path]:
-        out.mkdir(parents=True, exist_ok=True)
-        paths = [out / f"{self.name}.json"]
-        paths[0].write_text(json.dumps(self.to_json(), indent=1))
-        if self.figure is not None:
-            paths.append(out / f"{self.name}.html")
-            self.figure.write_html(paths[-1], include_plotlyjs="cdn", full_html=True)
-        return paths
-
-
 def markdown_table(rows: list[dict]) -> str:
     """A report's rows (as in its JSON) as a Markdown table."""
     out = ["| setting | paper | kvlab | n, 95% interval | verdict |", "|---|---|---|---|---|"]
     for r in rows:
         row = row_from_json(r)
-        note = f" ({_md(row.note)})" if row.note else ""
-        out.append(
-            f"| {_md(row.setting)} | {_md(row.paper)} | {_md(row.kvlab)} | {_md(row.spread)} | {row.shown}{note} |"
-        )
+        note = f" ({md(row.note)})" if row.note else ""
+        out.append(f"| {md(row.setting)} | {md(row.paper)} | {md(row.kvlab)} | {md(row.spread)} | {row.shown}{note} |")
     return "\n".join(out)
 
 
-def markdown_section(data: dict) -> str:
-    """One report's JSON as a Markdown section: title, command, setting, time, verdict, table."""
-    t = tally(data["rows"])
-    claims = ", ".join(f"{k} {v}" for k, v in t["claims"].items() if v) or "none"
-    return (
-        f"### {data['title']}\n\n`{data['command']}` ({data['seconds']:.0f} s)\n\n"
-        f"Setting: {data['setting']}\n\nVerdict: **{data.get('verdict') or 'no claim tested'}** "
-        f"(claims: {claims})\n\n{markdown_table(data['rows'])}\n"
-    )
-
-
-def _md(s: str) -> str:
+def md(s: str) -> str:
+    """Text for a Markdown table cell."""
     return s.replace("|", "\\|")
 
 
-def _clean(x):
+def clean(x):
     """JSON-safe: non-finite floats become null, floats get 5 significant digits."""
     if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
+        return {str(k): clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [clean(v) for v in x]
     if isinstance(x, float):
         return None if not math.isfinite(x) else float(f"{x:.5g}")
     return x

@@ -22,20 +22,29 @@ of exact and every split, measuring the attention relative error over the decode
 KL(exact || split) along exact's tokens, and the agreement with exact's answer (the split's greedy tokens equal
 exact's). Splits are compared paired over the same prompts (``kvlab.core.statistics``).
 
-The claim is judged on KL, the measure nearest the perplexity it was made with: per quantizer, "holds" where
-the V-heavy (or equal) split's KL is above the K-heavy split's with a paired 95% interval above zero, "does not
-hold" where it is below, "inconclusive" otherwise. The attention error and the agreement are given beside it.
+The claim is judged where its source states it: 8-bit keys and 4-bit values (vLLM's ``turboquant_k8v4``, FP8
+keys and 4-bit values; llama.cpp's ``-ctk q8_0 -ctv q4_0``), which is the ``ggml-rot`` pair here, against the
+same bytes the other way round (q4_0 keys, q8_0 values); on KL, the measure nearest the perplexity the presets
+are listed with; on each embedded model (``ReproductionSetup.models``). It holds where the V-heavy split's KL is
+above the K-heavy split's with the paired 95% interval above zero (``decisions.direction_row``), does not hold
+where it lies below, and is inconclusive otherwise. The other quantizers' splits (4/2 against 2/4 bits, no
+source states them), every comparison with an equal split, the attention error and the agreement are context
+under the same id.
+
+``rows_of(data)`` decides the rows from the stored measurements alone, so a stored run can be re-decided
+without measuring again (``kvlab reproduce --rejudge``).
 """
 
 from __future__ import annotations
 
-import time
-
 from kvlab.core.budgets import Budget
 from kvlab.engine.specs import RunSpec
-from kvlab.reproduce.common import CONTEXT, Claim, Progress, Report, Row, estimate_fields
+from kvlab.reproduce.claims import KVLAB, Point, Threshold, paper_claim
+from kvlab.reproduce.common import CLAIM, CONTEXT, Claim, Row
+from kvlab.reproduce.decisions import direction_row
 from kvlab.reproduce.matched import spread
-from kvlab.reproduce.paired_runs import METRICS, lower_is_better, measure, paired, summary, task_prompts, text, values
+from kvlab.reproduce.paired_runs import METRICS, measure, pair_values, summary, task_for, task_units, text, values
+from kvlab.reproduce.report import Report, report
 from kvlab.reproduce.setup import ReproductionSetup
 
 NAME = "kv-asymmetric-bits"
@@ -47,6 +56,30 @@ CLAIMS = (
         "vLLM TurboQuant config (presets); llama.cpp practice (-ctk q8_0 -ctv q4_0)",
         "turboquant_k8v4:   FP8 keys + 4-bit values, 2.6x, +1.17% PPL",
         "keys need more bits than values: at the same bytes a K-heavy split loses less",
+    ),
+)
+KEYS_MORE = "engines:keys-need-more-bits-than-values"
+STATED = "ggml-rot"  # the family whose K-heavy split is the sources' own: 8-bit keys, 4-bit values
+DECLARED = (
+    paper_claim(
+        KEYS_MORE,
+        CLAIMS[0],
+        "at the same bytes, 8-bit keys with 4-bit values lose less than 4-bit keys with 8-bit values",
+        Point(
+            "the engines' users' models (vLLM's presets: Qwen3, Llama 3 class)",
+            "not stated",
+            "8-bit keys, 4-bit values (vLLM turboquant_k8v4; llama.cpp -ctk q8_0 -ctv q4_0)",
+            "perplexity",
+        ),
+        Threshold(
+            "the V-heavy split's teacher-forced KL minus the K-heavy split's, paired over the prompts: the 95% "
+            "interval above 0 holds, below 0 does not hold",
+            KVLAB,
+            "the sources give the presets' perplexity, no comparison at equal bytes and no margin; kvlab tests the "
+            "direction, on KL (the measure nearest perplexity)",
+        ),
+        "llama.cpp's blocks with its rotation (ggml, q8_0/q4_0 against q4_0/q8_0, the same bytes), 24 pass-key and "
+        "needle prompts of ~500 tokens, each embedded model; the other quantizers' splits are context",
     ),
 )
 
@@ -61,6 +94,10 @@ CAP = 0.99  # a budget under 1 (every knob is given, so the plan is the split it
 
 FULL = {"tasks": ("passkey", "needle"), "length": 512, "seeds": 12, "new_tokens": 10, "families": tuple(FAMILIES)}
 QUICK = {"tasks": ("passkey", "needle"), "length": 256, "seeds": 1, "new_tokens": 6, "families": tuple(FAMILIES)}
+NOTES = [
+    "bits per number = 16 x the run's peak bytes / the exact cache's peak bytes; the splits of a quantizer hold "
+    "the same bytes (the spread of their peaks is in each first row)"
+]
 
 
 def label(family: str, split: str) -> str:
@@ -79,44 +116,42 @@ def runs(families) -> tuple[list[str], list[RunSpec]]:
     return labels, specs
 
 
-def run(ctx: ReproductionSetup) -> Report:
-    t0 = time.perf_counter()
-    cfg = ctx.settings(NAME, FULL, QUICK)
-    progress = Progress.of(ctx, NAME, cfg, __file__)
+def measure_unit(ctx: ReproductionSetup, cfg: dict, unit: str) -> dict:
+    """One prompt (``unit``: task/seed): exact and every split in one comparison."""
     labels, specs = runs(cfg["families"])
-    prompts: dict[str, dict] = {}
-    for unit, task in task_prompts(ctx, cfg["tasks"], cfg["length"], cfg["seeds"]):
-        if progress.get(unit) is None:
-            ctx.log(f"{NAME}: {unit}")
-            progress.put(unit, measure(ctx, task, labels, specs, cfg["new_tokens"]))
-        prompts[unit] = progress.get(unit)
-    rows = _rows(prompts, cfg["families"])
-    n = len(prompts)
-    tokens = sorted({p["tokens"] for p in prompts.values()})
-    setting = (
-        f"{n} prompts ({', '.join(cfg['tasks'])}, {tokens[0]}-{tokens[-1]} tokens, the question inside), "
-        f"{cfg['new_tokens']} greedy tokens; every token quantized; splits of one quantizer at the same bytes"
-    )
-    report = Report(
-        NAME,
-        TITLE,
-        ctx.command(NAME),
-        setting,
-        rows,
-        {"settings": cfg, "labels": labels, "prompts": prompts},
-        list(CLAIMS),
-        _figure(prompts, cfg["families"]),
-        time.perf_counter() - t0,
-        [
-            "bits per number = 16 x the run's peak bytes / the exact cache's peak bytes; the splits of a "
-            "quantizer hold the same bytes (the spread of their peaks is in each first row)"
-        ],
-    )
-    progress.clear()
-    return report
+    return measure(ctx, task_for(ctx, unit, cfg["length"]), labels, specs, cfg["new_tokens"])
 
 
-def _rows(prompts: dict, families) -> list[Row]:
+def measure_model(ctx: ReproductionSetup, cfg: dict, first: bool = True) -> dict[str, dict]:
+    """Every prompt of ``cfg`` on ``ctx``'s model: unit -> result, each kept on disk as it finishes."""
+    units = task_units(cfg["tasks"], cfg["seeds"])
+    return dict(zip(units, ctx.each(NAME, cfg, __file__, measure_unit, units)))
+
+
+def run(ctx: ReproductionSetup) -> Report:
+    cfg = ctx.settings(NAME, FULL, QUICK)
+    data = {"settings": cfg, "labels": runs(cfg["families"])[0], "models": ctx.on_each_model(measure_model, cfg)}
+    return report(ctx, __name__, setting_of(data), rows_of(data), data, figure(data), NOTES)
+
+
+def setting_of(data: dict) -> str:
+    cfg, by_model = data["settings"], data["models"]
+    every = [p for prompts in by_model.values() for p in prompts.values()]
+    tokens = sorted({p["tokens"] for p in every})
+    n = sorted({len(prompts) for prompts in by_model.values()})
+    return (
+        f"{'/'.join(map(str, n))} prompts per model on {', '.join(by_model)} ({', '.join(cfg['tasks'])}, "
+        f"{tokens[0]}-{tokens[-1]} tokens, the question inside), {cfg['new_tokens']} greedy tokens; every token "
+        "quantized; splits of one quantizer at the same bytes"
+    )
+
+
+def rows_of(data: dict) -> list[Row]:
+    """The rows of every model's prompts in ``data`` (``{"settings", "models": {model: {unit: prompt}}}``)."""
+    return [r for model, prompts in data["models"].items() for r in _rows(prompts, data["settings"]["families"], model)]
+
+
+def _rows(prompts: dict, families, model: str) -> list[Row]:
     rows: list[Row] = []
     n = len(prompts)
     for family in families:
@@ -137,6 +172,8 @@ def _rows(prompts: dict, families) -> list[Row]:
                 bits + ("; refused: " + ", ".join(refused) if refused else ""),
                 kind=CONTEXT,
                 note=f"peaks within {100 * max(gaps, default=0.0):.2f}% of each other on every prompt",
+                claim=KEYS_MORE,
+                model=model,
             )
         )
         for key, what in METRICS.items():
@@ -148,52 +185,55 @@ def _rows(prompts: dict, families) -> list[Row]:
                     "; ".join(f"{x.split(':')[1]} {text(e)}" for x, e in ests.items()),
                     kind=CONTEXT,
                     n=n,
+                    claim=KEYS_MORE,
+                    model=model,
                 )
             )
         k = names["K"]
         for other in [s for s in ("V", "equal") if s in names]:
             o = names[other]
             for key, what in METRICS.items():
-                diff = paired(prompts, o, k, key)
-                shown = "-" if diff is None else f"{diff.difference.text(digits=3)}"
-                setting = f"{family}: {what}, {o.split(':')[1]} - {k.split(':')[1]} (paired)"
-                if key == "kl_mean":
-                    verdict = lower_is_better(diff, key)
-                    side = "the V-heavy split's" if other == "V" else "the equal split's"
-                    note = {
-                        "holds": f"{side} KL above the K-heavy's",
-                        "does not hold": f"{side} KL below the K-heavy's",
-                    }
-                    rows.append(
-                        Row(
-                            setting,
-                            CLAIMS[0].value,
-                            shown,
-                            verdict=verdict,
-                            note=note.get(verdict, "the paired interval includes zero"),
-                            **estimate_fields(None if diff is None else diff.difference),
-                        )
+                a, b = pair_values(prompts, o, k, key)
+                if not a:
+                    continue
+                at_point = key == "kl_mean" and family == STATED and other == "V"
+                ab = (o, k) if key != "agree" else (k, o)  # worse: a higher KL or error, a lower agreement
+                first, second = (a, b) if key != "agree" else (b, a)
+                note = "" if at_point else _why_context(family, other, key)
+                rows.append(
+                    direction_row(
+                        f"{family}: {what}, {ab[0].split(':')[1]} - {ab[1].split(':')[1]} (paired)",
+                        CLAIMS[0].value if at_point else "-",
+                        first,
+                        second,
+                        (ab[0].split(":")[1], ab[1].split(":")[1]),
+                        KEYS_MORE,
+                        CLAIM if at_point else CONTEXT,
+                        model,
+                        note=note,
                     )
-                else:
-                    rows.append(
-                        Row(
-                            setting,
-                            "-",
-                            shown + ("" if diff is None else f": {diff.verdict}"),
-                            kind=CONTEXT,
-                            **estimate_fields(None if diff is None else diff.difference),
-                        )
-                    )
+                )
     return rows
+
+
+def _why_context(family: str, other: str, key: str) -> str:
+    if key != "kl_mean":
+        return "context: the claim is judged on KL"
+    if family != STATED:
+        return "context: no source states this split"
+    return "context: the sources compare no equal split"
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _figure(prompts: dict, families):
+def figure(data: dict):
+    """Each split's mean KL, attention error and agreement per quantizer (the first model of ``data``)."""
     from plotly.subplots import make_subplots
 
+    model, prompts = next(iter(data["models"].items()))
+    families = data["settings"]["families"]
     keys = list(METRICS)
     fig = make_subplots(rows=1, cols=len(keys), subplot_titles=[METRICS[k] for k in keys])
     colors = {"K": "#1f77b4", "equal": "#7f7f7f", "V": "#d62728"}
@@ -213,8 +253,8 @@ def _figure(prompts: dict, families):
             err = {"type": "data", "array": hi, "arrayminus": lo}
             name = f"{split}-heavy" if split != "equal" else "equal"
             fig.add_bar(x=xs, y=ys, name=name, marker_color=color, error_y=err, showlegend=col == 1, row=1, col=col)
-    fig.update_layout(barmode="group", height=420, title=TITLE)
+    fig.update_layout(barmode="group", height=420, title=f"{TITLE} ({model})")
     return fig
 
 
-__all__ = ["FAMILIES", "FULL", "QUICK", "label", "runs"]
+__all__ = ["DECLARED", "FAMILIES", "FULL", "QUICK", "figure", "label", "rows_of", "runs", "setting_of"]

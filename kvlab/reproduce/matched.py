@@ -100,3 +100,48 @@ def held_fraction(info, held: list[int], n_prompt: int) -> float:
 
     worst = max(h / exact_bytes(info, n_prompt + j) for j, h in enumerate(held))
     return min(1.0, math.ceil(worst * 1e4) / 1e4)
+
+
+def eviction_tokens(comp, n_prompt: int, steps: int) -> list[float]:
+    """The tokens a planned eviction cache of the ``Scissorhands`` kind holds, mean over layers, after the
+    prefill and after each of ``steps`` tokens: each layer grows by one token a step and drops
+    ``decode_drop(n)`` tokens when it passes its capacity (``prefill_drop`` at prefill; Algorithm 1 over the
+    prompt, a token at a time, where the method runs it so). Counts, from the method's own schedule: what a
+    budget is chosen by; the bytes reported are measured from the run's tensors."""
+    out = [0.0] * (steps + 1)
+    token_prompt = bool(getattr(comp, "token_prompt", False))
+    for layer in range(comp.info.n_layers):
+        if token_prompt:  # the cache grows from empty over the prompt
+            n = 0
+            for _ in range(n_prompt):
+                n += 1
+                n -= comp.decode_drop(n, layer)
+        else:
+            n = n_prompt - comp.prefill_drop(n_prompt, layer)
+        out[0] += n
+        for j in range(1, steps + 1):
+            n += 1
+            n -= comp.decode_drop(n, layer)
+            out[j] += n
+    return [x / comp.info.n_layers for x in out]
+
+
+def mean_matched_tokens(info, method: str, params: dict, n_prompt: int, steps: int, target: float) -> int:
+    """The largest token budget B (per layer and KV head) at which ``method`` with ``params`` keeps on average
+    at most ``target`` of the tokens the exact cache holds over the prefill and ``steps`` decode steps
+    (``eviction_tokens``): B for a run matched to the full cache's *mean*, where ``Budget(tokens=B)`` caps the
+    peak. A method that drops many tokens at once (Scissorhands: m = 0.5 B) holds well below its cap on
+    average, so this B is larger than the peak-matched one."""
+
+    def mean_share(b: int) -> float:
+        comp = get(method)(info, Budget(tokens=b), params)
+        comp.decode_steps = steps
+        planned(comp, n_prompt)
+        held = eviction_tokens(comp, n_prompt, steps)
+        return sum(h / (n_prompt + j) for j, h in enumerate(held)) / len(held)
+
+    lo, hi = 1, n_prompt
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if mean_share(mid) <= target else (lo, mid - 1)
+    return lo

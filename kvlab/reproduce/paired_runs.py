@@ -2,8 +2,8 @@
 
 What the quantizer reproductions (``kv-asymmetric-bits``, ``turboquant-qjl-residual``) share:
 
-* ``task_prompts``: pass-key and needle prompts (kvlab's own tasks, ``seeds`` of each at ``length`` tokens),
-  each asked inside the prompt; their answers are short, so a greedy answer is compared whole;
+* ``task_units``, ``task_for``: pass-key and needle prompts (kvlab's own tasks, ``seeds`` of each at ``length``
+  tokens), each asked inside the prompt; their answers are short, so a greedy answer is compared whole;
 * ``measure``: one comparison of exact and the runs on a prompt, with the attention relative error and the
   teacher-forced KL(exact || run) along exact's tokens (``kvlab.measure.metrics.MetricsProbe``), each run's
   peak bytes, and its **agreement with exact**: 1 when its greedy tokens are exact's, token for token, else 0
@@ -11,7 +11,6 @@ What the quantizer reproductions (``kv-asymmetric-bits``, ``turboquant-qjl-resid
 * ``paired``: two runs' values on the prompts both ran, their paired difference with its 95% interval
   (``kvlab.core.statistics.paired_difference``: bootstrap over prompts, or the exact McNemar-style interval
   for agreement, which is 0 or 1);
-* ``lower_is_better``: the verdict of "a is worse than b" on a metric where lower is better.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 from kvlab.core.statistics import PairedDifference, mean_interval, paired_difference, score_interval
 from kvlab.engine.specs import RunSpec
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings
-from kvlab.reproduce.common import DOES_NOT_HOLD, HOLDS, INCONCLUSIVE
 from kvlab.reproduce.matched import memory
 from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.tasks import make_task, prompt_ids
@@ -31,10 +29,15 @@ METRICS = {
 }
 
 
-def task_prompts(ctx: ReproductionSetup, tasks: tuple[str, ...] | list[str], length: int, seeds: int) -> list:
-    """(unit, task) for ``seeds`` prompts of each task: pass key and needle at ``length`` tokens, seeds 0.."""
-    encode = lambda t: ctx.loaded.encode(t)  # noqa: E731
-    return [(f"{name}/{seed}", make_task(name, length, seed, encode)) for name in tasks for seed in range(seeds)]
+def task_units(tasks: tuple[str, ...] | list[str], seeds: int) -> list[str]:
+    """The prompts' names, ``task/seed``: ``seeds`` of each task, seeds 0.."""
+    return [f"{name}/{seed}" for name in tasks for seed in range(seeds)]
+
+
+def task_for(ctx: ReproductionSetup, unit: str, length: int):
+    """The task of prompt ``unit`` (``task/seed``) at ``length`` tokens, on ``ctx``'s model."""
+    name, seed = unit.rsplit("/", 1)
+    return make_task(name, length, int(seed), lambda t: ctx.loaded.encode(t))
 
 
 def measure(ctx: ReproductionSetup, task, labels: list[str], runs: list[RunSpec], steps: int) -> dict:
@@ -72,14 +75,20 @@ def values(prompts: dict, label: str, key: str) -> list[float]:
     return out
 
 
-def paired(prompts: dict, a: str, b: str, key: str) -> PairedDifference | None:
-    """Runs ``a`` and ``b`` on the prompts both ran (with ``key`` measured): the mean of a - b, paired."""
+def pair_values(prompts: dict, a: str, b: str, key: str) -> tuple[list[float], list[float]]:
+    """``key`` of runs ``a`` and ``b`` on the prompts both ran (with ``key`` measured), in the same order."""
     xs, ys = [], []
     for p in prompts.values():
         ra, rb = p["runs"].get(a), p["runs"].get(b)
         if ra and rb and ra["ran"] and rb["ran"] and ra.get(key) is not None and rb.get(key) is not None:
             xs.append(float(ra[key]))
             ys.append(float(rb[key]))
+    return xs, ys
+
+
+def paired(prompts: dict, a: str, b: str, key: str) -> PairedDifference | None:
+    """Runs ``a`` and ``b`` on the prompts both ran (with ``key`` measured): the mean of a - b, paired."""
+    xs, ys = pair_values(prompts, a, b, key)
     return paired_difference(xs, ys, names=(a, b)) if xs else None
 
 
@@ -87,16 +96,6 @@ def summary(prompts: dict, label: str, key: str):
     """The mean of ``key`` over the prompts with n and its 95% interval (exact binomial for agreement)."""
     vs = values(prompts, label, key)
     return score_interval(vs) if key in ("agree", "answer_right") else mean_interval(vs)
-
-
-def lower_is_better(diff: PairedDifference | None, key: str) -> str:
-    """Verdict of "a is worse than b" from a - b of a metric: for errors and KL worse is higher; for agreement
-    with exact worse is lower. Called only where the paired interval excludes zero."""
-    if diff is None or not diff.called:
-        return INCONCLUSIVE
-    a_higher = diff.difference.mean > 0
-    worse = a_higher if key != "agree" else not a_higher
-    return HOLDS if worse else DOES_NOT_HOLD
 
 
 def text(est, digits: int = 3) -> str:
@@ -108,4 +107,4 @@ def text(est, digits: int = 3) -> str:
     return f"{est.mean:.{digits}g} [{est.low:.{digits}g}, {est.high:.{digits}g}]"
 
 
-__all__ = ["METRICS", "lower_is_better", "measure", "paired", "summary", "task_prompts", "text", "values"]
+__all__ = ["METRICS", "measure", "pair_values", "paired", "summary", "task_for", "task_units", "text", "values"]

@@ -24,14 +24,20 @@ runs' tensors on every prompt). Per prompt (pass key and needle, the question in
   tokens (``kvlab.measure.metrics``);
 * **agreement with exact's answer** (the run's greedy tokens equal exact's).
 
-prod and mse are compared paired over the prompts. vLLM's claim "holds" on a measure where prod is worse than
-mse with a paired 95% interval excluding zero (a larger logit variance, attention error or KL; a lower
-agreement), "does not hold" where prod is better so, "inconclusive" otherwise.
+prod and mse are compared paired over the prompts, on each embedded model (``ReproductionSetup.models``).
+vLLM's sentence is judged where vLLM states it, its presets' key widths, 3 and 4 bits (``turboquant_3bit_nc``,
+``k3v4_nc``, ``4bit_nc``), in two ids: the variance (prod's logit error variance above mse's) and attention
+quality (prod's attention output error above mse's). Each holds where the paired 95% interval of prod - mse
+lies above zero (``decisions.direction_row``), does not hold where it lies below, and is inconclusive
+otherwise. KL and the agreement with exact's answer, and every measure at 2 bits (no vLLM preset), are context
+under the same ids; the slope rows (TurboQuant's side) are context too: prod's unbiasedness is verified by
+``turboquant-bounds``.
+
+``rows_of(data)`` decides the rows from the stored measurements alone, so a stored run can be re-decided
+without measuring again (``kvlab reproduce --rejudge``).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -41,9 +47,12 @@ from kvlab.core.statistics import mean_interval
 from kvlab.engine.specs import RunSpec
 from kvlab.methods.budget_search import planned
 from kvlab.methods.turboquant import TurboQuant
-from kvlab.reproduce.common import CONTEXT, Claim, Progress, Report, Row, estimate_fields
+from kvlab.reproduce.claims import KVLAB, Point, Threshold, paper_claim
+from kvlab.reproduce.common import CLAIM, CONTEXT, Claim, Row
+from kvlab.reproduce.decisions import direction_row
 from kvlab.reproduce.matched import peak_fraction, spread
-from kvlab.reproduce.paired_runs import METRICS, lower_is_better, measure, paired, summary, task_prompts, text, values
+from kvlab.reproduce.paired_runs import METRICS, measure, pair_values, summary, task_for, task_units, text, values
+from kvlab.reproduce.report import Report, report
 from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.tasks import prompt_ids
 
@@ -56,7 +65,7 @@ CLAIMS = (
         "vLLM TurboQuantConfig docstring (2026)",
         "QJL is intentionally omitted: community consensus (5+ independent groups) found it hurts attention "
         "quality by amplifying variance through softmax.",
-        "the QJL residual is worse at the same bytes: larger logit variance, attention error and KL, less agreement",
+        "at the same bytes the QJL residual hurts attention quality, by a larger variance of the logits",
     ),
     Claim(
         "turboquant",
@@ -67,11 +76,56 @@ CLAIMS = (
 )
 
 BITS = (2, 3, 4)
+STATED = (3, 4)  # vLLM's presets' key widths: the points its sentence is about
 MATCH = 0.02  # matched bytes: the two peaks within 2% of each other
 WINDOW = 8  # prompt queries scored for the logit variance
+VARIANCE, QUALITY = "vllm:qjl-amplifies-logit-variance", "vllm:qjl-hurts-attention-quality"
+
+
+def _point(metric: str) -> Point:
+    """vLLM's operating point: its presets' key widths, with ``metric`` (the sentence names no measurement)."""
+    return Point(
+        "the models vLLM serves (not named)",
+        "not stated",
+        "TurboQuant keys at 3 and 4 bits (turboquant_3bit_nc, turboquant_k3v4_nc, turboquant_4bit_nc), QJL omitted",
+        metric,
+    )
+
+
+_DIRECTION = (
+    "prod - mse at the same bytes (within 2%), paired over the prompts: the 95% interval above 0 holds, below 0 does "
+    "not hold"
+)
+_WHY = "vLLM's sentence gives no metric, number or margin; kvlab tests its direction"
+_WHERE = (
+    "kvlab's turboquant, keys prod or mse at 3 and 4 bits, values mse, every token coded, mse given prod's peak "
+    "bytes; 24 pass-key and needle prompts of ~500 tokens, each embedded model; 2 bits is context"
+)
+DECLARED = (
+    paper_claim(
+        VARIANCE,
+        CLAIMS[0],
+        "at the same bytes the QJL residual (prod) gives the logits a larger error variance than mse",
+        _point("the variance (no measurement named)"),
+        Threshold(f"the logit error variance, {_DIRECTION}", KVLAB, _WHY),
+        _WHERE,
+    ),
+    paper_claim(
+        QUALITY,
+        CLAIMS[0],
+        "at the same bytes the QJL residual (prod) hurts attention quality against mse",
+        _point("attention quality (no measurement named)"),
+        Threshold(f"the attention relative error, {_DIRECTION}", KVLAB, _WHY),
+        _WHERE + "; KL and the agreement with exact are context",
+    ),
+)
 
 FULL = {"tasks": ("passkey", "needle"), "length": 512, "seeds": 12, "new_tokens": 10, "bits": BITS}
 QUICK = {"tasks": ("passkey", "needle"), "length": 256, "seeds": 1, "new_tokens": 6, "bits": BITS}
+NOTES = [
+    "logit variance: the variance over the prompt's keys of (estimated - exact) scaled logit, last 8 prompt queries, "
+    "mean over layers, query heads and queries; each estimator on its own prompt cache with every token coded"
+]
 
 
 def prod_params(bits: int) -> dict:
@@ -126,56 +180,53 @@ def logit_errors(ctx: ReproductionSetup, ids: list[int], bits: int) -> dict:
     return out
 
 
+def measure_unit(ctx: ReproductionSetup, cfg: dict, unit: str) -> dict:
+    """One prompt (``unit``: task/seed): exact, prod and mse at each width in one comparison, and the logit errors."""
+    task = task_for(ctx, unit, cfg["length"])
+    ids = prompt_ids(ctx.loaded, task)
+    labels, specs, budgets = runs(ctx.info, len(ids), cfg["new_tokens"], cfg["bits"])
+    got = measure(ctx, task, labels, specs, cfg["new_tokens"])
+    got["budgets"] = budgets
+    got["logits"] = {str(b): logit_errors(ctx, ids, b) for b in cfg["bits"]}
+    for b in cfg["bits"]:
+        for keys in ("prod", "mse"):
+            got["runs"][f"{keys}-{b}"]["logit_var"] = got["logits"][str(b)][keys]["var"]
+    return got
+
+
+def measure_model(ctx: ReproductionSetup, cfg: dict, first: bool = True) -> dict[str, dict]:
+    """Every prompt of ``cfg`` on ``ctx``'s model: unit -> result, each kept on disk as it finishes."""
+    units = task_units(cfg["tasks"], cfg["seeds"])
+    return dict(zip(units, ctx.each(NAME, cfg, __file__, measure_unit, units)))
+
+
 def run(ctx: ReproductionSetup) -> Report:
-    t0 = time.perf_counter()
     cfg = ctx.settings(NAME, FULL, QUICK)
-    progress = Progress.of(ctx, NAME, cfg, __file__)
-    prompts: dict[str, dict] = {}
-    for unit, task in task_prompts(ctx, cfg["tasks"], cfg["length"], cfg["seeds"]):
-        if progress.get(unit) is None:
-            ctx.log(f"{NAME}: {unit}")
-            ids = prompt_ids(ctx.loaded, task)
-            labels, specs, budgets = runs(ctx.info, len(ids), cfg["new_tokens"], cfg["bits"])
-            got = measure(ctx, task, labels, specs, cfg["new_tokens"])
-            got["budgets"] = budgets
-            got["logits"] = {str(b): logit_errors(ctx, ids, b) for b in cfg["bits"]}
-            for b in cfg["bits"]:
-                for keys in ("prod", "mse"):
-                    got["runs"][f"{keys}-{b}"]["logit_var"] = got["logits"][str(b)][keys]["var"]
-            progress.put(unit, got)
-        prompts[unit] = progress.get(unit)
-    rows = _rows(prompts, cfg["bits"])
-    tokens = sorted({p["tokens"] for p in prompts.values()})
-    setting = (
-        f"{len(prompts)} prompts ({', '.join(cfg['tasks'])}, {tokens[0]}-{tokens[-1]} tokens, the question inside), "
-        f"{cfg['new_tokens']} greedy tokens; keys prod or mse, values mse, at {', '.join(map(str, cfg['bits']))} bits; "
-        "mse given prod's peak bytes"
+    data = {"settings": cfg, "models": ctx.on_each_model(measure_model, cfg)}
+    return report(ctx, __name__, setting_of(data), rows_of(data), data, figure(data), NOTES)
+
+
+def setting_of(data: dict) -> str:
+    cfg, by_model = data["settings"], data["models"]
+    tokens = sorted({p["tokens"] for prompts in by_model.values() for p in prompts.values()})
+    n = sorted({len(prompts) for prompts in by_model.values()})
+    return (
+        f"{'/'.join(map(str, n))} prompts per model on {', '.join(by_model)} ({', '.join(cfg['tasks'])}, "
+        f"{tokens[0]}-{tokens[-1]} tokens, the question inside), {cfg['new_tokens']} greedy tokens; keys prod or "
+        f"mse, values mse, at {', '.join(map(str, cfg['bits']))} bits; mse given prod's peak bytes"
     )
-    report = Report(
-        NAME,
-        TITLE,
-        ctx.command(NAME),
-        setting,
-        rows,
-        {"settings": cfg, "prompts": prompts},
-        list(CLAIMS),
-        _figure(prompts, cfg["bits"]),
-        time.perf_counter() - t0,
-        [
-            "logit variance: the variance over the prompt's keys of (estimated - exact) scaled logit, last 8 prompt "
-            "queries, mean over layers, query heads and queries; each estimator on its own prompt cache with every "
-            "token coded"
-        ],
-    )
-    progress.clear()
-    return report
+
+
+def rows_of(data: dict) -> list[Row]:
+    """The rows of every model's prompts in ``data`` (``{"settings", "models": {model: {unit: prompt}}}``)."""
+    return [r for model, prompts in data["models"].items() for r in _rows(prompts, data["settings"]["bits"], model)]
 
 
 def _slopes(prompts: dict, b: int, keys: str) -> list[float]:
     return [p["logits"][str(b)][keys]["slope"] for p in prompts.values() if "logits" in p]
 
 
-def _rows(prompts: dict, bits_list) -> list[Row]:
+def _rows(prompts: dict, bits_list, model: str) -> list[Row]:
     rows: list[Row] = []
     n = len(prompts)
     for b in bits_list:
@@ -195,6 +246,7 @@ def _rows(prompts: dict, bits_list) -> list[Row]:
                 f"{window[0]}-{window[-1]} tokens"
                 if window
                 else "",
+                model=model,
             )
         )
         slopes = {k: mean_interval(_slopes(prompts, b, k)) for k in ("prod", "mse")}
@@ -205,35 +257,55 @@ def _rows(prompts: dict, bits_list) -> list[Row]:
                 f"prod {text(slopes['prod'])}; mse {text(slopes['mse'])}",
                 kind=CONTEXT,
                 n=n,
-                note="1 = no shrinkage; unbiasedness itself is tested by turboquant-bounds",
+                note="1 = no shrinkage; unbiasedness itself is verified by turboquant-bounds",
+                model=model,
             )
         )
+        matched = worst <= MATCH
         for key, what in (("logit_var", "logit error variance"), *METRICS.items()):
+            claim = VARIANCE if key == "logit_var" else QUALITY
+            at_point = b in STATED and key in ("logit_var", "attn_rel_error_mean") and matched
+            xs, ys = pair_values(prompts, prod, mse, key)
+            if not xs:
+                continue
             ests = {x: summary(prompts, x, key) for x in (prod, mse)}
-            diff = paired(prompts, prod, mse, key)
-            verdict = lower_is_better(diff, key)
+            lead = f"prod {text(ests[prod])}, mse {text(ests[mse])}"
+            worse = (xs, ys, ("prod", "mse")) if key != "agree" else (ys, xs, ("mse", "prod"))  # prod worse: above
             rows.append(
-                Row(
-                    f"{b} bits: {what}, prod - mse (paired)",
-                    CLAIMS[0].value,
-                    f"prod {text(ests[prod])}, mse {text(ests[mse])}; prod - mse "
-                    + ("-" if diff is None else diff.difference.text(digits=3)),
-                    verdict=verdict,
-                    note="prod worse" if verdict == "holds" else "prod better" if verdict == "does not hold" else
-                    "the paired interval includes zero",
-                    **estimate_fields(None if diff is None else diff.difference),
+                direction_row(
+                    f"{b} bits: {what}, {worse[2][0]} - {worse[2][1]} (paired)",
+                    CLAIMS[0].value if at_point else "-",
+                    worse[0],
+                    worse[1],
+                    worse[2],
+                    claim,
+                    CLAIM if at_point else CONTEXT,
+                    model,
+                    note="" if at_point else _why_context(b, key, matched),
+                    lead=lead,
                 )
-            )  # fmt: skip
+            )
     return rows
+
+
+def _why_context(b: int, key: str, matched: bool) -> str:
+    if not matched:
+        return f"context: the peaks are not within {100 * MATCH:.0f}%"
+    if b not in STATED:
+        return "context: no vLLM preset codes keys at 2 bits"
+    return "context: vLLM's sentence names attention quality and variance"
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _figure(prompts: dict, bits_list):
+def figure(data: dict):
+    """prod and mse per width on each measure (the first model of ``data``)."""
     from plotly.subplots import make_subplots
 
+    model, prompts = next(iter(data["models"].items()))
+    bits_list = data["settings"]["bits"]
     keys = {"logit_var": "logit error variance", **METRICS}
     fig = make_subplots(rows=1, cols=len(keys), subplot_titles=list(keys.values()))
     for col, key in enumerate(keys, 1):
@@ -248,8 +320,8 @@ def _figure(prompts: dict, bits_list):
             fig.add_scatter(x=list(bits_list), y=ys, mode="lines+markers", name=which, line={"color": color},
                             error_y=err, showlegend=col == 1, row=1, col=col)  # fmt: skip
     fig.update_xaxes(title_text="bits per number")
-    fig.update_layout(height=420, title=TITLE)
+    fig.update_layout(height=420, title=f"{TITLE} ({model})")
     return fig
 
 
-__all__ = ["BITS", "FULL", "QUICK", "logit_errors", "runs"]
+__all__ = ["BITS", "DECLARED", "FULL", "QUICK", "figure", "logit_errors", "rows_of", "runs", "setting_of"]

@@ -89,6 +89,46 @@ class Task:
         nums = re.findall(r"\d+", text)
         return float(bool(nums) and nums[0] == self.answer)
 
+    def extract(self, text: str) -> tuple[str, ...] | None:
+        """The answer as this task reads it from a generated text (None: the task has no extractor).
+
+        A number-answer task: the first number. A task whose references are all numbers (RULER's
+        needles): the distinct numbers of at least the references' length, in order, as many as it
+        asks for; all upper-case names (RULER's variable tracking): the same with names. Other tasks
+        (word lists, free text): None. ``kvlab.measure.fidelity`` compares two runs' answers with it.
+        """
+        if self.answer is None:
+            return None
+        if self.metric not in ("all", "part"):
+            nums = re.findall(r"\d+", text)
+            return tuple(nums[:1])
+        shape = answer_shape(self.references or [self.answer])
+        if shape is None:
+            return None
+        found = list(dict.fromkeys(re.findall(shape, text)))
+        return tuple(found[: len(self.references or [self.answer])])
+
+    def answer_end(self, text: str) -> int | None:
+        """Where the extracted answer ends in ``text`` (characters), or None when nothing is extracted."""
+        items = self.extract(text)
+        if not items:
+            return None
+        end = 0
+        for item in items:  # each item's first occurrence, in order
+            at = text.find(item, end)
+            end = at + len(item) if at >= 0 else end
+        return end or None
+
+
+def answer_shape(refs: list[str]) -> str | None:
+    """A regex that finds answers shaped like ``refs`` in a text: numbers of at least their length, or
+    upper-case names of their length; None for any other shape."""
+    if refs and all(r.isdigit() for r in refs):
+        return rf"(?<!\d)\d{{{min(len(r) for r in refs)},}}(?!\d)"
+    if refs and all(r.isalpha() and r.isupper() for r in refs):
+        return rf"(?<![A-Z])[A-Z]{{{min(len(r) for r in refs)},{max(len(r) for r in refs)}}}(?![A-Z])"
+    return None
+
 
 def prompt_ids(lm, task: Task, chat: bool = True) -> list[int]:
     """The token ids the engine is given for ``task``: user turn, assistant marker, answer prefix.

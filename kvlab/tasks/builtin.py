@@ -173,7 +173,9 @@ def multikey(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth
     return _needles("multikey", n_tokens, seed, encode, depths, ask, rng)
 
 
-def lines(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
+def lines(n_tokens: int, seed: int, encode: Callable[[str], list[int]], depth: float | None = None) -> Task:
+    """LongEval's lines filling ``n_tokens``; the question asks for a line chosen by the seed, or (``depth``) the
+    line at that depth of the record (0: the first line, 1: the last)."""
     rng = random.Random(f"lines-{seed}")
     pool = [f"{a}-{b}" for a in _WORDS for b in _WORDS if a != b]
     rng.shuffle(pool)
@@ -194,8 +196,10 @@ def lines(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Task:
     prefix_for = "The REGISTER_CONTENT in line {} is <"
     k = max(1, len(re.findall("\n", fit_prompt(encode, build, n_tokens, prefix_for.format(pool[0])))) - 3)
     k = min(k, len(pool))
-    pick = rng.randrange(k)
-    meta = {"seed": seed, "lines": k, "line": pool[pick], "target_tokens": n_tokens}
+    pick = rng.randrange(k) if depth is None else min(k - 1, max(0, round(depth * (k - 1))))
+    meta = {"seed": seed, "lines": k, "line": pool[pick], "index": pick, "target_tokens": n_tokens}
+    if depth is not None:
+        meta["depth"] = depth
     return Task("lines", build(k, pick), str(values[pick]), meta, ask(pool[pick]), prefix_for.format(pool[pick]))
 
 
@@ -224,21 +228,24 @@ def document(n_tokens: int, seed: int, encode: Callable[[str], list[int]]) -> Ta
 
 
 def make_task(
-    name: str, n_tokens: int | str, seed: int, encode: Callable[[str], list[int]], depth: float = 0.5
+    name: str, n_tokens: int | str, seed: int, encode: Callable[[str], list[int]], depth: float | None = None
 ) -> Task:
+    """Task ``name`` at ``n_tokens``: ``depth`` places the needle (default 0.5) or, for ``lines``, picks the line
+    asked about (default: one chosen by the seed)."""
     n = parse_length(n_tokens)
+    at = 0.5 if depth is None else depth
     if name == "passkey":
-        return passkey(n, seed, encode, depth)
+        return passkey(n, seed, encode, at)
     if name == "needle":
-        return needle(n, seed, encode, depth)
+        return needle(n, seed, encode, at)
     if name == "multikey":
-        return multikey(n, seed, encode, depth)
+        return multikey(n, seed, encode, at)
     if name == "lines":
-        return lines(n, seed, encode)
+        return lines(n, seed, encode, depth)
     if name == "document":
         return document(n, seed, encode)
     if name in RULER_TASKS:
-        return make_ruler_task(name, n, seed, encode, depth)
+        return make_ruler_task(name, n, seed, encode, at)
     if name.startswith(("file:", "hub:")):
         return file_task(name, seed)
     raise TaskError(

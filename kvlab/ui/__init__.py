@@ -4,16 +4,19 @@ Panels: setup (model, prompt + presets, methods grouped from the registry, budge
 per-method parameters with the papers' defaults, seed) · run progress and one card per run (text
 with differences from exact highlighted, first divergence, bytes, saving, tokens/s) · memory
 (gauges, bytes per step) · errors (attention relative error per step and per layer, KL and top-1
-agreement) · attention (exact vs method heatmaps, kept-token strip over the prompt text) · quality
-vs memory · export / import (JSON, CSV, static HTML report) · about.
+agreement) · attention (exact vs method heatmaps, kept-token strip over the prompt text) · what each
+head keeps (one retention map per run, a step slider) · quality vs memory · export / import (JSON, CSV,
+static HTML report) · the committed leaderboards, the papers' claims and the needle grid, drawn when the
+page opens · about.
 
 Everything shown is rendered from one stored result (``gr.State`` holding the result's JSON), so
 changing the view never recomputes. Text from prompts and models is always escaped (shown as
 text, never as HTML). Every event has an ``api_name``; model work runs one at a time.
 
-Modules: ``config`` (limits, css, the ZeroGPU wrapper) · ``presets`` · ``methods`` (the methods
-panel and parameter table) · ``cards`` (HTML pieces) · ``about`` · ``export`` (JSON, CSV, HTML
-report) · ``dashboard`` (the callbacks) · ``page`` (``build_demo``, ``launch_kwargs``).
+Modules: ``config`` (limits, css) · ``gpu_lease`` (ZeroGPU: placement, the lease) · ``presets`` ·
+``methods`` (the methods panel and parameter table) · ``cards`` (HTML pieces) · ``about`` · ``export``
+(JSON, CSV, HTML report) · ``leaderboard_tab``, ``claims_tab``, ``grid_tab``, ``retention_view`` · ``dashboard``
+(the callbacks) · ``page`` (``build_demo``, ``launch_kwargs``).
 """
 
 from kvlab.ui.about import about_markdown

@@ -12,10 +12,12 @@ import numpy as np
 
 from kvlab.core.model import LoadedModel
 from kvlab.core.results import QUERY_AGNOSTIC, CompareResult, RunResult
+from kvlab.measure.health import budget_overrun
 from kvlab.measure.metrics import token_diff
-from kvlab.methods import methods
+from kvlab.methods import UnknownMethodError, get, methods
 from kvlab.report import comparison_figures as plots
 from kvlab.report.charts import finite
+from kvlab.report.leaderboard import protocol_text
 from kvlab.ui.config import GROUP_TITLES
 
 
@@ -25,6 +27,26 @@ def progress_html(frac: float, message: str) -> str:
         f"<div class='kv-progress' role='progressbar' aria-valuenow='{pct:.0f}'>"
         f"<div class='kv-progress-bar' style='width:{pct:.1f}%'></div></div>"
         f"<div class='kv-progress-msg'>{html.escape(message)}</div>"
+    )
+
+
+def source_html(result: CompareResult | None) -> str:
+    """Where the numbers below come from: the model, the protocol, the prompt and the generation settings."""
+    if result is None:
+        return "<div id='kv-source-line' class='kv-source'></div>"
+    model = str((result.model or {}).get("id", "?"))
+    s = result.settings or {}
+    gen = "sampled" if s.get("do_sample") else "greedy"
+    new = s.get("max_new_tokens")
+    prompt = (
+        f"{result.context_tokens} context tokens, the question fed after"
+        if result.protocol == QUERY_AGNOSTIC
+        else f"{result.prompt_tokens} prompt tokens"
+    )
+    return (
+        f"<div id='kv-source-line' class='kv-source' style='font-size:.86em;color:#374151'><b>Model:</b> "
+        f"{html.escape(model)} · <b>protocol:</b> {html.escape(protocol_text(result.protocol))} · "
+        f"{html.escape(prompt)} · {html.escape(str(new))} new tokens, {gen}</div>"
     )
 
 
@@ -70,7 +92,13 @@ def diff_text_html(run: RunResult, exact: RunResult | None, lm: LoadedModel | No
 
 
 def _card(
-    run: RunResult, exact: RunResult | None, lm: LoadedModel | None, group: str, color: str, live: bool = False
+    run: RunResult,
+    exact: RunResult | None,
+    lm: LoadedModel | None,
+    group: str,
+    color: str,
+    live: bool = False,
+    overrun: str = "",
 ) -> str:
     if run.finish_reason == "refused":
         return _refused_card(run, group, color)
@@ -92,7 +120,7 @@ def _card(
         f"<div class='kv-card kv-{html.escape(group)}' style='border-top-color:{color}'>"
         f"<div class='kv-card-head'><b>{html.escape(run.label)}</b>"
         f"<span class='kv-chip'>{html.escape(GROUP_TITLES.get(group, group))}</span>{extra}</div>"
-        f"{memory_html(mem)}<span>{tps}</span></div>{shared_html(run)}"
+        f"{memory_html(mem)}{overrun}<span>{tps}</span></div>{shared_html(run)}"
         f"<div class='kv-div'>{html.escape(div)}</div>{error_html(run)}{health_html(run)}"
         f"<pre class='kv-text'>{diff_text_html(run, exact, lm)}</pre></div>"
     )
@@ -117,6 +145,25 @@ def memory_html(mem: dict) -> str:
         f"<div class='kv-stats'><span title='most held at any point (what the budget caps) / mean over the run'>"
         f"peak {mem['peak_bytes'] / 1024:,.0f} · mean {mem['mean_bytes'] / 1024:,.0f} / "
         f"{mem['exact_peak_bytes'] / 1024:,.0f} KiB</span><span>{saved:.0f}% saved</span>{low}"
+    )
+
+
+def overrun_html(run: RunResult, result: CompareResult) -> str:
+    """A chip when the run's peak passes its budget by more than 5%: the factor and why
+    (``health.budget_overrun``); nothing otherwise (and for a run of a method this kvlab does not know)."""
+    try:
+        streaming = bool(get(run.method).streaming)
+    except UnknownMethodError:
+        return ""
+    agnostic = result.protocol == QUERY_AGNOSTIC and result.context_tokens
+    n = result.context_tokens if agnostic else result.prompt_tokens
+    over = budget_overrun(run, n, streaming, result.prompt_tokens - n if agnostic else 0)
+    if over is None:
+        return ""
+    factor, reason = over
+    return (
+        "<span class='kv-chip kv-overrun' title='most bytes held / the budget&#39;s share of the exact cache&#39;s "
+        f"most'>peak {factor:.1f}x budget: {html.escape(reason)}</span>"
     )
 
 
@@ -166,12 +213,24 @@ def cards_html(result: CompareResult | None, lm: LoadedModel | None, live: bool 
         )
     exact = next((r for r in result.runs if r.method == "exact"), None)
     groups = {n: c.group for n, c in methods().items()}
+    for r in result.runs:  # names made on demand (``decoding-keydiff``, ``ada-knorm``): their own group
+        if r.method not in groups:
+            try:
+                groups[r.method] = get(r.method).group
+            except UnknownMethodError:
+                pass
     return (
         prompt_head_html(result)
         + "<div class='kv-cards'>"
         + "".join(
             _card(
-                r, exact, lm, groups.get(r.method, "baseline"), plots.color_of(result, r.label), live and r is not exact
+                r,
+                exact,
+                lm,
+                groups.get(r.method, "baseline"),
+                plots.color_of(result, r.label),
+                live and r is not exact,
+                "" if live else overrun_html(r, result),
             )
             for r in result.runs
         )

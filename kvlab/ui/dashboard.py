@@ -19,7 +19,7 @@ import gradio as gr
 import torch
 
 from kvlab.core import cancel
-from kvlab.core.budgets import BudgetError, exact_bytes, parse_budgets
+from kvlab.core.budgets import TOLERANCE, Budget, BudgetError, exact_bytes, parse_budgets, prefill_only_peak
 from kvlab.core.model import LoadedModel, ModelLoadError
 from kvlab.core.results import QUERY_AGNOSTIC, CompareResult, RunResult
 from kvlab.engine import faults
@@ -29,16 +29,20 @@ from kvlab.engine.loader import EMBEDDED, Progress, load_model, spec_of, unload
 from kvlab.engine.probe import Probe
 from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.measure.metrics import ProbeSettings
+from kvlab.measure.retention import RetentionSettings
+from kvlab.methods import get
 from kvlab.report import comparison_figures as plots
+from kvlab.report import retention_map
 from kvlab.report.result_file import ResultFileError, load_result_text
 from kvlab.run import Comparison, stream
 from kvlab.tasks import Task, join_question
-from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
+from kvlab.ui.cards import cards_html, kept_strip_html, progress_html, source_html
 from kvlab.ui.config import Limits
 from kvlab.ui.export import export_files
 from kvlab.ui.gpu_lease import WorkSize
 from kvlab.ui.methods import params_from_rows
 from kvlab.ui.model_choice import model_line, offered, refused_line
+from kvlab.ui.retention_view import prompt_positions_html, slider_range, steps_note
 
 FIGURE_TITLES = (
     "Cache size",
@@ -49,7 +53,10 @@ FIGURE_TITLES = (
     "Attention over the prompt",
     "Quality vs memory",
 )
-FIGURE_OUTPUTS = FIGURE_TITLES + ("kept strip", "layer picker", "strip picker")
+FIGURE_OUTPUTS = FIGURE_TITLES + (
+    "kept strip", "layer picker", "strip picker", "source line", "retention maps", "retention prompt",
+    "retention step", "retention steps",
+)  # fmt: skip
 
 
 CANCEL_WAIT_S = 30.0  # how long Cancel waits for the model work in progress to end
@@ -183,6 +190,26 @@ def text_error(message: str) -> gr.Error:
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#|~!])")
 
 
+def short_prompt_warning(methods, budgets, n: int, new: int) -> str:
+    """The plan line's warning when the prompt is short against the new tokens: the prefill-only methods
+    chosen keep their generated tokens whole, so their peak passes their budget (``prefill_only_peak``, at
+    the budget where it passes most) by more than 5%; "" otherwise."""
+    held = [m for m in methods if m != "exact" and not get(m).streaming]
+    budgets = [Budget.parse(b) for b in budgets]
+    if not held or not budgets:
+        return ""
+    worst = max(budgets, key=lambda b: prefill_only_peak(b, n, new))
+    factor = prefill_only_peak(worst, n, new)
+    if factor <= 1 + TOLERANCE:
+        return ""
+    names = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+    return markdown_text(
+        f" · ⚠ short prompt against the new tokens ({n} prompt, {new} new): prefill-only methods ({names}) keep "
+        f"generated tokens whole and will peak near {factor:.1f}x budget {worst.label}; the decoding- methods "
+        "and the streaming ones hold it"
+    )
+
+
 def markdown_text(message: str) -> str:
     """``message`` for a Markdown component, shown as text: no HTML, links or emphasis from user input."""
     return _MARKDOWN_SPECIAL.sub(r"\\\1", html.escape(message, quote=False))
@@ -199,9 +226,11 @@ def _ended_early(result: CompareResult) -> str:
 class Dashboard:
     """The callbacks behind the page; holds the model loaded at start and the last one chosen on the page."""
 
-    def __init__(self, lm: LoadedModel, limits: Limits | None = None):
+    def __init__(self, lm: LoadedModel, limits: Limits | None = None, device: str | None = None):
         self.lm = lm
         self.limits = limits or Limits()
+        self.device = device  # where models load (``gpu_lease.placement_device``: "cuda" on ZeroGPU; None: auto)
+        self.keep = KEEP_CHOSEN  # models held besides the first (more when the page preloads its list)
         self.admission = AdmissionLimits.from_env()
         self.start = spec_of(lm)  # the model the page started with: always held
         self.engines: dict[str, Engine] = {self.start: Engine(lm)}  # spec -> engine, oldest first
@@ -228,7 +257,7 @@ class Dashboard:
         if not load:
             raise InputError(f"model {spec!r} is not loaded yet: press Load model (Run loads it too)")
         try:
-            engine = Engine(load_model(spec, progress=progress))
+            engine = Engine(load_model(spec, device=self.device, progress=progress))
         except ModelLoadError as exc:
             raise InputError(str(exc)) from None
         self.engines[spec] = engine
@@ -236,13 +265,22 @@ class Dashboard:
         return engine
 
     def _free_older(self, keep: str) -> None:
-        """Hold at most ``KEEP_CHOSEN`` models besides the first one (``keep``, just loaded, stays)."""
+        """Hold at most ``self.keep`` models besides the first one (``keep``, just loaded, stays)."""
         chosen = [s for s in self.engines if s not in (self.start, keep)]
-        for spec in chosen[: max(0, len(chosen) + 1 - KEEP_CHOSEN)]:
+        for spec in chosen[: max(0, len(chosen) + 1 - self.keep)]:
             engine = self.engines.pop(spec)
             if engine.lm.model is not self.lm.model:
                 unload(engine.lm)
         gc.collect()
+
+    def preload(self, specs) -> list[str]:
+        """Load every model of ``specs`` now and hold them all (ZeroGPU: models are placed at import, never
+        inside a lease); returns the specs held. A model that cannot be loaded raises ``InputError``."""
+        specs = list(dict.fromkeys(s for s in specs if s and s != self.start))
+        self.keep = max(self.keep, len(specs))
+        for spec in specs:
+            self.engine_for(spec)
+        return [self.start, *specs]
 
     def offered(self) -> list[str]:
         """The models the page's model box lists (this machine's, or the fixed list), and those held now."""
@@ -320,6 +358,7 @@ class Dashboard:
             settings=GenerationSettings(max_new_tokens=max_new, seed=whole_number(inputs.seed, "the seed", 0)),
             measure=measure,
             questions=[question] if question else (),
+            retention=RetentionSettings(),
         )
         n = len(comparison.encode(engine.lm))
         if n > self.limits.max_prompt_tokens:
@@ -350,7 +389,8 @@ class Dashboard:
             return f"⚠ {markdown_text(str(exc))}"
         est = self.estimate(engine, comparison, n)
         task = f" · scored as the preset's task ({comparison.task.name})" if comparison.task is not None else ""
-        return f"{est.summary()}{task} · within this page's limits"
+        short = short_prompt_warning(comparison.methods, comparison.budgets, n, comparison.settings.max_new_tokens)
+        return f"{est.summary()}{task} · within this page's limits{short}"
 
     def work(self, *values, **kw) -> WorkSize:
         """The request's size for a GPU lease, from the raw inputs of ``compare`` (cheap: tokenizing only).
@@ -520,6 +560,11 @@ class Dashboard:
                 kept_strip_html(None, None, None),
                 gr.update(),
                 gr.update(),
+                source_html(None),
+                retention_map.figure_or_empty(None),
+                prompt_positions_html(None, None),
+                gr.update(value=0, maximum=1),
+                steps_note(None),
             )
         result = CompareResult.from_json(data)
         lm = self._lm_for(result)
@@ -539,7 +584,18 @@ class Dashboard:
             kept_strip_html(result, strip, lm),
             gr.update(choices=layers, value=layer_choice if layer_choice in layers else "mean"),
             gr.update(choices=labels, value=strip),
+            source_html(result),
+            retention_map.figure(result, step=0),
+            prompt_positions_html(result, lm),
+            gr.update(value=0, maximum=max(1, slider_range(result)[0]), step=1),
+            steps_note(result),
         )
+
+    def view_retention(self, data, step):
+        """The retention maps at the slider's ``step`` (from the stored result; nothing recomputed)."""
+        if not data:
+            return retention_map.figure_or_empty(None)
+        return retention_map.figure(CompareResult.from_json(data), step=int(step or 0))
 
     def view_errors(self, data, layer_choice):
         if not data:

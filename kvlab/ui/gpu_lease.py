@@ -1,17 +1,35 @@
-"""The dashboard's GPU path on a ZeroGPU Space: a GPU lease sized to the requested work.
+"""The dashboard's GPU path on a ZeroGPU Space: where the models are placed, and a GPU lease sized to the work.
 
-On a ZeroGPU Space, ``spaces.GPU(duration=...)`` reserves a GPU for at most ``duration`` seconds
-and checks the visitor's quota against that number before the function starts. A fixed duration
-either refuses short requests from visitors with little quota left or cuts long ones off, so
-kvlab derives it from the request: prompt tokens x runs x new tokens (``WorkSize``). Everywhere
-else (no ``spaces`` package, or not on ZeroGPU) ``gpu`` returns the function unchanged.
+ZeroGPU as documented now (huggingface.co/docs/hub/spaces-zerogpu; the ``spaces`` package 0.51):
+
+* its cards are NVIDIA RTX Pro 6000 Blackwell (sm_120); ``spaces.GPU(size=...)`` asks for ``"large"``
+  (half a card, 48 GB, the default) or ``"xlarge"`` (the whole card, 96 GB, twice the quota);
+* ``spaces.GPU(duration=...)`` takes seconds or a callable given the function's own arguments; the
+  visitor's quota is checked against it before the function starts;
+* models are placed on ``cuda`` at import, at module level: outside a decorated function ZeroGPU
+  emulates CUDA (the tensors stay in host memory, operations run on the CPU), and it moves everything
+  placed on ``cuda`` to the real card when a lease starts; moving or loading a model inside the decorated
+  function is discouraged;
+* an ``async`` function cannot be decorated (``spaces.GPU`` raises ``NotImplementedError``);
+* torch from 2.8 on (the page lists 2.8.0 to 2.11.0; requirements.txt allows 2.8 to 2.13,
+  docs/torch-versions.md).
+
+So kvlab, on ZeroGPU (``zero_gpu()``): loads the page's model and every model of the page's fixed list at
+import with ``device="cuda"`` (``placement_device``; the load-time self-check then runs under the
+emulation, on the CPU), never inside a lease; wraps the comparison in ``spaces.GPU`` with the size of
+``KVLAB_GPU_SIZE`` (``gpu_size``) and a duration derived from the request, prompt tokens x runs x new
+tokens (``WorkSize``: a fixed duration either refuses short requests from visitors with little quota left
+or cuts long ones off); refuses a coroutine function everywhere, so that the CPU tests catch it. Everywhere
+else (no ``spaces`` package, or not on ZeroGPU) ``gpu`` returns the function unchanged and models load on
+the device ``load_model`` picks.
 
 The function that runs on the GPU must hand back nothing CUDA-resident: ZeroGPU runs it in a
 worker process and pickles what it returns. ``host_only`` checks that and moves tensors to the
 CPU.
 
-Environment: ``KVLAB_GPU_MAX_SECONDS`` (default 300) caps a lease; ``KVLAB_GPU_SECONDS_SCALE``
-(default 1.0) scales the estimate for a slower or faster GPU.
+Environment: ``KVLAB_GPU_SIZE`` (``large``, the default, or ``xlarge``); ``KVLAB_GPU_MAX_SECONDS`` (default
+300) caps a lease; ``KVLAB_GPU_SECONDS_SCALE`` (default 1.0) scales the estimate for a slower or faster
+GPU. The cost model's seconds are estimates for one H200 slice, not measured on a Blackwell card.
 """
 
 from __future__ import annotations
@@ -21,7 +39,7 @@ import functools
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +82,33 @@ def lease_seconds(work: WorkSize) -> int:
     return min(max_seconds(), math.ceil(work.seconds()))
 
 
+GPU_SIZES = ("large", "xlarge")  # ZeroGPU's sizes: half a Blackwell card (the default), the whole card
+
+
+def gpu_size(env: Mapping[str, str] = os.environ) -> str:
+    """The lease size to ask for: ``KVLAB_GPU_SIZE`` (default ``large``); ``ValueError`` naming the allowed ones."""
+    size = env.get("KVLAB_GPU_SIZE", "").strip().lower() or "large"
+    if size not in GPU_SIZES:
+        raise ValueError(f"KVLAB_GPU_SIZE={size!r} is not a ZeroGPU size; allowed: {', '.join(GPU_SIZES)}")
+    return size
+
+
+def placement_device() -> str | None:
+    """Where models are loaded: ``"cuda"`` on ZeroGPU (placed at import, under its CUDA emulation), else None
+    (``load_model`` picks: CUDA when there is one, else the CPU)."""
+    return "cuda" if zero_gpu() else None
+
+
+def refuse_async(fn: Callable) -> None:
+    """``TypeError`` for a coroutine or async generator function: ZeroGPU cannot run one in a lease."""
+    inner = inspect.unwrap(fn)
+    if inspect.iscoroutinefunction(inner) or inspect.isasyncgenfunction(inner):
+        raise TypeError(
+            f"{getattr(fn, '__name__', fn)!r} is an async function; ZeroGPU's spaces.GPU runs plain functions and "
+            "generators only"
+        )
+
+
 def zero_gpu() -> bool:
     """True on a ZeroGPU Space (the ``spaces`` package is there and says so)."""
     try:
@@ -74,13 +119,18 @@ def zero_gpu() -> bool:
     return bool(getattr(spaces.config.Config, "zero_gpu", False))
 
 
-def gpu(fn: Callable, work: Callable[..., WorkSize]) -> Callable:
-    """``fn`` under ``spaces.GPU`` with a duration from ``work(*args, **kwargs)``; ``fn`` itself elsewhere.
+def gpu(fn: Callable, work: Callable[..., WorkSize], size: str | None = None) -> Callable:
+    """``fn`` under ``spaces.GPU`` with a duration from ``work(*args, **kwargs)`` and the lease ``size``
+    (default ``gpu_size()``); ``fn`` itself elsewhere. A coroutine function is refused (``TypeError``) everywhere.
 
     ``work`` receives the same arguments as ``fn`` and returns the request's ``WorkSize``; it must
     be cheap (no model work) since ZeroGPU calls it before a GPU is attached. What ``fn`` returns
     or yields passes through ``host_only``.
     """
+    refuse_async(fn)
+    size = size or gpu_size()
+    if size not in GPU_SIZES:
+        raise ValueError(f"GPU size {size!r}; allowed: {', '.join(GPU_SIZES)}")
     if not zero_gpu():
         return fn
     import spaces
@@ -104,7 +154,7 @@ def gpu(fn: Callable, work: Callable[..., WorkSize]) -> Callable:
         def on_host(*args, **kwargs):
             return host_only(fn(*args, **kwargs))
 
-    return spaces.GPU(duration=duration)(on_host)
+    return spaces.GPU(duration=duration, size=size)(on_host)
 
 
 def host_only(obj: Any) -> Any:

@@ -1,6 +1,6 @@
 """The page: the model box, setup, progress and cards, then one tab per view (memory, errors, attention,
-quality vs memory, export / import, needle grid, about). Every event has an ``api_name``; model work
-(loading a model, a comparison) runs one at a time.
+what each head keeps, quality vs memory, export / import, leaderboard, claims, needle grid, about). Every
+event has an ``api_name``; model work (loading a model, a comparison) runs one at a time.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import gradio as gr
 
 from kvlab.core.model import LoadedModel
 from kvlab.engine.loader import spec_of
+from kvlab.report import retention_map
 from kvlab.ui.about import about_markdown
-from kvlab.ui.cards import cards_html, kept_strip_html, progress_html
+from kvlab.ui.cards import cards_html, kept_strip_html, progress_html, source_html
+from kvlab.ui.claims_tab import claims_tab
 from kvlab.ui.config import CSS, GROUP_TITLES, Limits
 from kvlab.ui.dashboard import Dashboard, PageInputs
 from kvlab.ui.export import export_ttl_s
@@ -22,6 +24,7 @@ from kvlab.ui.leaderboard_tab import leaderboard_tab
 from kvlab.ui.methods import default_methods, method_groups, param_rows
 from kvlab.ui.model_choice import box_info, model_line, offered
 from kvlab.ui.prompt_presets import DEFAULT_PRESET, presets
+from kvlab.ui.retention_view import prompt_positions_html, steps_note
 
 
 @dataclass
@@ -76,19 +79,25 @@ class Views:
     export_btn: gr.Button
     files: gr.File
     upload: gr.File
+    source: gr.HTML  # the model, protocol and settings every number of the result comes from
+    ret_plot: gr.Plot  # what each head keeps: one retention map per run
+    ret_prompt: gr.HTML  # the prompt, token by token, with positions
+    ret_step: gr.Slider  # the decode step the maps show
+    ret_steps: gr.HTML  # which steps hold snapshots
 
     def rendered(self) -> list:
         """The outputs of ``Dashboard.render``, in its order."""
         v = self
         return [
             v.cards, v.state, v.gauges, v.bytes_fig, v.err_step, v.err_layer, v.kl_fig, v.heat, v.qvm, v.strip,
-            v.layer_pick, v.strip_pick,
+            v.layer_pick, v.strip_pick, v.source, v.ret_plot, v.ret_prompt, v.ret_step, v.ret_steps,
         ]  # fmt: skip
 
 
-def build_demo(lm: LoadedModel, limits: Limits | None = None) -> gr.Blocks:
-    """The page. Launch with ``launch_kwargs()`` (theme, css) and ``queue_kwargs``."""
-    dash = Dashboard(lm, limits)
+def build_demo(lm: LoadedModel, limits: Limits | None = None, dash: Dashboard | None = None) -> gr.Blocks:
+    """The page. Launch with ``launch_kwargs()`` (theme, css) and ``queue_kwargs``. ``dash``: the callbacks'
+    holder, when the caller made it (to preload models); else a new one on ``lm``."""
+    dash = dash or Dashboard(lm, limits)
     preset_texts, dash.tasks = presets(lm)
     ttl = export_ttl_s()
     with gr.Blocks(title="kvlab — KV-cache compression side by side", delete_cache=(ttl, ttl)) as demo:
@@ -235,6 +244,7 @@ def model_box(lm: LoadedModel, lim: Limits) -> tuple[gr.Dropdown, gr.Button, gr.
 def _views() -> Views:
     """Progress and cards, then one tab per view: memory, errors, attention, quality vs memory, files, about."""
     status = gr.HTML(progress_html(0.0, "ready"), elem_id="kv-status")
+    source = gr.HTML(source_html(None), elem_id="kv-source")
     cards = gr.HTML(cards_html(None, None), elem_id="kv-cards")
     state = gr.State(None)
     with gr.Tabs():
@@ -253,6 +263,16 @@ def _views() -> Views:
                 [], label="Kept-token strip: method", elem_id="kv-strip-pick", allow_custom_value=True
             )
             strip = gr.HTML(kept_strip_html(None, None, None), elem_id="kv-strip")
+        with gr.Tab("What each head keeps", id="retention"):
+            ret_prompt = gr.HTML(prompt_positions_html(None, None), elem_id="kv-ret-prompt")
+            gr.HTML(retention_map.legend_html())
+            with gr.Row(equal_height=False):
+                ret_step = gr.Slider(
+                    0, 1, value=0, step=1, label="Decode step (0: right after compression)", elem_id="kv-ret-step",
+                    scale=3,
+                )  # fmt: skip
+                ret_steps = gr.HTML(steps_note(None), elem_id="kv-ret-steps-note")
+            ret_plot = gr.Plot(label="What each head keeps", elem_id="kv-ret")
         with gr.Tab("Quality vs memory", id="quality"):
             qvm = gr.Plot(label="Quality vs memory", elem_id="kv-qvm")
         with gr.Tab("Export / import", id="files"):
@@ -265,15 +285,17 @@ def _views() -> Views:
                 type="filepath",
                 elem_id="kv-upload",
             )
-        with gr.Tab("Needle grid", id="grid"):
-            grid_tab()
         with gr.Tab("Leaderboard", id="leaderboard"):
             leaderboard_tab()
+        with gr.Tab("Claims", id="claims"):
+            claims_tab()
+        with gr.Tab("Needle grid", id="grid"):
+            grid_tab()
         with gr.Tab("About", id="about"):
             gr.Markdown(about_markdown())
     return Views(
         status, cards, state, gauges, bytes_fig, layer_pick, err_step, err_layer, kl_fig, shown, heat,
-        strip_pick, strip, qvm, export_btn, files, upload,
+        strip_pick, strip, qvm, export_btn, files, upload, source, ret_plot, ret_prompt, ret_step, ret_steps,
     )  # fmt: skip
 
 
@@ -345,6 +367,15 @@ def _wire(demo: gr.Blocks, dash: Dashboard, setup: Setup, views: Views, preset_t
         [v.state, v.shown, v.strip_pick],
         [v.heat, v.strip],
         api_name="view_attention",
+    )
+    gr.on(
+        [v.ret_step.release, v.ret_step.input],
+        dash.view_retention,
+        [v.state, v.ret_step],
+        v.ret_plot,
+        api_name="view_retention",
+        trigger_mode="always_last",
+        show_progress="hidden",
     )
     v.export_btn.click(dash.export, v.state, v.files, api_name="export")
     v.upload.upload(
