@@ -64,7 +64,8 @@ def test_grouped_table_ranks_as_the_paired_tests_do():
             needle = f"data-rank='{rank}'"
             cell = f"<td>{rank}</td><td>{method}</td><td>{row.ratio:g}</td>"
             assert cell in html and needle in html
-    assert rank_metrics(rows) == ["task_score"]  # this board predates the fidelity scores
+    measured = [m for m in ("agreement", "answer_logprob") if any(r.fidelity_estimate(m) for r in rows)]
+    assert rank_metrics(rows) == ["task_score", *measured]  # the fidelity scores this board measured
 
 
 def test_grouped_table_shows_fidelity_columns_and_groups_by_them():
