@@ -13,6 +13,10 @@ LOWVENV ?= /tmp/kvlab-lowtorch
 LOWPORT ?= 7861
 LOWPY    = $(LOWVENV)/bin/python
 PORT   ?= 7860
+# the tests run in JOBS processes of one torch thread each (a file's tests stay in one process, so its
+# module fixtures are built once); JOBS=1 runs them in this process
+JOBS   ?= 2
+PYTEST  = KVLAB_THREADS=1 $(PY) -m pytest -q -rs $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile) --durations=25
 STAMP   = $(VENV)/.kvlab-installed
 
 .PHONY: install run lint test test-all test-fast test-lowtorch bench browser clean
@@ -44,10 +48,10 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint browser
-	$(PY) -m pytest -q -rs -m "not acceptance"
+	$(PYTEST) -m "not acceptance"
 
 test-all: lint browser
-	$(PY) -m pytest -q -rs
+	$(PYTEST)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

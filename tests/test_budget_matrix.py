@@ -88,7 +88,7 @@ def test_every_method_holds_its_budget_or_refuses(engine, prompt_ids, n):
         assert retries
 
 
-@pytest.mark.slow
+@pytest.mark.acceptance  # about 200 s: make test-all
 def test_every_method_holds_its_budget_or_refuses_on_2000_tokens(engine, prompt_ids):
     _check_matrix(engine, prompt_ids[:2000], GenerationSettings(max_new_tokens=2))  # one decode step
 
