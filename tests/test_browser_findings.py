@@ -81,14 +81,19 @@ def test_the_committed_leaderboard_opens_with_its_intervals_and_groups(page, app
     info = page.locator("#kv-board-info").inner_text()
     assert embedded.embedded(board.model).display in info and f"bench/results/{board.name}/results.json" in info
     assert board.protocol in info and f"{board.prompts} per task" in info
-    # the figure: one line per method (exact dashed), each mean with its 95% interval as an error bar
+    # the figure: one line per method (exact dashed), each mean with its 95% interval as an error bar; a method
+    # whose per-prompt averages do not vary at any ratio (e.g. 0 on every prompt) has no interval, so no bars
     traces = page.evaluate(
         """() => document.querySelector('#kv-board .js-plotly-plot').data.map(t => ({
             name: t.name, y: Array.from(t.y || []), bars: !!(t.error_y && t.error_y.visible)}))"""
     )
     methods = [m for m in dict.fromkeys(r.method for r in rows) if m != "exact"]
     lines = {t["name"]: t for t in traces if t["name"] in methods}
-    assert set(lines) == set(methods) and all(t["bars"] for t in lines.values())
+    with_interval = {
+        r.method for r in rows if (e := r.average_estimate()) is not None and e.low is not None and r.method != "exact"
+    }
+    assert set(lines) == set(methods) and with_interval
+    assert {name for name, t in lines.items() if t["bars"]} == with_interval
     for m in methods:
         ys = [round(r.average, 6) for r in sorted((r for r in rows if r.method == m), key=lambda r: r.ratio)]
         assert [round(y, 6) for y in lines[m]["y"]] == ys

@@ -93,15 +93,18 @@ def test_grid_from_older_cells_and_bad_files():
 def test_grid_tab_loads_a_sweep_and_refuses_other_files(tiny_sweep, tmp_path):
     import gradio as gr
 
-    from kvlab.ui.grid_tab import load_grid
+    from kvlab.ui.grid_tab import grid_view
 
-    summary, fig = load_grid(str(tiny_sweep / "results.json"))
+    summary, fig = grid_view(tiny_sweep / "results.json", "grid0/results.json")
     assert "query-aware" in summary and "2 runs" in summary and len(fig.data) == 2
+    assert "<code>grid0/results.json</code>" in summary
     for text, why in (("{not json", "not JSON"), ('{"runs": []}', "no 'cells'")):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
         with pytest.raises(gr.Error, match=why):
-            load_grid(str(bad))
+            grid_view(bad, bad.name)
+    with pytest.raises(gr.Error, match="cannot read the file"):
+        grid_view(tmp_path / "missing.json", "missing.json")
 
 
 def test_sweep_rejects_depths_outside_0_1(capsys):

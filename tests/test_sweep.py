@@ -63,16 +63,28 @@ def test_sweep_writes_results(small_sweep, lm):
 
 def test_report_table_shows_each_labels_interval(small_sweep):
     """The report's per-label table gives each mean over the 4 cells with its 95% interval and n: for the
-    0/1 task scores, the exact binomial interval of the hits."""
-    from kvlab.core.statistics import binomial_interval
+    0/1 task scores, the exact binomial interval of the hits; for the text similarity, the t interval
+    where the 4 values vary and the mean with no interval where they do not (exact: 1.0 in every cell)."""
+    from kvlab.core.statistics import binomial_interval, mean_interval
     from kvlab.report.sweep_report import summary_rows
 
     recs = json.loads((small_sweep / "results.json").read_text())["cells"]
     rows = {row[0]: row for row in summary_rows(recs)}
     assert set(rows) == LABELS
-    hits = sum(r["metrics"]["task_score"] for rec in recs for r in rec["runs"] if r["label"] == "exact")
+
+    def values(label, key):
+        return [r["metrics"][key] for rec in recs for r in rec["runs"] if r["label"] == label]
+
+    hits = sum(values("exact", "task_score"))
     assert rows["exact"][6] == binomial_interval(int(hits), 4).text()
-    assert all(row[6].endswith("(n = 4)") and row[7].endswith("(n = 4)") for row in rows.values())
+    assert all(row[6].endswith("(n = 4)") and "[" in row[6] for row in rows.values())
+    for label, row in rows.items():
+        sims = values(label, "text_similarity")
+        assert row[7] == mean_interval(sims).text()
+        varies = max(sims) - min(sims) > 1e-9
+        assert row[7].endswith("(n = 4)" if varies else "(n = 4; no interval)") and ("[" in row[7]) == varies
+    assert rows["exact"][7] == "1.00 (n = 4; no interval)"
+    assert any("[" in row[7] for row in rows.values())  # the compressed runs' texts differ cell to cell
     assert "task score [95% interval]" in (small_sweep / "report.html").read_text()
 
 

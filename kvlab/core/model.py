@@ -92,7 +92,9 @@ class ModelInfo:
         return sum(s.held(n_tokens) for s in self.semantics.layers)
 
     def to_json(self) -> dict:
+        """The model as JSON-ready values (a tuple field as a list: what the same dict is once read back)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("semantics", "rope")}
+        out["rope_switches"] = list(self.rope_switches)
         out["semantics"] = self.semantics.to_json()
         out["features"] = self.semantics.features()
         return out
