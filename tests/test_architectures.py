@@ -31,6 +31,7 @@ from kvlab.engine.prefill import ExactExtension, prefill
 from kvlab.engine.selfcheck import divergence, probe_ids, self_check
 from kvlab.engine.specs import GenerationSettings, InputError, RunSpec
 from kvlab.methods import names
+from kvlab.methods.engine_flags import FLAGS
 from kvlab.methods.exact import Exact
 from kvlab.methods.handover import PrefillNeeds
 
@@ -38,6 +39,8 @@ PROMPT_TOKENS = 3 * WINDOW  # past every window
 NEW_TOKENS = 6
 # families with sliding-window or chunked layers
 LOCAL = {"mistral", "gemma2", "gemma3", "olmo3", "gpt-oss", "llama4", "phimoe"}
+# an engine's cache type is a fixed format: below its bytes it refuses the budget, naming the smallest it honours
+FIXED_FORMAT = {f.name for f in FLAGS} | {"ggml", "vllm-turboquant"}
 # refused on a model without a rotary embedding kvlab can read (per layer)
 NEEDS_ROPE = {
     "expected-attention",
@@ -77,6 +80,12 @@ def test_architecture(arch, lm, prompt):
     for r in res.runs[1:]:
         if r.method in NEEDS_ROPE and info.rope is None:  # refused in one line, the reason named
             assert "rotary position embedding" in r.error and not r.token_ids, f"{arch} / {r.method}: {r.error}"
+            continue
+        if r.method in FIXED_FORMAT and "the smallest budget it can honour here is" in r.error:
+            continue  # an engine's fixed cache type larger than half the cache here (vLLM's 16-bit boundary layers)
+        if r.method in FIXED_FORMAT and any(d % 32 or d & (d - 1) for d in (info.head_dim, info.v_head_dim)):
+            # ggml's blocks of 32 numbers, vLLM's Hadamard matrix of a power-of-two size: head size 48 refused
+            assert "cannot run on a model with head size" in r.error and not r.token_ids, f"{arch} / {r.method}"
             continue
         assert not r.error, f"{arch} / {r.method}: {r.error}"
         assert r.health == [], f"{arch} / {r.method}: {r.health}"

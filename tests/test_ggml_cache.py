@@ -119,12 +119,20 @@ def test_budget_picks_the_types_that_fill_it(lm, prefill_state):
     assert (knobs["cache_type_k"], knobs["cache_type_v"]) == ("q5_0", "q5_0")
 
 
-def test_rotation_needs_a_head_size_multiple_of_64():
+def test_rotation_only_where_llama_cpp_rotates_and_ggml_blocks_divide_the_head():
+    """As llama.cpp: a head size that is a multiple of 32 but not of 64 is stored unrotated by the rotating
+    names too; one that is not a multiple of 32 is refused (ggml's blocks)."""
     from kvlab.core.budgets import Budget
     from kvlab.core.model import ModelInfo
     from kvlab.methods import get
 
-    info = ModelInfo("synthetic", 2, 6, 2, 96, "float32", "cpu", 4096)
-    with pytest.raises(sm.UnsupportedAttention, match="multiple of 64"):
-        get("ggml-q4_0-rot")(info, Budget.parse("0.5"), {}).check_semantics()
-    get("ggml-q4_0")(info, Budget.parse("0.5"), {}).check_semantics()  # blocks of 32 alone: fine
+    def made(name, d):
+        m = get(name)(ModelInfo("synthetic", 2, 6, 2, d, "float32", "cpu", 4096), Budget.parse("0.5"), {})
+        m.check_semantics()
+        return m
+
+    assert made("ggml-q4_0-rot", 128).rotating and not made("ggml-q4_0", 128).rotating
+    assert not made("ggml-q4_0-rot", 96).rotating  # 96 = 3 x 32: llama.cpp does not rotate it
+    assert made("ggml-q4_0-rot", 96).pick(64)["rotation"] == "none"
+    with pytest.raises(sm.UnsupportedAttention, match="cannot run on a model with head size 48"):
+        made("ggml-q4_0", 48)

@@ -16,7 +16,8 @@ ggml-org/llama.cpp#21038, merged 2026-04-01; ``src/llama-kv-cache.cpp``, ``build
   spread over the block. Values are rotated in blocks of 64 (llama.cpp: "using smaller rotation matrices for
   V seems beneficial") and the attention output is rotated back with the same matrix (H H = I). llama.cpp turns
   this on by itself for a quantized cache whose head size is a multiple of 64 (``LLAMA_ATTN_ROT_DISABLE=1``
-  and builds before April 2026 run without it).
+  and builds before April 2026 run without it); on other head sizes it stores the keys unrotated, and so does
+  ``rotate=true`` here (``pick`` reports ``rotation: none`` there).
 * **The query** (``query``): llama.cpp's CPU and CUDA attention kernels take the dot product of a quantized key
   with the query rounded to 8-bit blocks (q8_0 on the CPU, q8_1 on CUDA: the same codes and scales); with
   ``query=q8_0`` (default) the (rotated, scaled) query is rounded so too. Metal's kernels read it in 16 bits
@@ -96,19 +97,22 @@ class GGMLCache(TokenQuantizer):
         super().check_semantics()
         for d in {self.info.head_dim, self.info.v_head_dim}:
             if d % BLOCK:
-                raise sm.UnsupportedAttention(f"{self.name} cannot run on head size {d}: ggml blocks are 32 numbers")
-            if self.cfg["rotate"] and d % 64:
                 raise sm.UnsupportedAttention(
-                    f"{self.name}: llama.cpp rotates only head sizes that are a multiple of 64, not {d} "
-                    "(run with rotate=false)"
+                    f"{self.name} cannot run on a model with head size {d}: ggml blocks are 32 numbers "
+                    "(llama.cpp refuses a quantized cache there too)"
                 )
+
+    @property
+    def rotating(self) -> bool:
+        """``rotate``, where llama.cpp rotates: every head size a multiple of 64."""
+        return bool(self.cfg["rotate"]) and not (self.info.head_dim % 64 or self.info.v_head_dim % 64)
 
     def pick(self, n_prompt: int) -> dict:
         c = self.cfg
         pairs = candidates(WIDTHS, WIDTHS, None, c["kbits"], c["vbits"], c["split"], self.name)
         self.choose_pair(pairs, self._set, n_prompt, int(c["residual"] or 0))
         d, dv = self.info.head_dim, self.info.v_head_dim
-        rot = f"Hadamard {key_rotation_block(d)} (keys), {V_ROT} (values)" if c["rotate"] else "none"
+        rot = f"Hadamard {key_rotation_block(d)} (keys), {V_ROT} (values)" if self.rotating else "none"
         return {
             "cache_type_k": self.k_type,
             "cache_type_v": self.v_type,
@@ -127,10 +131,10 @@ class GGMLCache(TokenQuantizer):
 
     # ----- the cache -------------------------------------------------------------------------------
     def _rot_k(self, x: Tensor) -> Tensor:
-        return block_rotate(x, key_rotation_block(x.shape[-1])) if self.cfg["rotate"] else x.float()
+        return block_rotate(x, key_rotation_block(x.shape[-1])) if self.rotating else x.float()
 
     def _rot_v(self, x: Tensor) -> Tensor:
-        return block_rotate(x, V_ROT) if self.cfg["rotate"] else x.float()
+        return block_rotate(x, V_ROT) if self.rotating else x.float()
 
     def encode(self, layers: slice, k: Tensor, v: Tensor, extra: list[Codes]) -> Codes:
         return {
@@ -155,7 +159,7 @@ class GGMLCache(TokenQuantizer):
 
     def shared_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """The Hadamard matrices (per-model constants; llama.cpp keeps them in host memory)."""
-        if self.cfg["rotate"]:
+        if self.rotating:
             yield "rotation", hadamard(key_rotation_block(self.info.head_dim))
             yield "rotation", hadamard(V_ROT)
 

@@ -140,7 +140,7 @@ class VLLMTurboQuant(TokenQuantizer):
         d = self.info.head_dim
         if not is_power_of_two(d):
             raise sm.UnsupportedAttention(
-                f"{self.name} cannot run on head size {d}: its Hadamard rotation needs a power of two"
+                f"{self.name} cannot run on a model with head size {d}: its Hadamard rotation needs a power of two"
             )
 
     def pick(self, n_prompt: int) -> dict:
