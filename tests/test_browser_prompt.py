@@ -1,10 +1,10 @@
 """What runs is what the page shows, in headless Chromium: a prompt pasted, filled or typed over a preset.
 
 Over every preset the prompt box is replaced three ways (a paste, ``keyboard.insert_text``; a
-programmatic ``fill``; typing key by key) and Run is pressed at once: the plan line, the status
-line and the line above the cards give the new prompt's token count and text, and no preset's
-task is scored. Only the preset's exact text is scored as its task. One run asks a question
-after compression. Runs are small (StreamingLLM at 0.5, 2 new tokens, measurements off).
+programmatic ``fill``; typing key by key); over three presets, one per way, Run is pressed at
+once: the plan line, the status line and the line above the cards give the new prompt's token
+count and text, and no preset's task is scored. Only the preset's exact text is scored as its
+task. One run asks a question after compression. Runs are small (StreamingLLM at 0.5, 2 new tokens, measurements off).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_paste_fill_and_type_over_every_preset_run_the_new_prompt(page, app_url,
             replace_prompt(page, text, way)
             plan = plan_says(page, f"2 runs on {n} prompt tokens")
             assert "task" not in plan, plan
-            if way == WAYS[i % 3]:  # one real run per preset, Run pressed at once
+            if way == WAYS[i % 3] and i in (0, 1, len(PRESETS) - 1):  # a real run per way, Run pressed at once
                 question = "Answer in French." if preset == "Free chat" else ""
                 if question:
                     page.locator("#kv-question textarea").fill(question)
