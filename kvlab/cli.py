@@ -204,7 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--docs", action="store_true", help="after the run, regenerate docs/reproductions.md and the README tally"
     )
-    r.add_argument("--docs-from", metavar="SUMMARY", help="regenerate the docs from this summary.json; run nothing")
+    r.add_argument(
+        "--docs-from",
+        metavar="SUMMARY",
+        help="regenerate the docs from this summary.json (the engines' one: their section alone); run nothing",
+    )
     r.add_argument(
         "--rejudge",
         nargs="+",
@@ -519,7 +523,11 @@ def cmd_reproduce(args) -> int:
     if args.docs_from:
         if not Path(args.docs_from).is_file():
             raise CliError(f"--docs-from: no such file {args.docs_from!r} (a summary.json written by reproduce all)")
-        for path in write_docs(args.docs_from, root):
+        try:
+            written = write_docs(args.docs_from, root)
+        except ValueError as exc:
+            raise CliError(f"--docs-from: {exc}") from None
+        for path in written:
             print(f"wrote {path}")
         return 0
     if args.rejudge:

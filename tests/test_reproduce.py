@@ -407,13 +407,19 @@ def test_a_reproduction_resumes_under_the_digest_of_its_own_code():
 
 
 def test_the_docs_are_generated_from_the_summary(ctx, monkeypatch, tmp_path):
+    from pathlib import Path
+
     from kvlab.reproduce import docs, runner
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))
     runner.run_reproductions(["subgen-theorem1"], ctx, tmp_path / "out", echo=lambda *a: None)
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text(f"# x\n\n{docs.README_START}\nOLD BLOCK\n{docs.README_END}\n\nafter\n")
+    engines = tmp_path / docs.ENGINES_SUMMARY
+    engines.parent.mkdir(parents=True)
+    engines.write_text((Path(__file__).resolve().parents[1] / docs.ENGINES_SUMMARY).read_text())
     docs.write_docs(tmp_path / "out" / "summary.json", tmp_path)
+    assert (tmp_path / docs.PAGE).read_text().endswith(docs.engines_section(json.loads(engines.read_text())) + "\n")
     readme = (tmp_path / "README.md").read_text()
     assert "OLD BLOCK" not in readme and readme.endswith("after\n") and "`subgen:theorem1-error-bound`" in readme
     page = (tmp_path / "docs" / "reproductions.md").read_text()
@@ -433,8 +439,55 @@ def test_committed_docs_match_the_committed_summary():
     summary = json.loads(summary_path.read_text())
     if "invocation" not in summary:
         pytest.skip("the committed summary predates the claim registry")
-    assert (root / "docs" / "reproductions.md").read_text() == docs.reproductions_md(summary)
+    engines = json.loads((root / docs.ENGINES_SUMMARY).read_text())
+    assert (root / "docs" / "reproductions.md").read_text() == docs.reproductions_md(summary, engines)
     assert docs.readme_block(summary) in (root / "README.md").read_text()
+
+
+def test_committed_docs_carry_the_engines_section_their_summary_generates():
+    """The engines' section of docs/reproductions.md is what bench/results/reproduce-engines/summary.json
+    generates, once, at the end of the page; the README's tally leaves the engines' claims out."""
+    from pathlib import Path
+
+    from kvlab.reproduce import docs
+
+    root = Path(__file__).resolve().parents[1]
+    engines = json.loads((root / docs.ENGINES_SUMMARY).read_text())
+    page = (root / docs.PAGE).read_text()
+    section = docs.engines_section(engines)
+    assert page.count(docs.ENGINES_START) == 1 and page.endswith(section + "\n"), (
+        f"{docs.PAGE}: the engines' section is out of date; "
+        f"run `python -m kvlab reproduce --docs-from {docs.ENGINES_SUMMARY}`"
+    )
+    for e in engines["claims"]:  # every claim with its verdict per model, its threshold and its source
+        assert f"`{e['id']}`" in section and e["threshold"]["source"] in section
+        assert all(f"{m}: {v}" in section for m, v in e["by_model"].items())
+    assert "not counted in the papers' tally" in section and "bench/results/reproduce-engines/" in section
+    readme = (root / "README.md").read_text()
+    assert not any(e["id"] in readme.split(docs.README_START)[-1].split(docs.README_END)[0] for e in engines["claims"])
+
+
+def test_docs_from_the_engines_summary_rewrites_their_section_alone(tmp_path, capsys):
+    from pathlib import Path
+
+    from kvlab.cli import main
+    from kvlab.reproduce import docs
+
+    src = Path(__file__).resolve().parents[1] / docs.ENGINES_SUMMARY
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / docs.PAGE
+    page.write_text("# Reproductions\n\nthe papers' part\n")
+    assert docs.write_docs(src, tmp_path) == [page]  # no README touched (there is none)
+    once = page.read_text()
+    assert once.startswith("# Reproductions\n\nthe papers' part\n\n" + docs.ENGINES_START)
+    page.write_text(once.replace("## The engines' cache types", "## stale"))
+    docs.write_docs(src, tmp_path)
+    assert page.read_text() == once  # replaced between the markers, not appended again
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"claims": [], "reproductions": {}}))
+    assert main(["reproduce", "--docs-from", str(old)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "predates the claim registry" in err
 
 
 def test_cli_rejects_unknown_reproduction_and_a_missing_summary(capsys):

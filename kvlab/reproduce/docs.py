@@ -6,6 +6,11 @@ docs/reproductions.md whole and the README's results block between its two marke
 checks and the controls are listed apart, each with its threshold and where the threshold comes from (the
 paper, or "kvlab's, declared"), every reproduction's description is its module's docstring and its table
 the rows it measured.
+
+The engines' two reproductions (``registry.APART``, run by name only) are decided apart, in
+``bench/results/reproduce-engines/summary.json``; the page's last section ("The engines' cache types",
+between its own two markers, out of the papers' tally) is generated from that file by the same functions.
+``--docs-from`` given that file rewrites that section alone.
 """
 
 from __future__ import annotations
@@ -15,11 +20,16 @@ from pathlib import Path
 
 from kvlab.reproduce.claims import KVLAB, PAPER
 from kvlab.reproduce.common import NOT_TESTABLE_SCALE, md
+from kvlab.reproduce.registry import APART
 from kvlab.reproduce.report import markdown_table
 
 README_START = "<!-- reproduce:tally (generated from bench/results/reproduce/summary.json; do not edit) -->"
 README_END = "<!-- /reproduce:tally -->"
 SUMMARY = "bench/results/reproduce/summary.json"
+ENGINES_SUMMARY = "bench/results/reproduce-engines/summary.json"
+ENGINES_START = f"<!-- reproduce:engines (generated from {ENGINES_SUMMARY}; do not edit) -->"
+ENGINES_END = "<!-- /reproduce:engines -->"
+PAGE = "docs/reproductions.md"
 
 INTRO = f"""\
 `python -m kvlab reproduce NAME|all [--out DIR] [--quick]` measures the claims of the papers kvlab
@@ -132,9 +142,10 @@ def _n(entry: dict, summary: dict) -> str:
     return ", ".join(map(str, ns)) or "-"
 
 
-def claims_table(summary: dict) -> str:
+def claims_table(summary: dict, source: str = "the paper") -> str:
+    """One row per claim; ``source`` names who makes the claims ("the paper", "the source")."""
     out = [
-        "| id | the paper says | the paper's operating point | kvlab measures | threshold (source) | n | verdict |",
+        f"| id | {source} says | {source}'s operating point | kvlab measures | threshold (source) | n | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
     for e in summary["claims"]:
@@ -161,6 +172,8 @@ def thresholds_list(summary: dict) -> str:
     for source in (PAPER, KVLAB):
         items = [e for g in ("claims", "implementation_verified", "controls") for e in summary[g]
                  if e["threshold"]["source"] == source]  # fmt: skip
+        if not items:
+            continue
         out.append(f"**{source[0].upper() + source[1:]}** ({len(items)}):\n")
         out += [f"* `{e['id']}`: {e['threshold']['rule']} ({e['threshold']['why']})" for e in items]
         out.append("")
@@ -190,10 +203,61 @@ def reproduction_section(name: str, rep: dict, summary: dict) -> str:
     )
 
 
-def reproductions_md(summary: dict) -> str:
-    """The whole of docs/reproductions.md."""
+def is_engines_summary(summary: dict) -> bool:
+    """Whether ``summary`` decides the engines' reproductions (``APART``) and nothing else."""
+    reps = summary.get("reproductions") or {}
+    return bool(reps) and set(reps) <= set(APART)
+
+
+def engines_run_sentence(engines: dict) -> str:
+    """How the engines' results were measured and then decided (their summary records no machine or load)."""
+    inv = engines["invocation"]
+    measured = "; ".join(f"`{c}`" for c in (inv.get("measured_by") or {}).values())
+    out = f"Measured on {', '.join(inv['models'])}" + (f" by {measured}" if measured else "")
+    out += f", {inv['seconds']:,.0f} s ({inv['seconds'] / 60:.0f} min) of runs together"
+    if inv.get("rejudged"):
+        out += f"; decided again from the stored measurements, measuring nothing, by `{inv['command']}`"
+    return out + "."
+
+
+def engines_section(engines: dict) -> str:
+    """The engines' two reproductions, between their markers, apart from the papers' tally."""
+    names = ", ".join(f"`{n}`" for n in engines["reproductions"])
+    sections = "\n".join(reproduction_section(n, r, engines) for n, r in engines["reproductions"].items())
+    tally = tally_sentence(engines).replace("Of the papers' claims", "Of the engines' claims")
+    return f"""{ENGINES_START}
+## The engines' cache types
+
+The serving engines' cache flags rest on claims of their own (vLLM's and llama.cpp's, not a paper's),
+measured by two reproductions that run by name only (`python -m kvlab reproduce NAME`; `reproduce all`
+leaves them out for their time): {names}. Their claims are **not counted in the papers' tally** above.
+Their files are in `{ENGINES_SUMMARY.rsplit("/", 1)[0]}/`: `summary.json`, which this section is generated
+from (`python -m kvlab reproduce --docs-from {ENGINES_SUMMARY}`), `tables.md`, and each model's
+measurements, `smollm2/NAME.json` and `gemma3-270m/NAME.json`. What they test and why, and the machine and
+load they ran on: [engine-caches](methods/engine-caches.md#the-two-reproductions).
+
+{engines_run_sentence(engines)}
+
+{tally} One rule decides a claim from its rows: *{engines["rule"]}*.
+
+### The engines' claims
+
+One row per claim id, with its verdict per model; n is that of its evidence rows, their intervals are in
+the tables below.
+
+{claims_table(engines, "the source")}
+
+### The engines' thresholds and their source
+
+{thresholds_list(engines)}
+{sections}
+{ENGINES_END}"""
+
+
+def reproductions_md(summary: dict, engines: dict | None = None) -> str:
+    """The whole of docs/reproductions.md; ``engines``, the engines' summary, adds their section at the end."""
     sections = "\n".join(reproduction_section(n, r, summary) for n, r in summary["reproductions"].items())
-    return f"""# Reproductions: the papers' claims measured on the embedded models
+    page = f"""# Reproductions: the papers' claims measured on the embedded models
 
 <!-- generated from {SUMMARY} by `python -m kvlab reproduce --docs-from {SUMMARY}`; do not edit by hand -->
 
@@ -228,6 +292,7 @@ One row per claim id; n is that of its evidence rows.
 ## The reproductions
 
 {sections}"""
+    return page if engines is None else f"{page}\n{engines_section(engines)}\n"
 
 
 def readme_block(summary: dict) -> str:
@@ -249,20 +314,45 @@ def readme_block(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def with_block(text: str, start: str, end: str, block: str, where: str, append: bool = False) -> str:
+    """``text`` with the part from ``start`` to ``end`` replaced by ``block`` (which holds both markers);
+    without the markers, ``block`` is appended where ``append`` allows it, else a one-line error."""
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        return head + block + rest.split(end, 1)[1]
+    if not append:
+        raise ValueError(f"{where}: no block ({start} ... {end}) to replace")
+    return f"{text.rstrip()}\n\n{block}\n" if text.strip() else f"{block}\n"
+
+
+def _summary(path: str | Path) -> dict:
+    summary = json.loads(Path(path).read_text())
+    if "invocation" not in summary:
+        raise ValueError(
+            f"{path}: a summary without 'invocation' predates the claim registry; write a new one with "
+            "`python -m kvlab reproduce all --out DIR` (or `--rejudge`) and generate the docs from it"
+        )
+    return summary
+
+
 def write_docs(summary_path: str | Path, root: str | Path) -> list[Path]:
-    """Rewrite docs/reproductions.md and the README's block under ``root`` from ``summary_path``."""
-    summary = json.loads(Path(summary_path).read_text())
+    """Rewrite docs/reproductions.md and the README's block under ``root`` from ``summary_path``.
+
+    The page carries the engines' section generated from ``root``'s ``ENGINES_SUMMARY`` where that file
+    exists. Given the engines' summary itself (``is_engines_summary``), only their section is rewritten (or
+    appended, on a page without its markers), and the README is left alone."""
+    summary = _summary(summary_path)
     root = Path(root)
-    doc = root / "docs" / "reproductions.md"
-    doc.write_text(reproductions_md(summary))
+    doc = root / PAGE
+    if is_engines_summary(summary):
+        text = doc.read_text() if doc.is_file() else ""
+        doc.write_text(with_block(text, ENGINES_START, ENGINES_END, engines_section(summary), str(doc), append=True))
+        return [doc]
+    engines = root / ENGINES_SUMMARY
+    doc.write_text(reproductions_md(summary, _summary(engines) if engines.is_file() else None))
     readme = root / "README.md"
-    text = readme.read_text()
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"{readme}: no results block ({README_START} ... {README_END}) to replace")
-    head, rest = text.split(README_START, 1)
-    tail = rest.split(README_END, 1)[1]
-    readme.write_text(head + readme_block(summary) + tail)
+    readme.write_text(with_block(readme.read_text(), README_START, README_END, readme_block(summary), str(readme)))
     return [doc, readme]
 
 
-__all__ = ["readme_block", "reproductions_md", "tally_sentence", "write_docs"]
+__all__ = ["engines_section", "is_engines_summary", "readme_block", "reproductions_md", "tally_sentence", "write_docs"]
