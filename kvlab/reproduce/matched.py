@@ -63,6 +63,22 @@ def memory(run, info) -> dict:
     }
 
 
+def run_record(run, spec, info) -> dict:
+    """What a reproduction stores of one run: whether it ran (its refusal if not), its budget, settings and
+    text, its bytes (``memory``) and its mean KL and attention error (None where it did not run)."""
+    ran = not run.error
+    return {
+        "ran": ran,
+        "error": run.error,
+        "budget": spec.budget.label if spec.budget is not None else None,
+        "params": run.params,
+        "text": run.text,
+        **(memory(run, info) if ran else {}),
+        "kl_mean": run.metrics.get("kl_mean") if ran else None,
+        "attn_rel_error_mean": run.metrics.get("attn_rel_error_mean") if ran else None,
+    }
+
+
 def spread(peaks: list[float]) -> float:
     """How far apart the peaks are: max / min - 1 (0 when they are equal)."""
     peaks = [p for p in peaks if p > 0]

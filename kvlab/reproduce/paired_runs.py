@@ -18,7 +18,7 @@ from __future__ import annotations
 from kvlab.core.statistics import PairedDifference, mean_interval, paired_difference, score_interval
 from kvlab.engine.specs import RunSpec
 from kvlab.measure.metrics import MetricsProbe, ProbeSettings
-from kvlab.reproduce.matched import memory
+from kvlab.reproduce.matched import run_record
 from kvlab.reproduce.setup import ReproductionSetup
 from kvlab.tasks import make_task, prompt_ids
 
@@ -51,14 +51,7 @@ def measure(ctx: ReproductionSetup, task, labels: list[str], runs: list[RunSpec]
     for label, spec, r in zip(labels, runs, result.runs):
         ran = not r.error
         out["runs"][label] = {
-            "ran": ran,
-            "error": r.error,
-            "budget": spec.budget.label if spec.budget is not None else None,
-            "params": r.params,
-            "text": r.text,
-            **(memory(r, ctx.info) if ran else {}),
-            "kl_mean": r.metrics.get("kl_mean") if ran else None,
-            "attn_rel_error_mean": r.metrics.get("attn_rel_error_mean") if ran else None,
+            **run_record(r, spec, ctx.info),
             "agree": float(r.token_ids == exact.token_ids) if ran else None,
             "answer_right": task.score(r.text) if ran and task.answer is not None else None,
         }

@@ -55,8 +55,8 @@ from kvlab.reproduce.matched import (
     MATCH_TOLERANCE,
     fill_kivi,
     held_fraction,
-    memory,
     peak_fraction,
+    run_record,
     simulate_bytes,
     spread,
 )
@@ -209,17 +209,9 @@ def measure_prompt(
     result = finish(ctx.compare(ids, runs, steps, probes), task)
     out: dict = {"tokens": len(ids), "budgets": budgets, "runs": {}}
     for label, spec, r in zip(labels(with_b), runs, result.runs):
-        ran = not r.error
         out["runs"][label] = {
-            "ran": ran,
-            "error": r.error,
-            "budget": spec.budget.label if spec.budget is not None else None,
-            "params": r.params,
-            "text": r.text,
-            **(memory(r, ctx.info) if ran else {}),
-            "kl_mean": r.metrics.get("kl_mean") if ran else None,
-            "attn_rel_error_mean": r.metrics.get("attn_rel_error_mean") if ran else None,
-            "task_score": r.metrics.get("task_score") if ran else None,
+            **run_record(r, spec, ctx.info),
+            "task_score": r.metrics.get("task_score") if not r.error else None,
         }
     return out
 
