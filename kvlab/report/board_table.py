@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import html
 
-from kvlab.report.leaderboard import FIDELITY, FIDELITY_HEAD, Row, _cell, _fidelity_cell, protocol_text, tasks_of
+from kvlab.report.leaderboard import (
+    FIDELITY,
+    FIDELITY_HEAD,
+    Row,
+    _cell,
+    _fidelity_cell,
+    protocol_caption,
+    tasks_of,
+)
 from kvlab.report.ranking import ALPHA, rank_board
 
 METRICS = {
@@ -112,12 +120,7 @@ def grouped_table_html(
             if rank is not None and rank not in shade_of:
                 shade_of[rank] = SHADES[len(shade_of) % 2]
             body.append(row_html(r, "—" if rank is None else str(rank), shade_of.get(rank or -1, "#ffffff")))
-    caption = (
-        f"<p class='kv-protocol'>Protocol: {html.escape(protocol_text(protocol))}. "
-        "Each score: the mean (0-100) [95% interval] n = prompts.</p>"
-        if protocol
-        else ""
-    )
+    caption = protocol_caption(protocol)
     return (
         caption
         + "<div class='kv-leaderboard-wrap' style='max-height:640px;overflow-y:auto'>"

@@ -251,6 +251,18 @@ def _fidelity_cell(e: Estimate | None, metric: str) -> str:
     return f"{f.format(e.mean * scale)} [{f.format(e.low * scale)}, {f.format(e.high * scale)}] n={e.n}"
 
 
+def protocol_caption(protocol: str | None) -> str:
+    """The line above a leaderboard table: its protocol and how to read a score ("" without a protocol)."""
+    import html
+
+    if not protocol:
+        return ""
+    return (
+        f"<p class='kv-protocol'>Protocol: {html.escape(protocol_text(protocol))}. "
+        "Each score: the mean (0-100) [95% interval] n = prompts.</p>"
+    )
+
+
 def table_html(items: list[Row], protocol: str | None = None) -> str:
     """The leaderboard as an HTML table: ratio with kvlab's budget beside it, scores per task, average, each
     mean with its 95% interval and n; the protocol above it when given."""
@@ -265,12 +277,7 @@ def table_html(items: list[Row], protocol: str | None = None) -> str:
                  else "—" for t in tasks), _cell(r.average_estimate(), r.average),
                  *(_fidelity_cell(r.fidelity_estimate(m), m) for m in fid)]  # fmt: skip
         body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    caption = (
-        f"<p class='kv-protocol'>Protocol: {html.escape(protocol_text(protocol))}. "
-        "Each score: the mean (0-100) [95% interval] n = prompts.</p>"
-        if protocol
-        else ""
-    )
+    caption = protocol_caption(protocol)
     return (
         caption
         + "<table class='kv-leaderboard'><tr>"
