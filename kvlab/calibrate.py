@@ -94,7 +94,8 @@ def calibrate(
 
 def summarize(samples: list[dict], lengths: list[int], seconds: dict[int, float] | None = None) -> list[dict]:
     """One row per length with samples: accuracy, its 95% interval over the seeds (``interval``: the exact
-    binomial interval when every score is 0 or 1, else a bootstrap), hits, seeds run, mean prompt
+    binomial interval when every score is 0 or 1, else ``statistics.score_interval``'s mean interval: Student t
+    below 15 seeds, the bootstrap from 15, cut to [0, 1]), hits, seeds run, mean prompt
     tokens, hits by depth.
 
     ``hits`` sums the scores (1.0 per exact match; RULER's string match adds the share of the

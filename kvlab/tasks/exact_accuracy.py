@@ -23,6 +23,16 @@ CALIBRATED: dict[str, dict[str, dict[int, float]]] = {
         "cwe": {1024: 0.07, 2048: 0.09, 4096: 0.04},  # 10 seeds per length
         "fwe": {1024: 0.367, 2048: 0.367, 4096: 0.333},  # 10 seeds per length
     },
+    "Gemma 3 270M (embedded Q4_K_M GGUF)": {
+        "niah_single_1": {1024: 1.0, 2048: 1.0, 4096: 1.0, 8192: 0.714},  # 10 seeds per length to 4k, 7 at 8k
+        "niah_single_2": {1024: 0.7, 2048: 0.9, 4096: 0.7, 8192: 0.571},  # 10 seeds per length to 4k, 7 at 8k
+        "niah_multikey_1": {1024: 0.5, 2048: 0.3, 4096: 0.4, 8192: 0.429},  # 10 seeds per length to 4k, 7 at 8k
+        "niah_multivalue": {1024: 0.5, 2048: 0.25, 4096: 0.35, 8192: 0.292},  # 10 seeds per length to 4k, 6 at 8k
+        "niah_multiquery": {1024: 0.175, 2048: 0.225, 4096: 0.2, 8192: 0.208},  # 10 seeds per length to 4k, 6 at 8k
+        "vt": {1024: 0.0, 2048: 0.0, 4096: 0.0, 8192: 0.0},  # 10 seeds per length to 4k, 5 at 8k
+        "cwe": {1024: 0.51, 2048: 0.64, 4096: 0.27, 8192: 0.46},  # 10 seeds per length to 4k, 5 at 8k
+        "fwe": {1024: 0.467, 2048: 0.433, 4096: 0.467, 8192: 0.333},  # 10 seeds per length to 4k, 4 at 8k
+    },
 }
 
 
