@@ -288,5 +288,8 @@ def test_the_able_suite_is_what_exact_does_right_at_every_length():
 
     assert able_suite("embedded", [1024]) == ["niah_single_1", "niah_single_2"]
     assert able_suite("smollm2-135m", [1024, 4096]) == ["niah_single_1"]  # niah_single_2 is 0.1 at 4k
+    assert able_suite("gemma3-270m", [2048]) == ["niah_single_1", "niah_single_2"]  # calibrated per model
+    with pytest.raises(CliError, match="at 8192 tokens"):
+        able_suite("gemma3-270m", [8192])  # no RULER task reaches 0.8 at 8k on Gemma
     with pytest.raises(CliError, match="calibrate it"):
         able_suite("acme/never-calibrated", [1024])
