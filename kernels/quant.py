@@ -208,7 +208,8 @@ def quantize_groups(x: Tensor, bits: int, group: int, dim: int = -1) -> Quantize
     lo, hi = xg.amin(-1), xg.amax(-1)
     levels = (1 << bits) - 1
     minimum = lo.half()
-    scale = ((hi - minimum.float()) / levels).half()
+    # a minimum rounded up past the group's maximum (a group of one value, or of equal ones) leaves scale 0
+    scale = ((hi - minimum.float()).clamp_min(0) / levels).half()
     safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
     codes = torch.round((xg - minimum.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, levels)
     return QuantizedGroups(pack_codes(codes, bits), scale, minimum, bits, group, dim, length)

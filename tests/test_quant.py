@@ -75,6 +75,16 @@ def test_three_bit_groups_cost_three_bits(group):
     assert (dequantize_groups(q3) - x).abs().le(group_error_bound(q3)).all()
 
 
+@pytest.mark.parametrize("bits", [1, 3, 4])
+def test_a_minimum_rounded_up_past_the_maximum_leaves_no_negative_scale(bits):
+    """1.04542 rounds up to 1.0459 in float16: its one-value group keeps scale 0 and stays within the bound."""
+    x = torch.ones(2, 8)
+    x[:, 7] = 1.04542
+    q = quantize_groups(x, bits, 7, -1)
+    assert q.scale.float().ge(0).all() and q.scale[:, 1].float().eq(0).all()
+    assert (dequantize_groups(q) - x).abs().le(group_error_bound(q)).all()
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("dim,group", [(-1, 32), (1, 32), (-1, 16), (1, 7)])
 def test_group_quantization_error_within_bound(bits, dim, group):
