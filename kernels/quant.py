@@ -323,10 +323,18 @@ def group_error_bound(q: QuantizedGroups) -> Tensor:
     """Per-element bound on |x - dequantize(x)|, [original shape].
 
     Half a step, plus the float16 rounding of the minimum and of the scale (a scale rounded down can
-    push the group's maximum past the top code by up to ``levels`` x 2^-11 steps).
+    push the group's maximum past the top code by up to ``levels`` roundings of the scale). A float16
+    rounding is at most half a unit in the last place: 2^-11 of the value, and 2^-25 where the value is
+    subnormal (below 2^-14: a group whose range is under about 2^-14 x levels). The float32 arithmetic
+    adds 2^-22 of the magnitudes involved.
     """
     levels = (1 << q.bits) - 1
-    bound = q.scale.float() * (0.5 + levels * 2**-11) + q.minimum.float().abs() * 2**-11 + 1e-6
+    scale, minimum = q.scale.float(), q.minimum.float()
+
+    def half_ulp(v: Tensor) -> Tensor:
+        return (v.abs() * 2**-11).clamp_min(2**-25)
+
+    bound = scale * 0.5 + levels * half_ulp(scale) + half_ulp(minimum) + (minimum.abs() + levels * scale) * 2**-22
     b = bound.unsqueeze(-1).expand(*bound.shape, q.group).reshape(*bound.shape[:-1], -1)[..., : q.length]
     return b.movedim(-1, q.dim)
 

@@ -101,6 +101,17 @@ def test_group_quantization_error_within_bound(bits, dim, group):
     assert err.max().item() <= span / ((1 << bits) - 1) / 2 * 1.01 + 1e-3
 
 
+@pytest.mark.parametrize("magnitude", [1e-4, 1e-3, 1e3])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_bound_holds_where_float16_scales_are_subnormal(bits, magnitude):
+    """At 1e-3, 8-bit steps (about 2e-5) fall below float16's normal range (2^-14): the scale's rounding
+    is absolute there (2^-25), and the bound says so; at 1e3 the float32 arithmetic's own rounding counts."""
+    x = torch.randn(4, 40, 64, generator=torch.Generator().manual_seed(7)) * magnitude
+    for group in (7, 20, 32):
+        q = quantize_groups(x, bits, group, -1)
+        assert (dequantize_groups(q) - x).abs().le(group_error_bound(q)).all()
+
+
 def test_more_bits_less_error():
     x = torch.randn(2, 50, 64, generator=torch.Generator().manual_seed(2))
     errs = [(dequantize_groups(quantize_groups(x, b, 32)) - x).pow(2).mean().item() for b in (1, 2, 4, 8)]
