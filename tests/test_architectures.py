@@ -13,12 +13,12 @@ window is read from its config, and bf16 on the CPU stays exact.
 from __future__ import annotations
 
 import pytest
-import tiny_models
 import torch
 import transformers as tf
-from tiny_models import ARCHITECTURES, WINDOW, build, instantiate
 from transformers.models.mpt.configuration_mpt import MptAttentionConfig
 
+from bench import tiny_models
+from bench.tiny_models import ARCHITECTURES, WINDOW, build, instantiate
 from kvlab.cli import main
 from kvlab.core import semantics as sm
 from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes

@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 import pytest
-import tiny_models
 import torch
 from kv_samples import new_token, planned
 
+from bench import tiny_models
 from kvlab.core.budgets import TOLERANCE, Budget, BudgetRefused
 from kvlab.engine.comparison import Engine
 from kvlab.engine.loader import from_model

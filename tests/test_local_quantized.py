@@ -10,10 +10,10 @@ step are the ones its plan predicted.
 from __future__ import annotations
 
 import pytest
-import tiny_models
 import torch
 import transformers as tf
 
+from bench import tiny_models
 from kvlab.core.budgets import Budget, exact_bytes
 from kvlab.engine.comparison import Engine
 from kvlab.engine.loader import from_model

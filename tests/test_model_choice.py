@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("gradio")
 
 import gradio as gr  # noqa: E402
-from tiny_models import build  # noqa: E402
 
+from bench.tiny_models import build  # noqa: E402
 from kvlab.engine import embedded  # noqa: E402
 from kvlab.engine.specs import InputError  # noqa: E402
 from kvlab.ui import Dashboard, Limits, PageInputs  # noqa: E402

@@ -23,8 +23,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
-from tiny_models import FAMILIES, random_model
 
+from bench.tiny_models import FAMILIES, random_model
 from kvlab.core.budgets import TOLERANCE, Budget, exact_bytes
 from kvlab.core.model import ModelLoadError
 from kvlab.engine.comparison import Engine

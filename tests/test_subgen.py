@@ -247,8 +247,7 @@ def test_local_layers_hold_the_window_and_attend_exactly(lm, long_text, arch):
     Gemma 3 (local and global layers): the budget pays for the whole window beside Algorithm 1, so a
     local layer's output equals exact sliding-window attention over every token seen, while decoding
     too. Mistral (every layer local): each local layer holds its share of the budget, the latest tokens."""
-    from tiny_models import WINDOW, build
-
+    from bench.tiny_models import WINDOW, build
     from kvlab.engine.loader import from_model
     from kvlab.engine.prefill import prefill
     from kvlab.methods import get

@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-import tiny_models
 
+from bench import tiny_models
 from kvlab.cli import method_names
 from kvlab.core.budgets import Budget
 from kvlab.engine.comparison import Engine

@@ -3,7 +3,8 @@
 Every model has 4 layers, hidden size 128, 4 query heads and 2 KV heads where the architecture has
 grouped-query attention, a sliding window (or attention chunk) of ``WINDOW`` tokens where it has one,
 and the embedded model's vocabulary (so the embedded tokenizer serves them all). Weights are random (seeded): no hub, no
-downloads. ``ARCHITECTURES`` names each one; ``build(name)`` returns the model in eval mode.
+downloads. ``ARCHITECTURES`` names each one; ``build(name)`` returns the model in eval mode. The tests'
+architecture matrix and the benchmarks on windowed models build from here.
 """
 
 from __future__ import annotations
@@ -83,40 +84,44 @@ def mpt_config(alibi: bool = True) -> object:
     )
 
 
-CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
-    "llama": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common())),
-    "llama-mha": lambda: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common(num_key_value_heads=4))),
-    "mistral": lambda: (tf.MistralForCausalLM, tf.MistralConfig(**_common(sliding_window=WINDOW))),
-    "qwen2": lambda: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**_common())),
-    "qwen3": lambda: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**_common(head_dim=32))),
-    "phi3": lambda: (tf.Phi3ForCausalLM, tf.Phi3Config(**_common(pad_token_id=0))),
+# each takes the window (or attention chunk) in tokens
+CONFIGS: dict[str, Callable[[int], tuple[type, object]]] = {
+    "llama": lambda w: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common())),
+    "llama-mha": lambda w: (tf.LlamaForCausalLM, tf.LlamaConfig(**_common(num_key_value_heads=4))),
+    "mistral": lambda w: (tf.MistralForCausalLM, tf.MistralConfig(**_common(sliding_window=w))),
+    "qwen2": lambda w: (tf.Qwen2ForCausalLM, tf.Qwen2Config(**_common())),
+    "qwen3": lambda w: (tf.Qwen3ForCausalLM, tf.Qwen3Config(**_common(head_dim=32))),
+    "phi3": lambda w: (tf.Phi3ForCausalLM, tf.Phi3Config(**_common(pad_token_id=0))),
     # longrope: the RoPE factors switch past SWITCH tokens (the matrix's prompt is past it)
-    "phi3-longrope": lambda: (tf.Phi3ForCausalLM, _phi3_longrope()),
+    "phi3-longrope": lambda w: (tf.Phi3ForCausalLM, _phi3_longrope()),
     # a window applied through the mask alone (the attention call is not told)
-    "phimoe": lambda: (
+    "phimoe": lambda w: (
         tf.PhimoeForCausalLM,
-        tf.PhimoeConfig(**_common(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+        tf.PhimoeConfig(**_common(sliding_window=w, num_local_experts=4, num_experts_per_tok=2)),
     ),
-    "gpt-neox": lambda: (
+    "gpt-neox": lambda w: (
         tf.GPTNeoXForCausalLM,
         tf.GPTNeoXConfig(**_common(rotary_pct=0.25, tie_word_embeddings=False)),
     ),
-    "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2))),
-    "smollm3": lambda: (tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**_common(pad_token_id=0))),
-    "gemma2": lambda: (
-        tf.Gemma2ForCausalLM,
-        tf.Gemma2Config(**_common(head_dim=32, sliding_window=WINDOW, attn_logit_softcapping=50.0)),
+    "mixtral": lambda w: (
+        tf.MixtralForCausalLM,
+        tf.MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2)),
     ),
-    "gemma3": lambda: (
+    "smollm3": lambda w: (tf.SmolLM3ForCausalLM, tf.SmolLM3Config(**_common(pad_token_id=0))),
+    "gemma2": lambda w: (
+        tf.Gemma2ForCausalLM,
+        tf.Gemma2Config(**_common(head_dim=32, sliding_window=w, attn_logit_softcapping=50.0)),
+    ),
+    "gemma3": lambda w: (
         tf.Gemma3ForCausalLM,
-        tf.Gemma3TextConfig(**_common(head_dim=32, sliding_window=WINDOW, sliding_window_pattern=2)),
+        tf.Gemma3TextConfig(**_common(head_dim=32, sliding_window=w, sliding_window_pattern=2)),
     ),
     # three local layers to one global, each kind with its own RoPE parameters (Olmo 3 scales the global ones)
-    "olmo3": lambda: (
+    "olmo3": lambda w: (
         tf.Olmo3ForCausalLM,
         tf.Olmo3Config(
             **_common(
-                sliding_window=WINDOW,
+                sliding_window=w,
                 eos_token_id=0,
                 pad_token_id=0,
                 rope_parameters={
@@ -126,11 +131,11 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
             )
         ),
     ),
-    "gpt-oss": lambda: (
+    "gpt-oss": lambda w: (
         tf.GptOssForCausalLM,
-        tf.GptOssConfig(**_common(head_dim=32, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+        tf.GptOssConfig(**_common(head_dim=32, sliding_window=w, num_local_experts=4, num_experts_per_tok=2)),
     ),
-    "opt": lambda: (
+    "opt": lambda w: (
         tf.OPTForCausalLM,
         tf.OPTConfig(
             vocab_size=VOCAB,
@@ -142,12 +147,12 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
             max_position_embeddings=2048,
         ),
     ),
-    "deepseek-v3": lambda: (tf.DeepseekV3ForCausalLM, _deepseek()),
-    "deepseek-v2": lambda: (tf.DeepseekV2ForCausalLM, _deepseek_v2()),
+    "deepseek-v3": lambda w: (tf.DeepseekV3ForCausalLM, _deepseek()),
+    "deepseek-v2": lambda w: (tf.DeepseekV2ForCausalLM, _deepseek_v2()),
     # num_key_value_heads that the model ignores: multi-head latent attention expands K/V to every head
-    "deepseek-v3-kv2": lambda: (tf.DeepseekV3ForCausalLM, _deepseek(num_key_value_heads=2, v_head_dim=48)),
-    # chunked attention (blocks of WINDOW positions) on three layers with RoPE, global without RoPE on the fourth
-    "llama4": lambda: (
+    "deepseek-v3-kv2": lambda w: (tf.DeepseekV3ForCausalLM, _deepseek(num_key_value_heads=2, v_head_dim=48)),
+    # chunked attention (blocks of w positions) on three layers with RoPE, global without RoPE on the fourth
+    "llama4": lambda w: (
         tf.Llama4ForCausalLM,
         tf.Llama4TextConfig(
             **_common(
@@ -155,11 +160,11 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
                 intermediate_size_mlp=256,
                 num_local_experts=2,
                 num_experts_per_tok=1,
-                attention_chunk_size=WINDOW,
+                attention_chunk_size=w,
             )
         ),
     ),
-    "falcon": lambda: (
+    "falcon": lambda w: (
         tf.FalconForCausalLM,
         tf.FalconConfig(
             vocab_size=VOCAB,
@@ -175,9 +180,10 @@ CONFIGS: dict[str, Callable[[], tuple[type, object]]] = {
 ARCHITECTURES = tuple(CONFIGS)
 
 
-def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The tiny ``name`` model with seeded random weights, in eval mode (sdpa attention)."""
-    cls, config = CONFIGS[name]()
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, window: int = WINDOW) -> torch.nn.Module:
+    """The tiny ``name`` model with seeded random weights and a ``window``-token window or chunk where it has
+    one, in eval mode (sdpa attention)."""
+    cls, config = CONFIGS[name](window)
     return instantiate(cls, config, "sdpa" if name not in ("gemma2", "gpt-oss") else "eager", seed, dtype)
 
 
