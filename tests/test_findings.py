@@ -52,6 +52,21 @@ def test_a_new_board_shows_up_without_code_changes(tmp_path, monkeypatch):
     assert [b.name for b in boards.leaderboards()] == ["mine"]
 
 
+def test_the_page_opens_on_the_board_where_exact_answers_best(tmp_path, monkeypatch):
+    """Two boards alike in prompts and length: the one whose exact run scores higher comes first."""
+    data = json.loads(RULER_1K.read_text())
+    for name, exact_score in (("a-weak", 0.0), ("b-strong", 1.0)):
+        for c in data["cells"]:
+            for r in c["runs"]:
+                if r["method"] == "exact":
+                    r["metrics"]["task_score"] = exact_score
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(data))
+    monkeypatch.setenv("KVLAB_BOARDS", str(tmp_path))
+    found = boards.leaderboards()
+    assert [b.name for b in found] == ["b-strong", "a-weak"] and [b.exact_score for b in found] == [1.0, 0.0]
+
+
 def test_grouped_table_ranks_as_the_paired_tests_do():
     rows = rows_from_results(json.loads(RULER_1K.read_text()))
     html = grouped_table_html(rows, "query-agnostic")

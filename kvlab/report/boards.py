@@ -62,6 +62,7 @@ class Board:
     grid: bool  # a depth x length grid
     fidelity: bool = False  # its runs carry agreement with exact / log p of exact's answer
     methods: tuple[str, ...] = field(default=())
+    exact_score: float | None = None  # exact's mean task score over the cells (0-1): how far a ranking can go
 
     @property
     def length_text(self) -> str:
@@ -104,6 +105,12 @@ def describe(path: Path, data: dict) -> Board | None:
         for c in cells
         for r in c.get("runs", [])
     )
+    exact = [
+        float(r["metrics"]["task_score"])
+        for c in cells
+        for r in c.get("runs", [])
+        if r.get("method") == "exact" and isinstance(r.get("metrics", {}).get("task_score"), int | float)
+    ]
     try:
         rows_from_results(data)
         ranked = len(fractions) >= 2
@@ -123,6 +130,7 @@ def describe(path: Path, data: dict) -> Board | None:
         grid=len(depths) >= 2 and len(lengths) >= 2,
         fidelity=fidelity,
         methods=methods,
+        exact_score=sum(exact) / len(exact) if exact else None,
     )
 
 
@@ -156,9 +164,10 @@ def committed(root: Path | None = None) -> list[Board]:
 
 def leaderboards(root: Path | None = None) -> list[Board]:
     """The committed leaderboards: the most prompts per task first (the tightest intervals), then the longest
-    prompts, then by name."""
+    prompts, then the highest exact score (where the full cache answers, a method's losses are the
+    compression's), then by name."""
     found = [b for b in committed(root) if b.leaderboard]
-    return sorted(found, key=lambda b: (-b.prompts, -max(b.lengths, default=0), b.name))
+    return sorted(found, key=lambda b: (-b.prompts, -max(b.lengths, default=0), -(b.exact_score or 0.0), b.name))
 
 
 def grids(root: Path | None = None) -> list[Board]:
