@@ -8,7 +8,8 @@ finish reason and its measurements rounded to 6 significant digits, and hashed. 
 ``bench/results/behaviour_hash.json``; ``--check FILE`` compares against an earlier file and
 exits non-zero on any difference. With ``--check``, only the methods of that file run (a method
 added since is left out and named): every method shares the lockstep batch, so a new row moves
-the last bits of the others' measurements.
+the last bits of the others' measurements. Torch runs on one thread (``KVLAB_THREADS`` unless set):
+a thread count fitted to the machine's load would move the float sums, and with them the hashes.
 
     python -m bench.behaviour_hash [--check bench/results/behaviour_hash.json]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -71,6 +73,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "behaviour_hash.json"))
     ap.add_argument("--new", type=int, default=12)
     args = ap.parse_args()
+    os.environ.setdefault("KVLAB_THREADS", "1")  # before kvlab loads: the same sums on every run
     from kvlab.engine.loader import load_model
     from kvlab.engine.specs import GenerationSettings
     from kvlab.measure.metrics import ProbeSettings
