@@ -67,6 +67,13 @@ def test_the_page_opens_on_the_board_where_exact_answers_best(tmp_path, monkeypa
     assert [b.name for b in found] == ["b-strong", "a-weak"] and [b.exact_score for b in found] == [1.0, 0.0]
 
 
+def test_a_boards_label_counts_its_methods_with_the_reference_apart():
+    assert boards.methods_text(["exact", "snapkv", "kivi", "snapkv"]) == "exact + 2 methods"
+    assert boards.methods_text(["kivi"]) == "1 method"
+    b = next(b for b in boards.committed() if b.name == "ruler-1k")
+    assert f"exact + {len(b.methods) - 1} methods (ruler-1k)" in b.label()
+
+
 def test_grouped_table_ranks_as_the_paired_tests_do():
     rows = rows_from_results(json.loads(RULER_1K.read_text()))
     html = grouped_table_html(rows, "query-agnostic")

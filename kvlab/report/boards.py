@@ -45,6 +45,14 @@ def _length(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def methods_text(methods) -> str:
+    """How many methods a board compares, the reference apart: "exact + 14 methods", or "3 methods" without exact."""
+    names = list(dict.fromkeys(methods))
+    n = len([m for m in names if m != "exact"])
+    counted = f"{n} method{'s' if n != 1 else ''}"
+    return f"exact + {counted}" if "exact" in names else counted
+
+
 @dataclass(frozen=True)
 class Board:
     """One committed sweep, described from its own file."""
@@ -73,7 +81,7 @@ class Board:
         model = model_name or self.model
         return (
             f"{model} · {self.length_text} · {self.protocol} · {len(self.tasks)} task(s) x {self.prompts} prompt(s)"
-            f" · {len(self.methods)} methods ({self.name})"
+            f" · {methods_text(self.methods)} ({self.name})"
         )
 
 
@@ -182,6 +190,7 @@ __all__ = [
     "grids",
     "leaderboards",
     "load",
+    "methods_text",
     "read_results",
     "results_dir",
     "shown_path",

@@ -73,12 +73,12 @@ def read_board(path: Path, source: str) -> Loaded:
 def summary_html(x: Loaded) -> str:
     """Where every number of the tab comes from: model, length, protocol, tasks, prompts, ratios, file."""
     b, items = x.board, x.rows
-    methods = list(dict.fromkeys(r.method for r in items))
+    tasks = tasks_of(items)
     ratios = sorted({r.ratio for r in items if r.ratio > 0})
     return (
         f"<p id='kv-board-summary'><b>Model:</b> {html.escape(model_name(b.model))} · <b>prompts:</b> "
-        f"{html.escape(b.length_text)}, {b.prompts} per task · {len(methods)} methods, {len(tasks_of(items))} tasks "
-        f"({html.escape(', '.join(tasks_of(items)))}), compression ratios "
+        f"{html.escape(b.length_text)}, {b.prompts} per task · {boards.methods_text(r.method for r in items)}, "
+        f"{len(tasks)} task{'s' if len(tasks) != 1 else ''} ({html.escape(', '.join(tasks))}), compression ratios "
         f"{html.escape(', '.join(f'{x:g}' for x in ratios))} (fraction removed; kvlab's budget kept = 1 - ratio) "
         f"· from <code>{html.escape(x.source)}</code>, not recomputed. Scores 0-100, each with its 95% interval "
         f"over prompts and n.</p><p id='kv-board-protocol'><b>Protocol:</b> "
